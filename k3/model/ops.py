@@ -1,0 +1,47 @@
+"""The one place that picks an op's implementation: Triton kernels for CUDA tensors when available,
+the plain-torch references (k3_kernels.*.naive) otherwise. Every model op goes through here."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from k3_kernels.attnres import naive_block_attnres
+from k3_kernels.kda import naive_chunk_kda, naive_recurrent_kda
+from k3_kernels.norm import naive_gated_rms_norm, naive_rms_norm
+from k3_kernels.situ import naive_situ_and_mul
+
+
+def _on_cuda(x: torch.Tensor) -> bool:
+    return x.is_cuda
+
+
+def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              initial_state: torch.Tensor | None = None, output_final_state: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Multi-token KDA (prefill / training). q, k already L2-normalised; g log-decay; beta in (0, 1)."""
+    return naive_chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state)
+
+
+def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  initial_state: torch.Tensor | None = None, output_final_state: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Few-token KDA (decode)."""
+    return naive_recurrent_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return naive_rms_norm(x, weight, eps)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return naive_gated_rms_norm(x, gate, weight, eps)
+
+
+def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    return naive_situ_and_mul(gate, up, beta, linear_beta)
+
+
+def block_attnres(rows: Sequence[torch.Tensor], partial: torch.Tensor, query: torch.Tensor,
+                  norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return naive_block_attnres(rows, partial, query, norm_weight, eps)

@@ -1,0 +1,122 @@
+"""Plain-torch KDA references (the spec for the Triton kernels). FLA's layouts and conventions:
+q, k [B, T, H, K]; v [B, T, HV, V]; g log-decay [B, T, HV, K]; beta [B, T, HV] in (0, 1);
+state [B, HV, K, V] fp32; q is scaled by `scale` (default K^-1/2); output in v.dtype.
+Recurrence (decay, then delta rule): S' = diag(exp g_t) S; S = S' + beta_t k_t (v_t - S'^T k_t)^T; o_t = S^T q_t.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (FLA's l2norm), computed in fp32."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def naive_kda_gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Default KDA gate: -exp(A_log[h]) * softplus(g + dt_bias). g [..., H, K]; A_log [H]; dt_bias [H*K]."""
+    H, K = g.shape[-2:]
+    x = g.float()
+    if dt_bias is not None:
+        x = x + dt_bias.float().view(H, K)
+    return -A_log.float().view(H, 1).exp() * F.softplus(x)
+
+
+def naive_kda_lowerbound_gate(g: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
+                              lower_bound: float) -> torch.Tensor:
+    """K3's safe gate: lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias)), in (lower_bound, 0)."""
+    H, K = g.shape[-2:]
+    x = g.float()
+    if dt_bias is not None:
+        x = x + dt_bias.float().view(H, K)
+    if A_log is not None:
+        x = A_log.float().view(H, 1).exp() * x
+    return lower_bound * torch.sigmoid(x)
+
+
+def _expand_heads(q: torch.Tensor, k: torch.Tensor, hv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rep = hv // q.shape[2]
+    if rep * q.shape[2] != hv:
+        raise ValueError(f"v heads ({hv}) must be a multiple of q/k heads ({q.shape[2]})")
+    return q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+
+
+def naive_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        scale: float | None = None, initial_state: torch.Tensor | None = None,
+                        output_final_state: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token-by-token KDA; returns (o [B, T, HV, V], final state [B, HV, K, V] fp32 or None)."""
+    out_dtype = v.dtype
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    scale = K ** -0.5 if scale is None else scale
+    acc = torch.promote_types(v.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+    q, k = _expand_heads(q.to(acc), k.to(acc), HV)
+    q = q * scale
+    v, g, beta = v.to(acc), g.to(acc), beta.to(acc)
+    S = q.new_zeros(B, HV, K, V)
+    if initial_state is not None:
+        S = S + initial_state.to(acc)
+    o = v.new_zeros(B, T, HV, V)
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None]
+        u = v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], S)
+        S = S + torch.einsum("bhk,bhv->bhkv", beta[:, t, :, None] * k[:, t], u)
+        o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], S)
+    return o.to(out_dtype), (S if output_final_state else None)
+
+
+def naive_chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    scale: float | None = None, initial_state: torch.Tensor | None = None,
+                    output_final_state: bool = False, chunk_size: int = 64
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked (WY/UT) KDA for any T: same math as `naive_recurrent_kda`, chunk-parallel within each chunk.
+
+    Per chunk with in-chunk cumulative gate G: A[i,j] = beta_i <k_i exp(G_i - G_j), k_j> (i > j),
+    T = (I + A)^-1 diag(beta), W = T (exp(G) k), U = T v, v' = U - W S,
+    o = (q exp(G)) S + tril(<q_i exp(G_i - G_j), k_j>) v', S <- exp(G_C) S + (exp(G_C - G) k)^T v'.
+    Decays are only ever formed as exp of non-positive differences (no overflow at long spans).
+    """
+    out_dtype = v.dtype
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    C = chunk_size
+    scale = K ** -0.5 if scale is None else scale
+    acc = torch.promote_types(v.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+    q, k = _expand_heads(q.to(acc), k.to(acc), HV)
+    q = q * scale
+    v, g, beta = v.to(acc), g.to(acc), beta.to(acc)
+    pad = (-T) % C
+    if pad:  # zero k, v, beta, g leave the state untouched; padded outputs are dropped
+        q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
+        beta = F.pad(beta, (0, 0, 0, pad))
+    N = (T + pad) // C
+    # [B, HV, N, C, D]
+    q, k, v, g = (x.view(B, N, C, HV, -1).permute(0, 3, 1, 2, 4) for x in (q, k, v, g))
+    beta = beta.view(B, N, C, HV).permute(0, 3, 1, 2)
+    G = g.cumsum(-2)
+    diff = G[..., :, None, :] - G[..., None, :, :]              # [B, HV, N, C(i), C(j), K] = G_i - G_j
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    decay = torch.where(causal[..., None], diff, torch.full_like(diff, float("-inf"))).exp()
+    A_kk = torch.einsum("bhnik,bhnijk,bhnjk->bhnij", k, decay, k) * beta[..., None]
+    A_kk = A_kk.masked_fill(~causal.tril(-1), 0.0)
+    A_qk = torch.einsum("bhnik,bhnijk,bhnjk->bhnij", q, decay, k)
+    eye = torch.eye(C, device=q.device, dtype=acc)
+    L = eye + A_kk
+    Tm = torch.linalg.solve_triangular(L, torch.diag_embed(beta), upper=False, unitriangular=True)
+    W = Tm @ (G.exp() * k)
+    U = Tm @ v
+    S = q.new_zeros(B, HV, K, V)
+    if initial_state is not None:
+        S = S + initial_state.to(acc)
+    o = torch.empty_like(v)
+    G_last = G[..., -1:, :]                                      # [B, HV, N, 1, K]
+    k_to_end = (G_last - G).exp() * k
+    q_decayed = q * G.exp()
+    for n in range(N):
+        v_new = U[:, :, n] - W[:, :, n] @ S
+        o[:, :, n] = q_decayed[:, :, n] @ S + A_qk[:, :, n] @ v_new
+        S = S * G_last[:, :, n, 0, :, None].exp() + k_to_end[:, :, n].transpose(-1, -2) @ v_new
+    o = o.permute(0, 2, 3, 1, 4).reshape(B, N * C, HV, V)[:, :T]
+    return o.to(out_dtype), (S if output_final_state else None)
