@@ -176,7 +176,7 @@ class K3Config:
             kw["num_experts_per_token"] = d["num_experts_per_tok"]
         if isinstance(kw.get("eos_token_id"), list):
             kw["eos_token_id"] = kw["eos_token_id"][0]
-        if kw.get("num_experts") is None:
+        if "num_experts" in kw and kw["num_experts"] is None:  # a dense kimi_linear config
             kw["num_experts"] = 0
         return cls(**kw)
 
@@ -219,9 +219,9 @@ def _default_linear_attn(n_layers: int) -> dict:
 
 
 def _k3_dict() -> dict:
-    """The published Kimi K3 text config (see shared/reference/k3-architecture.md §1.1)."""
-    return {"model_type": "kimi_k3", "text_config": {"model_type": "kimi_linear",
-            "linear_attn_config": _default_linear_attn(93), "num_hidden_layers": 93}}
+    """The published Kimi K3 config (text part; see shared/reference/k3-architecture.md §1.1): the field
+    defaults of K3Config are the published values."""
+    return {"model_type": "kimi_k3", "text_config": K3Config().to_dict()}
 
 
 def _scaled_dict(*, hidden: int, layers: int, vocab: int, kda_heads: int, head_dim: int, mla_heads: int,
