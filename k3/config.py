@@ -241,7 +241,7 @@ PRESETS = {
     # 8 layers: KDA 1-3, 5-7; MLA 4, 8 -> 3:1, last layer MLA; blocks of 2 layers -> 4 stored rows + partial.
     "small": lambda: _scaled_dict(hidden=1024, layers=8, vocab=32768, kda_heads=8, head_dim=128, mla_heads=8,
                                   q_lora=384, kv_lora=256, nope=64, rope=32, v_dim=64, experts=32, topk=4,
-                                  moe_inter=512, dense_inter=2816, block=2),
+                                  moe_inter=384, dense_inter=2816, block=2),
     "tiny": lambda: _scaled_dict(hidden=128, layers=8, vocab=512, kda_heads=2, head_dim=32, mla_heads=2,
                                  q_lora=64, kv_lora=32, nope=16, rope=8, v_dim=16, experts=8, topk=2,
                                  moe_inter=64, dense_inter=256, block=2),

@@ -1,0 +1,94 @@
+"""Kimi Delta Attention token mixer (K3 / Kimi Linear, report Eq. 10):
+
+    q, k = L2Norm(SiLU(ShortConv(W_q/k x)));  v = SiLU(ShortConv(W_v x))
+    g = safe gate of f_b(f_a(x))  (lower_bound * sigmoid(exp(A_log) (f + dt_bias)))
+    beta = sigmoid(b_proj x)
+    o = o_proj( RMSNorm_head(KDA(q, k, v, g, beta)) * weight * sigmoid(g_proj x) )   (full-rank output gate)
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3.config import K3Config
+from k3.model import ops
+from k3.model.state import KDACache
+from k3_kernels.kda import l2norm, naive_kda_gate, naive_kda_lowerbound_gate
+
+# Up to this many new tokens the recurrent (decode) path is used; above it the chunked path.
+RECURRENT_MAX_TOKENS = 16
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, cfg: K3Config) -> None:
+        super().__init__()
+        H, K = cfg.kda_num_heads, cfg.kda_head_dim
+        d, W = cfg.hidden_size, cfg.conv_kernel_size
+        self.n_heads, self.head_dim, self.conv_size = H, K, W
+        self.lower_bound = cfg.gate_lower_bound
+        self.eps = cfg.rms_norm_eps
+        proj = H * K
+        self.q_proj = nn.Linear(d, proj, bias=False)
+        self.k_proj = nn.Linear(d, proj, bias=False)
+        self.v_proj = nn.Linear(d, proj, bias=False)
+        self.q_conv1d = nn.Conv1d(proj, proj, W, groups=proj, bias=False)
+        self.k_conv1d = nn.Conv1d(proj, proj, W, groups=proj, bias=False)
+        self.v_conv1d = nn.Conv1d(proj, proj, W, groups=proj, bias=False)
+        self.f_a_proj = nn.Linear(d, K, bias=False)
+        self.f_b_proj = nn.Linear(K, proj, bias=False)
+        self.b_proj = nn.Linear(d, H, bias=False)
+        if cfg.linear_attn_config.get("use_full_rank_gate", True):
+            self.g_proj = nn.Linear(d, proj, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(d, K, bias=False)
+            self.g_b_proj = nn.Linear(K, proj, bias=False)
+        # Safe gate: A_log zero-init (FLA); default gate: log U(1, 16).
+        self.A_log = nn.Parameter(torch.zeros(H) if self.lower_bound is not None else torch.empty(H).uniform_(1, 16).log())
+        dt = torch.exp(torch.empty(proj).uniform_(math.log(1e-3), math.log(1e-1))).clamp(min=1e-4)
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+        self.o_norm = nn.Module()
+        self.o_norm.weight = nn.Parameter(torch.ones(K))
+        self.o_proj = nn.Linear(proj, d, bias=False)
+
+    def _output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "g_proj"):
+            return self.g_proj(x)
+        return self.g_b_proj(self.g_a_proj(x))
+
+    def _short_conv(self, x: torch.Tensor, conv: nn.Conv1d, window: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal depthwise conv + SiLU over [window | x]; returns (y [B, T, C], new window [B, C, W-1])."""
+        B, T, C = x.shape
+        xt = x.transpose(1, 2)
+        if window is None:
+            window = xt.new_zeros(B, C, self.conv_size - 1)
+        full = torch.cat([window.to(xt.dtype), xt], dim=-1)
+        y = F.silu(F.conv1d(full, conv.weight, groups=C))
+        return y.transpose(1, 2), full[..., full.shape[-1] - (self.conv_size - 1):]
+
+    def forward(self, x: torch.Tensor, cache: KDACache | None, use_cache: bool
+                ) -> tuple[torch.Tensor, KDACache | None]:
+        B, T, _ = x.shape
+        H, K = self.n_heads, self.head_dim
+        windows = [None, None, None] if cache is None else list(cache.conv.unbind(1))
+        q, wq = self._short_conv(self.q_proj(x), self.q_conv1d, windows[0])
+        k, wk = self._short_conv(self.k_proj(x), self.k_conv1d, windows[1])
+        v, wv = self._short_conv(self.v_proj(x), self.v_conv1d, windows[2])
+        q, k = l2norm(q.view(B, T, H, K)), l2norm(k.view(B, T, H, K))
+        v = v.view(B, T, H, K)
+        f = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
+        if self.lower_bound is not None:
+            g = naive_kda_lowerbound_gate(f, self.A_log, self.dt_bias, self.lower_bound)
+        else:
+            g = naive_kda_gate(f, self.A_log, self.dt_bias)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        h0 = None if cache is None else cache.recurrent
+        kda = ops.kda_recurrent if T <= RECURRENT_MAX_TOKENS else ops.kda_chunk
+        o, h = kda(q, k, v, g, beta, initial_state=h0, output_final_state=use_cache)
+        gate = self._output_gate(x).view(B, T, H, K)
+        o = ops.gated_rms_norm(o, gate, self.o_norm.weight, self.eps).reshape(B, T, H * K)
+        new_cache = KDACache(h, torch.stack([wq, wk, wv], dim=1)) if use_cache else None
+        return self.o_proj(o), new_cache
