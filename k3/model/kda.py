@@ -15,7 +15,7 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.model import ops
-from k3.model.state import KDACache
+from k3.model.state import CacheView
 from k3_kernels.kda import l2norm, naive_kda_gate, naive_kda_lowerbound_gate
 
 # Up to this many new tokens the recurrent (decode) path is used; above it the chunked path.
@@ -69,11 +69,11 @@ class KimiDeltaAttention(nn.Module):
         y = F.silu(F.conv1d(full, conv.weight, groups=C))
         return y.transpose(1, 2), full[..., full.shape[-1] - (self.conv_size - 1):]
 
-    def forward(self, x: torch.Tensor, cache: KDACache | None, use_cache: bool
-                ) -> tuple[torch.Tensor, KDACache | None]:
+    def forward(self, x: torch.Tensor, cache: CacheView, layer: int) -> torch.Tensor:
         B, T, _ = x.shape
         H, K = self.n_heads, self.head_dim
-        windows = [None, None, None] if cache is None else list(cache.conv.unbind(1))
+        h0, conv = cache.kda(layer)
+        windows = [None, None, None] if conv is None else list(conv.unbind(1))
         q, wq = self._short_conv(self.q_proj(x), self.q_conv1d, windows[0])
         k, wk = self._short_conv(self.k_proj(x), self.k_conv1d, windows[1])
         v, wv = self._short_conv(self.v_proj(x), self.v_conv1d, windows[2])
@@ -85,10 +85,9 @@ class KimiDeltaAttention(nn.Module):
         else:
             g = naive_kda_gate(f, self.A_log, self.dt_bias)
         beta = torch.sigmoid(self.b_proj(x).float())
-        h0 = None if cache is None else cache.recurrent
         kda = ops.kda_recurrent if T <= RECURRENT_MAX_TOKENS else ops.kda_chunk
-        o, h = kda(q, k, v, g, beta, initial_state=h0, output_final_state=use_cache)
+        o, h = kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
         gate = self._output_gate(x).view(B, T, H, K)
         o = ops.gated_rms_norm(o, gate, self.o_norm.weight, self.eps).reshape(B, T, H * K)
-        new_cache = KDACache(h, torch.stack([wq, wk, wv], dim=1)) if use_cache else None
-        return self.o_proj(o), new_cache
+        cache.set_kda(layer, h, torch.stack([wq, wk, wv], dim=1))
+        return self.o_proj(o)

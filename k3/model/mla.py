@@ -9,7 +9,7 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.model.norm import RMSNorm
-from k3.model.state import MLACache
+from k3.model.state import CacheView
 
 
 class GatedMLA(nn.Module):
@@ -38,27 +38,24 @@ class GatedMLA(nn.Module):
             return self.q_proj(x)
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
 
-    def forward(self, x: torch.Tensor, cache: MLACache | None, use_cache: bool
-                ) -> tuple[torch.Tensor, MLACache | None]:
+    def forward(self, x: torch.Tensor, cache: CacheView, layer: int) -> torch.Tensor:
         B, T, _ = x.shape
         H = self.n_heads
         q = self._query(x).view(B, T, H, self.nope + self.rope)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
-        if cache is not None:
-            c_kv = torch.cat([cache.c_kv, c_kv], dim=1)
-            k_pe = torch.cat([cache.k_pe, k_pe], dim=1)
+        c_kv, k_pe, past = cache.mla(layer, c_kv, k_pe)
         S = c_kv.shape[1]
         k_nope, v = self.kv_b_proj(c_kv).view(B, S, H, self.nope + self.v_dim).split([self.nope, self.v_dim], -1)
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
         scores = torch.einsum("bthd,bshd->bhts", q_nope.float(), k_nope.float())
         scores = scores + torch.einsum("bthd,bsd->bhts", q_pe.float(), k_pe.float())
-        past = S - T
-        causal = torch.arange(T, device=x.device)[:, None] + past >= torch.arange(S, device=x.device)[None, :]
-        scores = (scores * self.scale).masked_fill(~causal, float("-inf"))
+        # query t of row b sees keys j <= past_b + t (its own past, then the new tokens causally)
+        limit = past.view(B, 1, 1) + torch.arange(T, device=x.device).view(1, T, 1)
+        visible = torch.arange(S, device=x.device).view(1, 1, S) <= limit
+        scores = (scores * self.scale).masked_fill(~visible[:, None], float("-inf"))
         attn = torch.einsum("bhts,bshd->bthd", torch.softmax(scores, dim=-1), v.float()).to(x.dtype)
         attn = attn.reshape(B, T, H * self.v_dim)
         if self.g_proj is not None:
             attn = attn * torch.sigmoid(self.g_proj(x))
-        new_cache = MLACache(c_kv, k_pe) if use_cache else None
-        return self.o_proj(attn), new_cache
+        return self.o_proj(attn)

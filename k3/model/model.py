@@ -18,7 +18,7 @@ from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
 from k3.model.moe import LatentMoE, SiTUMLP
 from k3.model.norm import RMSNorm
-from k3.model.state import K3State
+from k3.model.state import CacheView, DenseCache, K3State
 
 
 @dataclass
@@ -49,25 +49,23 @@ class K3DecoderLayer(nn.Module):
             self.mlp_res_proj = pseudo_query(cfg.hidden_size)
             self.mlp_res_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, prefix: torch.Tensor, bank: list[torch.Tensor], cache, use_cache: bool,
+    def forward(self, prefix: torch.Tensor, bank: list[torch.Tensor], cache: CacheView,
                 forced: torch.Tensor | None):
         """prefix: running sum of the current block (the embedding before layer 0); bank: stored block rows.
-        Returns (new prefix, bank, cache, expert ids or None)."""
+        Returns (new prefix, bank, expert ids or None)."""
         if self.block is None:  # plain pre-norm residual stream
-            h = prefix
-            a, cache = self.self_attn(self.input_layernorm(h), cache, use_cache)
-            h = h + a
+            h = prefix + self.self_attn(self.input_layernorm(prefix), cache, self.layer_idx)
             m, idx = self._ffn(self.post_attention_layernorm(h), forced)
-            return h + m, bank, cache, idx
+            return h + m, bank, idx
         h = attn_res(bank, prefix, self.self_attention_res_proj, self.self_attention_res_norm) if bank else prefix
         starts_block = self.layer_idx % self.block == 0
         if starts_block:
             bank = [*bank, prefix]
-        a, cache = self.self_attn(self.input_layernorm(h), cache, use_cache)
+        a = self.self_attn(self.input_layernorm(h), cache, self.layer_idx)
         prefix = a if starts_block else prefix + a
         h = attn_res(bank, prefix, self.mlp_res_proj, self.mlp_res_norm)
         m, idx = self._ffn(self.post_attention_layernorm(h), forced)
-        return prefix + m, bank, cache, idx
+        return prefix + m, bank, idx
 
     def _ffn(self, x: torch.Tensor, forced: torch.Tensor | None):
         if self.is_moe:
@@ -111,11 +109,12 @@ class K3ForCausalLM(nn.Module):
             elif p.dim() >= 2:
                 p.normal_(0.0, std)
 
-    def forward(self, input_ids: torch.Tensor, state: K3State | None = None, *,
+    def forward(self, input_ids: torch.Tensor, state: K3State | CacheView | None = None, *,
                 routed_experts: torch.Tensor | None = None, return_routed_experts: bool = False,
                 use_cache: bool = True) -> K3Output:
-        """input_ids [B, T] continuing `state` (None = from scratch). routed_experts [B, T, n_moe, k] forces the
-        routing of every MoE layer (Router Replay)."""
+        """input_ids [B, T] continuing `state` (None = from scratch): a K3State (not modified; the output holds
+        the new state) or an engine's CacheView (written in place; output state None). routed_experts
+        [B, T, n_moe, k] forces the routing of every MoE layer (Router Replay)."""
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise ValueError(f"input_ids: expected [B, T] with T >= 1, got {tuple(input_ids.shape)}")
         B, T = input_ids.shape
@@ -123,7 +122,7 @@ class K3ForCausalLM(nn.Module):
         if int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size:
             raise ValueError(f"input_ids: token ids must be in [0, {cfg.vocab_size}), "
                              f"got range [{int(input_ids.min())}, {int(input_ids.max())}]")
-        if state is not None and state.layers and state.batch_size != B:
+        if isinstance(state, K3State) and state.layers and state.batch_size != B:
             raise ValueError(f"state: batch size {state.batch_size} does not match input_ids batch {B}")
         if routed_experts is not None:
             want = (B, T, len(self.moe_layer_ids), cfg.num_experts_per_token)
@@ -132,24 +131,22 @@ class K3ForCausalLM(nn.Module):
             if int(routed_experts.min()) < 0 or int(routed_experts.max()) >= cfg.num_experts:
                 raise ValueError(f"routed_experts: expert ids must be in [0, {cfg.num_experts}), "
                                  f"got range [{int(routed_experts.min())}, {int(routed_experts.max())}]")
-        caches = state.layers if state is not None and state.layers else [None] * cfg.num_hidden_layers
-        new_caches = []
+        dense = state is None or isinstance(state, K3State)
+        cache = DenseCache(state, cfg.num_hidden_layers, B, input_ids.device, store=use_cache) if dense else state
         h = self.model.embed_tokens(input_ids)
         bank: list[torch.Tensor] = []
         routed = []
-        for layer, cache in zip(self.model.layers, caches):
+        for layer in self.model.layers:
             forced = None
             if routed_experts is not None and layer.is_moe:
                 forced = routed_experts[:, :, len(routed)]
-            h, bank, cache, idx = layer(h, bank, cache, use_cache, forced)
-            new_caches.append(cache)
+            h, bank, idx = layer(h, bank, cache, forced)
             if idx is not None:
                 routed.append(idx)
         if bank:
             h = attn_res(bank, h, self.model.output_attn_res_proj, self.model.output_attn_res_norm)
         logits = self.lm_head(self.model.norm(h))
-        seq_len = (state.seq_len if state is not None else 0) + T
-        new_state = K3State(new_caches, seq_len) if use_cache else None
+        new_state = cache.result(T) if dense and use_cache else None
         routed_t = torch.stack(routed, dim=2) if (return_routed_experts and routed) else None
         return K3Output(logits, new_state, routed_t)
 

@@ -7,6 +7,7 @@ Attention Residuals mix across depth only, per token, so they need no state acro
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -88,3 +89,52 @@ class K3State:
             elif isinstance(c, KDACache):
                 total += c.recurrent.nbytes + c.conv.nbytes
         return total
+
+
+class CacheView(Protocol):
+    """What the layers read and write during one forward. `DenseCache` implements it over a `K3State` (all rows
+    at the same length); a rollout engine implements it over its page and state-slot pools (ragged lengths)."""
+
+    def mla(self, layer: int, c_kv: torch.Tensor, k_pe: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Store this step's latent KV [B, T, *]; return every key of each row [B, S, *] (row b's past keys at
+        [0, past_b), then its T new keys) and the past lengths `past_b` [B] (int64)."""
+        ...
+
+    def kda(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(recurrent state [B, H, K, V] fp32, conv windows [B, 3, H*K, W-1]) or (None, None) for fresh rows."""
+        ...
+
+    def set_kda(self, layer: int, recurrent: torch.Tensor, conv: torch.Tensor) -> None:
+        ...
+
+
+class DenseCache:
+    """CacheView over an immutable K3State: reads `state`, writes a new state (`result`); `store=False` keeps
+    nothing (training forward)."""
+
+    def __init__(self, state: K3State | None, n_layers: int, batch: int, device: torch.device, store: bool = True):
+        self.past = state.layers if state is not None and state.layers else [None] * n_layers
+        self.past_len = state.seq_len if state is not None else 0
+        self.new: list[MLACache | KDACache | None] = [None] * n_layers
+        self.batch, self.device, self.store = batch, device, store
+
+    def mla(self, layer, c_kv, k_pe):
+        past = self.past[layer]
+        if past is not None:
+            c_kv = torch.cat([past.c_kv, c_kv], dim=1)
+            k_pe = torch.cat([past.k_pe, k_pe], dim=1)
+        if self.store:
+            self.new[layer] = MLACache(c_kv, k_pe)
+        return c_kv, k_pe, torch.full((self.batch,), self.past_len, dtype=torch.long, device=self.device)
+
+    def kda(self, layer):
+        past = self.past[layer]
+        return (None, None) if past is None else (past.recurrent, past.conv)
+
+    def set_kda(self, layer, recurrent, conv):
+        if self.store:
+            self.new[layer] = KDACache(recurrent, conv)
+
+    def result(self, new_tokens: int) -> K3State:
+        return K3State(self.new, self.past_len + new_tokens)
