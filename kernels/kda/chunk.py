@@ -1,0 +1,577 @@
+"""Chunked KDA in Triton: forward and backward (autograd), FLA-compatible `chunk_kda`.
+
+Math (per head, chunk C = 64, G = in-chunk cumulative log-decay, q~ = scale * q), as in `naive_chunk_kda`:
+  A[i,j]   = beta_i <k_i e^{G_i-G_j}, k_j>  (i > j),   M = (I + A)^-1
+  W = M (beta k e^G),  U = M (beta v),  Aqk[i,j] = <q~_i e^{G_i-G_j}, k_j> (j <= i)
+  v' = U - W S,  o = (q~ e^G) S + Aqk v',  S <- e^{G_C} S + (k e^{G_C-G})^T v'
+
+Kernels (layout and staging ideas from fla-core 0.6.0 `fla/ops/kda/chunk_intra.py`, `fla/ops/common/chunk_delta_h.py`,
+`fla/ops/kda/chunk_bwd.py`; written independently, no code copied):
+  1. `_fwd_intra`  one program per (chunk, value head): fused gate + in-chunk cumsum, gated A/Aqk with 16-row
+     sub-blocks (off-diagonal blocks as two bounded exponentials around a reference row, diagonal blocks exactly,
+     column by column), the unit-lower-triangular inverse block row by block row, then W, U, q e^G, k e^{G_C-G}.
+  2. `_fwd_state`  one program per (sequence, head, V block): the serial pass over chunks. The columns of the
+     state evolve independently (v' = U - W S is column-wise), so splitting V gives B*HV*V/BV programs instead
+     of B*HV; the output is fused into the pass so the per-chunk states never reach memory in inference.
+  3. `_bwd_state`  the reverse pass for dS and dv' (same V split).
+  4. `_bwd_intra`  one program per (chunk, head): every other gradient, through the inverse
+     (dA = -M^T dM M^T) and the gated sub-block products, then the reverse in-chunk cumsum for dg.
+Every reduction has a fixed order and there are no atomics: results are bitwise reproducible.
+Intermediates live in a chunk-padded layout [chunks, HV, 64, D] so that later kernels need no row masks.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .naive import l2norm, naive_kda_gate, naive_kda_lowerbound_gate
+
+BT = 64  # chunk size
+BC = 16  # sub-block size inside a chunk
+
+# launch settings (no autotuning, so the interpreter and the GPU run the same configs)
+CONFIG = {"fwd_state_bv": 16, "fwd_state_warps": 4, "fwd_state_stages": 2,
+          "bwd_state_bv": 16, "bwd_state_warps": 4, "bwd_state_stages": 2,
+          "intra_warps": 8, "bwd_intra_warps": 8, "bwd_intra_bv": 64}
+
+
+@triton.jit
+def _fwd_intra(q, k, v, g, beta, A_log, dt_bias, Gc, Mc, Aqk, Wc, Uc, QGc, KDc, cu, cidx, scale, lower_bound,
+               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+               BVF: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
+               PREC: tl.constexpr):
+    c = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1).to(tl.int64)
+    h = hv // (HV // H)
+    n = tl.load(cidx + 2 * c).to(tl.int64)
+    t0 = tl.load(cu + n).to(tl.int64) + tl.load(cidx + 2 * c + 1).to(tl.int64) * 64
+    nv = tl.load(cu + n + 1).to(tl.int64) - t0  # valid rows in this chunk (may exceed 64)
+    base = c * HV + hv
+    r = tl.arange(0, 64)
+    rm = r < nv
+    ok = tl.arange(0, BK)
+    km = ok < K
+    c16 = tl.arange(0, 16)
+    # 1. gate activation (optional) and in-chunk cumulative sum, kept in fp32 in chunk layout
+    tok = t0 + r
+    gx = tl.load(g + (tok * HV + hv)[:, None] * K + ok[None, :], mask=rm[:, None] & km[None, :],
+                 other=0.).to(tl.float32)
+    if GATE == 1:  # -exp(A_log) * softplus(g + dt_bias)
+        if HAS_DT:
+            gx = gx + tl.load(dt_bias + hv * K + ok, mask=km, other=0.).to(tl.float32)[None, :]
+        sp = tl.where(gx > 20., gx, tl.log(1. + tl.exp(tl.minimum(gx, 20.))))
+        gx = -tl.exp(tl.load(A_log + hv).to(tl.float32)) * sp
+    elif GATE == 2:  # lower_bound * sigmoid(exp(A_log) * (g + dt_bias))
+        if HAS_DT:
+            gx = gx + tl.load(dt_bias + hv * K + ok, mask=km, other=0.).to(tl.float32)[None, :]
+        if HAS_A:
+            gx = gx * tl.exp(tl.load(A_log + hv).to(tl.float32))
+        gx = lower_bound * tl.sigmoid(gx)
+    gx = tl.where(rm[:, None] & km[None, :], gx, 0.)
+    G = tl.cumsum(gx, 0)
+    pG = Gc + base * 64 * BK
+    tl.store(pG + r[:, None] * BK + ok[None, :], G)
+    tl.debug_barrier()
+    pM = Mc + base * 64 * 64
+    pA = Aqk + base * 64 * 64
+    # 2. A and Aqk by 16-row blocks; M = (I + A)^-1 row block by row block:
+    #    M_I = D_I (E_I - sum_{J<I} A_IJ M_J), D_I = (I + A_II)^-1 by forward substitution.
+    for I in tl.static_range(4):
+        rI = I * 16 + c16
+        mI = rI < nv
+        kI = tl.load(k + ((t0 + rI) * H + h)[:, None] * K + ok[None, :], mask=mI[:, None] & km[None, :],
+                     other=0.).to(tl.float32)
+        qI = tl.load(q + ((t0 + rI) * H + h)[:, None] * K + ok[None, :], mask=mI[:, None] & km[None, :],
+                     other=0.).to(tl.float32) * scale
+        GI = tl.load(pG + rI[:, None] * BK + ok[None, :])
+        bI = tl.load(beta + (t0 + rI) * HV + hv, mask=mI, other=0.).to(tl.float32)
+        gref = tl.load(pG + (I * 16) * BK + ok)
+        eI = tl.exp(GI - gref[None, :])  # exponent <= 0
+        kIe = kI * eI
+        qIe = qI * eI
+        Y = tl.zeros([16, 64], dtype=tl.float32)
+        for J in tl.static_range(I):
+            rJ = J * 16 + c16
+            mJ = rJ < nv
+            kJ = tl.load(k + ((t0 + rJ) * H + h)[:, None] * K + ok[None, :], mask=mJ[:, None] & km[None, :],
+                         other=0.).to(tl.float32)
+            GJ = tl.load(pG + rJ[:, None] * BK + ok[None, :])
+            kJe = kJ * tl.exp(gref[None, :] - GJ)  # exponent <= 0
+            a_kk = tl.dot(kIe, tl.trans(kJe), input_precision=PREC) * bI[:, None]
+            a_qk = tl.dot(qIe, tl.trans(kJe), input_precision=PREC)
+            tl.store(pA + rI[:, None] * 64 + rJ[None, :], a_qk.to(Aqk.dtype.element_ty))
+            MJ = tl.load(pM + rJ[:, None] * 64 + r[None, :])
+            Y += tl.dot(a_kk, MJ, input_precision=PREC)
+        akk = tl.zeros([16, 16], dtype=tl.float32)
+        aqk = tl.zeros([16, 16], dtype=tl.float32)
+        for jj in range(16):  # diagonal block, exact per column
+            j = I * 16 + jj
+            kj = tl.load(k + ((t0 + j) * H + h) * K + ok, mask=km & ((ok * 0 + j) < nv), other=0.).to(tl.float32)
+            Gj = tl.load(pG + j * BK + ok)
+            e = tl.exp(tl.where(c16[:, None] >= jj, GI - Gj[None, :], float("-inf")))
+            kje = kj[None, :] * e
+            akk = tl.where(c16[None, :] == jj, tl.sum(kI * kje, 1)[:, None], akk)
+            aqk = tl.where(c16[None, :] == jj, tl.sum(qI * kje, 1)[:, None], aqk)
+        akk = tl.where(c16[:, None] > c16[None, :], akk, 0.) * bI[:, None]
+        tl.store(pA + rI[:, None] * 64 + rI[None, :], aqk.to(Aqk.dtype.element_ty))
+        for J in tl.static_range(I + 1, 4):
+            tl.store(pA + rI[:, None] * 64 + (J * 16 + c16)[None, :],
+                     tl.zeros([16, 16], dtype=tl.float32).to(Aqk.dtype.element_ty))
+        D = tl.where(c16[:, None] == c16[None, :], 1., 0.)
+        for i in range(1, 16):
+            a_i = tl.sum(tl.where(c16[:, None] == i, akk, 0.), 0)
+            D = tl.where(c16[:, None] == i, D - tl.sum(a_i[:, None] * D, 0)[None, :], D)
+        E = tl.where(r[None, :] == rI[:, None], 1., 0.)
+        MI = tl.dot(D, E - Y, input_precision=PREC)
+        tl.store(pM + rI[:, None] * 64 + r[None, :], MI)
+        tl.debug_barrier()
+    # 3. W = M (beta k e^G), U = M (beta v), q e^G (scaled), k e^{G_C - G}
+    M = tl.load(pM + r[:, None] * 64 + r[None, :])
+    G = tl.load(pG + r[:, None] * BK + ok[None, :])
+    gC = tl.load(pG + 63 * BK + ok)
+    kk = tl.load(k + ((t0 + r) * H + h)[:, None] * K + ok[None, :], mask=rm[:, None] & km[None, :],
+                 other=0.).to(tl.float32)
+    bt = tl.load(beta + (t0 + r) * HV + hv, mask=rm, other=0.).to(tl.float32)
+    eG = tl.exp(G)
+    pK = base * 64 * BK + r[:, None] * BK + ok[None, :]
+    W = tl.dot(M, kk * eG * bt[:, None], input_precision=PREC)
+    tl.store(Wc + pK, W.to(Wc.dtype.element_ty))
+    tl.store(KDc + pK, (kk * tl.exp(gC[None, :] - G)).to(KDc.dtype.element_ty))
+    qq = tl.load(q + ((t0 + r) * H + h)[:, None] * K + ok[None, :], mask=rm[:, None] & km[None, :],
+                 other=0.).to(tl.float32)
+    tl.store(QGc + pK, (qq * scale * eG).to(QGc.dtype.element_ty))
+    ov = tl.arange(0, BVF)
+    vm = ov < V
+    vv = tl.load(v + ((t0 + r) * HV + hv)[:, None] * V + ov[None, :], mask=rm[:, None] & vm[None, :],
+                 other=0.).to(tl.float32)
+    U = tl.dot(M, vv * bt[:, None], input_precision=PREC)
+    tl.store(Uc + base * 64 * BVF + r[:, None] * BVF + ov[None, :], U.to(Uc.dtype.element_ty))
+
+
+@triton.jit
+def _fwd_state(Wc, Uc, QGc, KDc, Aqk, Gc, o, h0, ht, Hc, VNc, cu, coff,
+               HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
+               BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, SAVE: tl.constexpr,
+               NUM_STAGES: tl.constexpr, PREC: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1).to(tl.int64)
+    iv = tl.program_id(2)
+    bos = tl.load(cu + n).to(tl.int64)
+    eos = tl.load(cu + n + 1).to(tl.int64)
+    c0 = tl.load(coff + n).to(tl.int64)
+    nt = tl.load(coff + n + 1).to(tl.int64) - c0
+    r = tl.arange(0, 64)
+    ok = tl.arange(0, BK)
+    km = ok < K
+    ov = iv * BV + tl.arange(0, BV)
+    vm = ov < V
+    dt = Wc.dtype.element_ty
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_H0:
+        S += tl.load(h0 + ((n * HV + hv) * K + ok[:, None]) * V + ov[None, :], mask=km[:, None] & vm[None, :],
+                     other=0.)
+    for t in tl.range(0, nt, num_stages=NUM_STAGES):
+        base = (c0 + t) * HV + hv
+        pK = base * 64 * BK + r[:, None] * BK + ok[None, :]
+        pV = base * 64 * BVF + r[:, None] * BVF + ov[None, :]
+        if SAVE:
+            tl.store(Hc + base * BK * BVF + ok[:, None] * BVF + ov[None, :], S.to(Hc.dtype.element_ty))
+        w = tl.load(Wc + pK)
+        qg = tl.load(QGc + pK)
+        kd = tl.load(KDc + pK)
+        a = tl.load(Aqk + base * 64 * 64 + r[:, None] * 64 + r[None, :])
+        u = tl.load(Uc + pV).to(tl.float32)
+        gC = tl.load(Gc + base * 64 * BK + 63 * BK + ok)
+        Sd = S.to(dt)
+        vn = u - tl.dot(w, Sd, input_precision=PREC)
+        if SAVE:
+            tl.store(VNc + pV, vn.to(VNc.dtype.element_ty))
+        vnd = vn.to(dt)
+        out = tl.dot(qg, Sd, input_precision=PREC) + tl.dot(a, vnd, input_precision=PREC)
+        tok = bos + t * 64 + r
+        tl.store(o + (tok * HV + hv)[:, None] * V + ov[None, :], out.to(o.dtype.element_ty),
+                 mask=(tok < eos)[:, None] & vm[None, :])
+        S = S * tl.exp(gC)[:, None] + tl.dot(tl.trans(kd), vnd, input_precision=PREC)
+    if STORE_HT:
+        tl.store(ht + ((n * HV + hv) * K + ok[:, None]) * V + ov[None, :], S, mask=km[:, None] & vm[None, :])
+
+
+@triton.jit
+def _bwd_state(QGc, Wc, KDc, Aqk, Gc, do, dht, dh0, DHc, DVNc, cu, coff,
+               HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
+               BV: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, NUM_STAGES: tl.constexpr,
+               PREC: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1).to(tl.int64)
+    iv = tl.program_id(2)
+    bos = tl.load(cu + n).to(tl.int64)
+    eos = tl.load(cu + n + 1).to(tl.int64)
+    c0 = tl.load(coff + n).to(tl.int64)
+    nt = tl.load(coff + n + 1).to(tl.int64) - c0
+    r = tl.arange(0, 64)
+    ok = tl.arange(0, BK)
+    km = ok < K
+    ov = iv * BV + tl.arange(0, BV)
+    vm = ov < V
+    dt = Wc.dtype.element_ty
+    dS = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_DHT:
+        dS += tl.load(dht + ((n * HV + hv) * K + ok[:, None]) * V + ov[None, :], mask=km[:, None] & vm[None, :],
+                      other=0.)
+    for i in tl.range(0, nt, num_stages=NUM_STAGES):
+        t = nt - 1 - i
+        base = (c0 + t) * HV + hv
+        pK = base * 64 * BK + r[:, None] * BK + ok[None, :]
+        tl.store(DHc + base * BK * BVF + ok[:, None] * BVF + ov[None, :], dS.to(DHc.dtype.element_ty))
+        qg = tl.load(QGc + pK)
+        w = tl.load(Wc + pK)
+        kd = tl.load(KDc + pK)
+        a = tl.load(Aqk + base * 64 * 64 + r[:, None] * 64 + r[None, :])
+        gC = tl.load(Gc + base * 64 * BK + 63 * BK + ok)
+        tok = bos + t * 64 + r
+        dO = tl.load(do + (tok * HV + hv)[:, None] * V + ov[None, :], mask=(tok < eos)[:, None] & vm[None, :],
+                     other=0.).to(dt)
+        dSd = dS.to(dt)
+        dvn = tl.dot(tl.trans(a), dO, input_precision=PREC) + tl.dot(kd, dSd, input_precision=PREC)
+        tl.store(DVNc + base * 64 * BVF + r[:, None] * BVF + ov[None, :], dvn.to(DVNc.dtype.element_ty))
+        dS = dS * tl.exp(gC)[:, None] + tl.dot(tl.trans(qg), dO, input_precision=PREC) - \
+            tl.dot(tl.trans(w), dvn.to(dt), input_precision=PREC)
+    if HAS_H0:
+        tl.store(dh0 + ((n * HV + hv) * K + ok[:, None]) * V + ov[None, :], dS, mask=km[:, None] & vm[None, :])
+
+
+@triton.jit
+def _bwd_intra(q, k, v, beta, do, Gc, Mc, Hc, DHc, VNc, DVNc, dq, dk, dv, dbeta, dg,
+               Rs, Ps, DQs, DKs, DGs, DBs, cu, cidx, scale,
+               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+               BVF: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    c = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1).to(tl.int64)
+    h = hv // (HV // H)
+    n = tl.load(cidx + 2 * c).to(tl.int64)
+    t0 = tl.load(cu + n).to(tl.int64) + tl.load(cidx + 2 * c + 1).to(tl.int64) * 64
+    nv = tl.load(cu + n + 1).to(tl.int64) - t0
+    base = c * HV + hv
+    r = tl.arange(0, 64)
+    rm = r < nv
+    ok = tl.arange(0, BK)
+    km = ok < K
+    c16 = tl.arange(0, 16)
+    pG = Gc + base * 64 * BK
+    pR = Rs + base * 64 * 64
+    pP = Ps + base * 64 * 64
+    pK = base * 64 * BK + r[:, None] * BK + ok[None, :]
+    # phase A: full-chunk products, looping over V blocks
+    M = tl.load(Mc + base * 64 * 64 + r[:, None] * 64 + r[None, :])
+    bt = tl.load(beta + (t0 + r) * HV + hv, mask=rm, other=0.).to(tl.float32)
+    dqg = tl.zeros([64, BK], dtype=tl.float32)
+    dW = tl.zeros([64, BK], dtype=tl.float32)
+    dkd = tl.zeros([64, BK], dtype=tl.float32)
+    dgc = tl.zeros([BK], dtype=tl.float32)
+    dAqk = tl.zeros([64, 64], dtype=tl.float32)
+    dM = tl.zeros([64, 64], dtype=tl.float32)
+    db = tl.zeros([64], dtype=tl.float32)
+    for iv in tl.static_range(BVF // BV):
+        ov = iv * BV + tl.arange(0, BV)
+        vm = ov < V
+        pS = base * BK * BVF + ok[:, None] * BVF + ov[None, :]
+        pV = base * 64 * BVF + r[:, None] * BVF + ov[None, :]
+        S = tl.load(Hc + pS).to(tl.float32)
+        dS = tl.load(DHc + pS).to(tl.float32)
+        vn = tl.load(VNc + pV).to(tl.float32)
+        dvn = tl.load(DVNc + pV).to(tl.float32)
+        mrv = rm[:, None] & vm[None, :]
+        dO = tl.load(do + ((t0 + r) * HV + hv)[:, None] * V + ov[None, :], mask=mrv, other=0.).to(tl.float32)
+        vv = tl.load(v + ((t0 + r) * HV + hv)[:, None] * V + ov[None, :], mask=mrv, other=0.).to(tl.float32)
+        dqg += tl.dot(dO, tl.trans(S), input_precision=PREC)
+        dW -= tl.dot(dvn, tl.trans(S), input_precision=PREC)
+        dkd += tl.dot(vn, tl.trans(dS), input_precision=PREC)
+        dgc += tl.sum(S * dS, 1)
+        dAqk += tl.dot(dO, tl.trans(vn), input_precision=PREC)
+        dM += tl.dot(dvn, tl.trans(vv * bt[:, None]), input_precision=PREC)
+        dbv = tl.dot(tl.trans(M), dvn, input_precision=PREC)
+        tl.store(dv + ((t0 + r) * HV + hv)[:, None] * V + ov[None, :], (dbv * bt[:, None]).to(dv.dtype.element_ty),
+                 mask=mrv)
+        db += tl.sum(vv * dbv, 1)
+    G = tl.load(pG + r[:, None] * BK + ok[None, :])
+    gC = tl.load(pG + 63 * BK + ok)
+    mrk = rm[:, None] & km[None, :]
+    kk = tl.load(k + ((t0 + r) * H + h)[:, None] * K + ok[None, :], mask=mrk, other=0.).to(tl.float32)
+    eG = tl.exp(G)
+    kgw = kk * eG
+    dM += tl.dot(dW, tl.trans(kgw * bt[:, None]), input_precision=PREC)
+    dbkg = tl.dot(tl.trans(M), dW, input_precision=PREC)
+    db += tl.sum(kgw * dbkg, 1)
+    dA = -tl.dot(tl.dot(tl.trans(M), dM, input_precision=PREC), tl.trans(M), input_precision=PREC)
+    tl.store(pP + r[:, None] * 64 + r[None, :], tl.where(r[:, None] > r[None, :], dA, 0.))
+    tl.store(pR + r[:, None] * 64 + r[None, :], tl.where(r[:, None] >= r[None, :], dAqk, 0.))
+    eC = tl.exp(gC[None, :] - G)
+    kd = kk * eC
+    dgc = dgc * tl.exp(gC) + tl.sum(dkd * kd, 0)
+    qq = tl.load(q + ((t0 + r) * H + h)[:, None] * K + ok[None, :], mask=mrk, other=0.).to(tl.float32) * scale
+    tl.store(DQs + pK, dqg * eG)
+    tl.store(DKs + pK, dbkg * bt[:, None] * eG + dkd * eC)
+    dG = dqg * qq * eG + dbkg * bt[:, None] * kgw - dkd * kd + tl.where(r[:, None] == 63, dgc[None, :], 0.)
+    tl.store(DGs + pK, dG)
+    tl.store(DBs + base * 64 + r, db)
+    tl.debug_barrier()
+    # phase B: gradients through A (P = dA) and Aqk (R = dAqk), by 16-row blocks
+    for b in tl.static_range(4):
+        rb = b * 16 + c16
+        mb = rb < nv
+        mbk = mb[:, None] & km[None, :]
+        qb = tl.load(q + ((t0 + rb) * H + h)[:, None] * K + ok[None, :], mask=mbk, other=0.).to(tl.float32) * scale
+        kb = tl.load(k + ((t0 + rb) * H + h)[:, None] * K + ok[None, :], mask=mbk, other=0.).to(tl.float32)
+        Gb = tl.load(pG + rb[:, None] * BK + ok[None, :])
+        bb = tl.load(beta + (t0 + rb) * HV + hv, mask=mb, other=0.).to(tl.float32)
+        refb = tl.load(pG + (b * 16) * BK + ok)
+        eb = tl.exp(Gb - refb[None, :])
+        kbe = kb * eb
+        rowR = tl.zeros([16, BK], dtype=tl.float32)
+        rowP = tl.zeros([16, BK], dtype=tl.float32)
+        colX = tl.zeros([16, BK], dtype=tl.float32)
+        dbb = tl.zeros([16], dtype=tl.float32)
+        for J in tl.static_range(b):  # rows b, columns J < b
+            rJ = J * 16 + c16
+            kJ = tl.load(k + ((t0 + rJ) * H + h)[:, None] * K + ok[None, :], mask=(rJ < nv)[:, None] & km[None, :],
+                         other=0.).to(tl.float32)
+            GJ = tl.load(pG + rJ[:, None] * BK + ok[None, :])
+            kJe = kJ * tl.exp(refb[None, :] - GJ)
+            RbJ = tl.load(pR + rb[:, None] * 64 + rJ[None, :])
+            PbJ = tl.load(pP + rb[:, None] * 64 + rJ[None, :])
+            rowR += tl.dot(RbJ, kJe, input_precision=PREC)
+            rowP += tl.dot(PbJ, kJe, input_precision=PREC)
+            dbb += tl.sum(PbJ * tl.dot(kbe, tl.trans(kJe), input_precision=PREC), 1)
+        rowR *= eb
+        rowP *= eb
+        for jj in range(16):  # diagonal block, rows side
+            j = b * 16 + jj
+            kj = tl.load(k + ((t0 + j) * H + h) * K + ok, mask=km & ((ok * 0 + j) < nv), other=0.).to(tl.float32)
+            Gj = tl.load(pG + j * BK + ok)
+            kje = kj[None, :] * tl.exp(tl.where(c16[:, None] >= jj, Gb - Gj[None, :], float("-inf")))
+            Rc = tl.load(pR + rb * 64 + j)
+            Pc = tl.load(pP + rb * 64 + j)
+            rowR += Rc[:, None] * kje
+            rowP += Pc[:, None] * kje
+            dbb += Pc * tl.sum(kb * kje, 1)
+        rowP *= bb[:, None]
+        for I in tl.static_range(b + 1, 4):  # rows I > b, columns b
+            rI = I * 16 + c16
+            mIk = (rI < nv)[:, None] & km[None, :]
+            qI = tl.load(q + ((t0 + rI) * H + h)[:, None] * K + ok[None, :], mask=mIk, other=0.).to(tl.float32)
+            kI = tl.load(k + ((t0 + rI) * H + h)[:, None] * K + ok[None, :], mask=mIk, other=0.).to(tl.float32)
+            GI = tl.load(pG + rI[:, None] * BK + ok[None, :])
+            bI = tl.load(beta + (t0 + rI) * HV + hv, mask=rI < nv, other=0.).to(tl.float32)
+            refI = tl.load(pG + (I * 16) * BK + ok)
+            eI = tl.exp(GI - refI[None, :])
+            RIb = tl.load(pR + rI[:, None] * 64 + rb[None, :])
+            PIb = tl.load(pP + rI[:, None] * 64 + rb[None, :]) * bI[:, None]
+            part = tl.dot(tl.trans(RIb), qI * scale * eI, input_precision=PREC) + \
+                tl.dot(tl.trans(PIb), kI * eI, input_precision=PREC)
+            colX += tl.exp(refI[None, :] - Gb) * part
+        for ii in range(16):  # diagonal block, columns side
+            i = b * 16 + ii
+            mi = km & ((ok * 0 + i) < nv)
+            qi = tl.load(q + ((t0 + i) * H + h) * K + ok, mask=mi, other=0.).to(tl.float32) * scale
+            ki = tl.load(k + ((t0 + i) * H + h) * K + ok, mask=mi, other=0.).to(tl.float32)
+            Gi = tl.load(pG + i * BK + ok)
+            bi = tl.sum(tl.where(c16 == ii, bb, 0.), 0)
+            e = tl.exp(tl.where(c16[:, None] <= ii, Gi[None, :] - Gb, float("-inf")))
+            Rr = tl.load(pR + i * 64 + rb)
+            Pr = tl.load(pP + i * 64 + rb) * bi
+            colX += (Rr[:, None] * qi[None, :] + Pr[:, None] * ki[None, :]) * e
+        pb = base * 64 * BK + rb[:, None] * BK + ok[None, :]
+        tl.store(DQs + pb, tl.load(DQs + pb) + rowR)
+        tl.store(DKs + pb, tl.load(DKs + pb) + rowP + colX)
+        tl.store(DGs + pb, tl.load(DGs + pb) + qb * rowR + kb * (rowP - colX))
+        tl.store(DBs + base * 64 + rb, tl.load(DBs + base * 64 + rb) + dbb)
+    tl.debug_barrier()
+    # phase C: reverse in-chunk cumsum for dg, write everything in the caller's layouts
+    dG = tl.load(DGs + pK)
+    dgl = tl.cumsum(dG, 0, reverse=True)
+    tl.store(dg + ((t0 + r) * HV + hv)[:, None] * K + ok[None, :], dgl.to(dg.dtype.element_ty), mask=mrk)
+    tl.store(dq + ((t0 + r) * HV + hv)[:, None] * K + ok[None, :], (tl.load(DQs + pK) * scale).to(dq.dtype.element_ty),
+             mask=mrk)
+    tl.store(dk + ((t0 + r) * HV + hv)[:, None] * K + ok[None, :], tl.load(DKs + pK).to(dk.dtype.element_ty), mask=mrk)
+    tl.store(dbeta + (t0 + r) * HV + hv, tl.load(DBs + base * 64 + r).to(dbeta.dtype.element_ty), mask=rm)
+
+
+def _p2(x: int) -> int:
+    return max(16, triton.next_power_of_2(x))
+
+
+def _prec(dtype: torch.dtype) -> str:
+    """fp32 dot precision: near-fp32 (3xTF32) for fp32 inputs, TF32 when the inputs are 16-bit anyway."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def _chunk_plan(cu: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cu_seqlens int64, chunk index pairs (seq, chunk) int32 [NC, 2], chunk offsets int32 [N+1]) on device."""
+    pairs, offs = [], [0]
+    for i in range(len(cu) - 1):
+        nt = -(-(cu[i + 1] - cu[i]) // BT)
+        pairs.extend((i, t) for t in range(nt))
+        offs.append(offs[-1] + nt)
+    cidx = torch.tensor(pairs if pairs else [(0, 0)], dtype=torch.int32).view(-1, 2)[: len(pairs)]
+    return (torch.tensor(cu, dtype=torch.int64).to(device), cidx.to(device),
+            torch.tensor(offs, dtype=torch.int32).to(device))
+
+
+def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound, plan, save):
+    cu, cidx, coff = plan
+    T_all, H, K = q.shape[1] * q.shape[0], q.shape[2], q.shape[3]
+    HV, V = v.shape[2], v.shape[3]
+    N, NC = coff.numel() - 1, cidx.shape[0]
+    BK, BVF = _p2(K), _p2(V)
+    dev, dt = q.device, k.dtype
+    f32 = torch.float32
+    Gc = torch.empty(NC, HV, BT, BK, device=dev, dtype=f32)
+    Mc = torch.empty(NC, HV, BT, BT, device=dev, dtype=f32)
+    Aqk = torch.empty(NC, HV, BT, BT, device=dev, dtype=dt)
+    Wc, QGc, KDc = (torch.empty(NC, HV, BT, BK, device=dev, dtype=dt) for _ in range(3))
+    Uc = torch.empty(NC, HV, BT, BVF, device=dev, dtype=dt)
+    dummy = Gc
+    _fwd_intra[(NC, HV)](q, k, v, g, beta, A_log if A_log is not None else dummy,
+                         dt_bias if dt_bias is not None else dummy, Gc, Mc, Aqk, Wc, Uc, QGc, KDc, cu, cidx,
+                         scale, float(lower_bound) if lower_bound is not None else 0.,
+                         H=H, HV=HV, K=K, V=V, BK=BK, BVF=BVF, GATE=gate, HAS_A=A_log is not None,
+                         HAS_DT=dt_bias is not None, PREC=_prec(dt), num_warps=CONFIG["intra_warps"])
+    o = torch.empty_like(v)
+    ht = torch.empty(N, HV, K, V, device=dev, dtype=f32) if want_ht else None
+    Hc = torch.empty(NC, HV, BK, BVF, device=dev, dtype=dt) if save else None
+    VNc = torch.empty(NC, HV, BT, BVF, device=dev, dtype=dt) if save else None
+    BV = min(CONFIG["fwd_state_bv"], BVF)
+    _fwd_state[(N, HV, triton.cdiv(V, BV))](
+        Wc, Uc, QGc, KDc, Aqk, Gc, o, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
+        Hc if save else dummy, VNc if save else dummy, cu, coff, HV=HV, K=K, V=V, BK=BK, BVF=BVF, BV=BV,
+        HAS_H0=h0 is not None, STORE_HT=want_ht, SAVE=save, NUM_STAGES=CONFIG["fwd_state_stages"], PREC=_prec(dt),
+        num_warps=CONFIG["fwd_state_warps"])
+    return o, ht, (Gc, Mc, Aqk, Wc, QGc, KDc, Hc, VNc)
+
+
+def _bwd(q, k, v, beta, do, dht, has_h0, scale, saved, plan):
+    cu, cidx, coff = plan
+    Gc, Mc, Aqk, Wc, QGc, KDc, Hc, VNc = saved
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N, NC = coff.numel() - 1, cidx.shape[0]
+    BK, BVF = _p2(K), _p2(V)
+    dev, dt, f32 = q.device, k.dtype, torch.float32
+    DHc = torch.empty(NC, HV, BK, BVF, device=dev, dtype=dt)
+    DVNc = torch.empty(NC, HV, BT, BVF, device=dev, dtype=dt)
+    dh0 = torch.empty(N, HV, K, V, device=dev, dtype=f32) if has_h0 else None
+    BV = min(CONFIG["bwd_state_bv"], BVF)
+    _bwd_state[(N, HV, triton.cdiv(V, BV))](
+        QGc, Wc, KDc, Aqk, Gc, do, dht if dht is not None else Gc, dh0 if has_h0 else Gc, DHc, DVNc, cu, coff,
+        HV=HV, K=K, V=V, BK=BK, BVF=BVF, BV=BV, HAS_DHT=dht is not None, HAS_H0=has_h0,
+        NUM_STAGES=CONFIG["bwd_state_stages"], PREC=_prec(dt), num_warps=CONFIG["bwd_state_warps"])
+    dq = torch.empty(B, T, HV, K, device=dev, dtype=f32 if HV != H else q.dtype)
+    dk = torch.empty(B, T, HV, K, device=dev, dtype=f32 if HV != H else k.dtype)
+    dv = torch.empty_like(v)
+    dbeta = torch.empty(B, T, HV, device=dev, dtype=beta.dtype)
+    dg = torch.empty(B, T, HV, K, device=dev, dtype=f32)
+    Rs = torch.empty(NC, HV, BT, BT, device=dev, dtype=f32)
+    Ps = torch.empty_like(Rs)
+    DQs, DKs, DGs = (torch.empty(NC, HV, BT, BK, device=dev, dtype=f32) for _ in range(3))
+    DBs = torch.empty(NC, HV, BT, device=dev, dtype=f32)
+    _bwd_intra[(NC, HV)](q, k, v, beta, do, Gc, Mc, Hc, DHc, VNc, DVNc, dq, dk, dv, dbeta, dg,
+                         Rs, Ps, DQs, DKs, DGs, DBs, cu, cidx, scale, H=H, HV=HV, K=K, V=V, BK=BK, BVF=BVF,
+                         BV=min(CONFIG["bwd_intra_bv"], BVF), PREC=_prec(dt), num_warps=CONFIG["bwd_intra_warps"])
+    if HV != H:  # grouped value heads: sum the group's contributions in a fixed order
+        dq = dq.view(B, T, H, HV // H, K).sum(3).to(q.dtype)
+        dk = dk.view(B, T, H, HV // H, K).sum(3).to(k.dtype)
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+class _ChunkKDA(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound, cu):
+        plan = _chunk_plan(cu, q.device)
+        save = any(ctx.needs_input_grad)
+        o, ht, saved = _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound, plan, save)
+        if any(ctx.needs_input_grad):
+            ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, *saved)
+            ctx.plan, ctx.scale, ctx.gate, ctx.lower_bound, ctx.has_h0 = plan, scale, gate, lower_bound, h0 is not None
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, A_log, dt_bias, *saved = ctx.saved_tensors
+        dq, dk, dv, dg, dbeta, dh0 = _bwd(q, k, v, beta, do.contiguous(), dht.contiguous() if dht is not None else None,
+                                          ctx.has_h0, ctx.scale, saved, ctx.plan)
+        dA_log = ddt = None
+        if ctx.gate:  # the gate activation's own backward (elementwise; sums by torch's fixed-order reductions)
+            with torch.enable_grad():
+                inputs = [x.detach().requires_grad_(True) if x is not None else None for x in (g, A_log, dt_bias)]
+                if ctx.gate == 1:
+                    ga = naive_kda_gate(inputs[0], inputs[1], inputs[2])
+                else:
+                    ga = naive_kda_lowerbound_gate(inputs[0], inputs[1], inputs[2], ctx.lower_bound)
+                live = [x for x in inputs if x is not None]
+                grads = iter(torch.autograd.grad(ga, live, dg))
+                dg, dA_log, ddt = (next(grads) if x is not None else None for x in inputs)
+        return (dq, dk, dv, dg.to(g.dtype), dbeta, None, dh0, None, None, dA_log, ddt, None, None)
+
+
+def _check(q, k, v, g, beta, initial_state, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound):
+    if q.dim() != 4 or k.shape != q.shape:
+        raise ValueError(f"q and k must be [B, T, H, K] of one shape, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    B, T, H, K = q.shape
+    if v.dim() != 4 or v.shape[:2] != (B, T):
+        raise ValueError(f"v must be [B, T, HV, V] with B={B}, T={T}, got {tuple(v.shape)}")
+    HV, V = v.shape[2], v.shape[3]
+    if HV % H:
+        raise ValueError(f"v heads ({HV}) must be a multiple of q/k heads ({H})")
+    if g.shape != (B, T, HV, K):
+        raise ValueError(f"g must be [B, T, HV, K] = {(B, T, HV, K)}, got {tuple(g.shape)}")
+    if beta.shape != (B, T, HV):
+        raise ValueError(f"beta must be [B, T, HV] = {(B, T, HV)}, got {tuple(beta.shape)}")
+    if not (1 <= K <= 256 and 1 <= V <= 256):
+        raise ValueError(f"head dims must be in [1, 256], got K={K}, V={V}")
+    if len({x.device for x in (q, k, v, g, beta)}) != 1:
+        raise ValueError("q, k, v, g, beta must be on one device")
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"with cu_seqlens the batch size must be 1, got B={B}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError("cu_seqlens must be a 1-D tensor [N+1]")
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    if initial_state is not None:
+        if initial_state.shape != (N, HV, K, V) or initial_state.dtype != torch.float32:
+            raise ValueError(f"initial_state must be fp32 [N, HV, K, V] = {(N, HV, K, V)}, "
+                             f"got {initial_state.dtype} {tuple(initial_state.shape)}")
+    if use_gate_in_kernel:
+        if lower_bound is None and A_log is None:
+            raise ValueError("A_log is required with use_gate_in_kernel=True unless lower_bound is set")
+        if A_log is not None and A_log.numel() != HV:
+            raise ValueError(f"A_log must have HV={HV} elements, got {A_log.numel()}")
+        if dt_bias is not None and dt_bias.numel() != HV * K:
+            raise ValueError(f"dt_bias must have HV*K={HV * K} elements, got {dt_bias.numel()}")
+
+
+def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              scale: float | None = None, initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+              use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False,
+              A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+              lower_bound: float | None = None, cu_seqlens: torch.Tensor | None = None,
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """KDA over whole sequences (prefill / training), differentiable. FLA's `chunk_kda` layouts:
+    q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] (log-decay, or the raw gate input when
+    `use_gate_in_kernel`: `-exp(A_log) softplus(g + dt_bias)`, or K3's safe gate
+    `lower_bound * sigmoid(exp(A_log) (g + dt_bias))` when `lower_bound` is set); beta [B, T, HV];
+    initial_state [N, HV, K, V] fp32; `cu_seqlens` int [N+1] packs N sequences into B = 1.
+    Returns (o [B, T, HV, V] in v.dtype, final state [N, HV, K, V] fp32 or None)."""
+    _check(q, k, v, g, beta, initial_state, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound)
+    B, T, H, K = q.shape
+    scale = K ** -0.5 if scale is None else float(scale)
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    cu = cu_seqlens.tolist() if cu_seqlens is not None else [i * T for i in range(B + 1)]
+    if cu[0] != 0 or cu[-1] != B * T or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to {B * T}, got {cu}")
+    gate = 0 if not use_gate_in_kernel else (2 if lower_bound is not None else 1)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    return _ChunkKDA.apply(q, k, v, g, beta, scale, initial_state.contiguous() if initial_state is not None else None,
+                           output_final_state, gate, A_log.contiguous() if A_log is not None else None,
+                           dt_bias.contiguous() if dt_bias is not None else None, lower_bound, cu)
