@@ -1,9 +1,11 @@
-"""Package discovery only: `kernels/` is imported as `k3_kernels` (PyPI's `kernels` is another package)."""
+"""Package discovery only: `kernels/` is imported as `k3_kernels` (PyPI's `kernels` is another package);
+`plugins/verl_k3/` as `k3_verl` (the verl plugin, loaded through the `verl.plugins` entry point)."""
 from setuptools import find_packages, setup
 
 setup(
     packages=find_packages(include=["k3", "k3.*"])
     + ["k3_kernels"]
-    + [f"k3_kernels.{p}" for p in find_packages("kernels")],
-    package_dir={"k3_kernels": "kernels"},
+    + [f"k3_kernels.{p}" for p in find_packages("kernels")]
+    + ["k3_verl"],
+    package_dir={"k3_kernels": "kernels", "k3_verl": "plugins/verl_k3"},
 )
