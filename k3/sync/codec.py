@@ -13,14 +13,16 @@ import threading
 import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterable, Iterator, Mapping
+from functools import partial
+from typing import Callable, Iterable, Iterator, Mapping, NamedTuple
 
 import numpy as np
 import torch
+import xxhash
 import zstandard as zstd
 
 from .format import (END_MAGIC, FLAG_NEW_HASH, FORMAT_VERSION, FRAME, FRAME_MAGIC, MAGIC, MAX_MANIFEST_BYTES,
-                     TRAILER, U32, U64, CorruptPayloadError, Manifest, SyncError, dtype_name, pack_header,
+                     TRAILER, U32, U64, CorruptPayloadError, Manifest, SyncError, TensorEntry, dtype_name, pack_header,
                      parse_manifest, xxh3)
 
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -112,9 +114,13 @@ def pipeline(tasks: Iterable[Callable[[], object]], threads: int, depth: int | N
     pending: deque[Future] = deque()
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="k3sync") as pool:
         try:
-            for task in tasks:
+            it = iter(tasks)
+            while True:
                 while len(pending) >= depth:
                     yield pending.popleft().result()
+                task = next(it, None)
+                if task is None:
+                    break
                 pending.append(pool.submit(task))
             while pending:
                 yield pending.popleft().result()
@@ -146,8 +152,6 @@ def _frame_record(ti: int, ci: int, off: int, raw_len: int, stored: np.ndarray, 
 
 def xxh3_parts(*parts: Piece) -> int:
     """xxh3-64 over the concatenation of `parts`, without concatenating."""
-    import xxhash
-
     x = xxhash.xxh3_64()
     for p in parts:
         x.update(p)
@@ -211,8 +215,6 @@ def iter_encode(new: StateDict, base: StateDict | None, base_version: int | None
         tasks = cuda_tasks(plan, chunk_bytes, level, depth=2 * threads)
     else:
         tasks = _cpu_tasks(plan, chunk_bytes, level)
-    import xxhash
-
     all_hashes = xxhash.xxh3_64()
     count = 0
     for pieces in pipeline(tasks, threads):
@@ -300,66 +302,41 @@ def read_manifest(src: _Source) -> Manifest:
     return parse_manifest(js)
 
 
-def _decode_task(name: str, ci: int, hdr: bytes, h: int, comp: Piece, raw_len: int, raw_hash: int,
-                 new_hash: int | None, width: int, dst: np.ndarray, base: np.ndarray | None) -> Callable[[], None]:
-    def run() -> None:
-        where = f"tensor {name!r} frame {ci}"
-        if xxh3_parts(hdr, comp) != h:
-            raise CorruptPayloadError(f"{where}: frame checksum mismatch")
-        try:
-            dec = _SCRATCH.dctx.decompress(comp, max_output_size=raw_len)
-        except zstd.ZstdError as e:
-            raise CorruptPayloadError(f"{where}: zstd error ({e})") from None
-        if len(dec) != raw_len:
-            raise CorruptPayloadError(f"{where}: decoded {len(dec)} bytes, manifest says {raw_len}")
-        if xxh3(dec) != raw_hash:
-            raise CorruptPayloadError(f"{where}: decoded-content checksum mismatch")
-        stored = np.frombuffer(dec, dtype=np.uint8)
-        raw = unshuffle_into(stored, width, _SCRATCH.buf("unshuf", raw_len)) if width > 1 else stored
-        if base is None:
-            dst[...] = raw
-        else:
-            xor_into(base, raw, dst)
-        if new_hash is not None and xxh3(dst) != new_hash:
-            raise CorruptPayloadError(f"{where}: reconstructed-weights checksum mismatch (the receiver's base "
-                                      f"bytes differ from the sender's base)")
-    return run
+class FrameRecord(NamedTuple):
+    """One frame record as read from a payload (structure checked, checksums not yet)."""
+    entry: TensorEntry
+    index: int
+    offset: int
+    raw_len: int
+    header: bytes
+    checksum: int
+    data: Piece
+    raw_hash: int
+    new_hash: int | None
 
 
-def decode_frames(src: _Source, man: Manifest, staged: dict[str, np.ndarray],
-                  bases: dict[str, np.ndarray] | None, threads: int | None = None) -> None:
-    """Read every frame and the trailer of a payload whose manifest was read, writing the new raw bytes of
-    each tensor into `staged[name]` (XORed with `bases[name]` for a delta). Raises on any defect."""
-    import xxhash
-
-    threads = threads or default_threads()
+def iter_frame_records(src: _Source, man: Manifest) -> Iterator[FrameRecord]:
+    """Read the frame records of a payload whose manifest was read, in order, then verify the trailer."""
     all_hashes = xxhash.xxh3_64()
     bound = man.chunk_bytes + (man.chunk_bytes >> 7) + 4096
-
-    def tasks() -> Iterator[Callable[[], None]]:
-        for ti, e in enumerate(man.tensors):
-            for ci in range(e.frames):
-                what = f"tensor {e.name!r} frame {ci}"
-                hdr = bytes(src.read(FRAME.size, f"{what} header"))
-                (h,) = U64.unpack(src.read(8, f"{what} checksum"))
-                magic, t_i, c_i, off, raw_len, comp_len, raw_hash, new_hash, flags = FRAME.unpack(hdr)
-                exp_off = ci * man.chunk_bytes
-                if magic != FRAME_MAGIC:
-                    raise CorruptPayloadError(f"{what}: bad frame magic {magic!r}")
-                if (t_i, c_i, off) != (ti, ci, exp_off) or raw_len != min(man.chunk_bytes, e.nbytes - exp_off):
-                    raise CorruptPayloadError(f"{what}: record says tensor #{t_i} frame {c_i} offset {off} "
-                                              f"length {raw_len}; expected #{ti} frame {ci} offset {exp_off}")
-                if comp_len > bound:
-                    raise CorruptPayloadError(f"{what}: compressed length {comp_len} exceeds bound {bound}")
-                comp = src.read(comp_len, f"{what} data")
-                all_hashes.update(U64.pack(h))
-                base = bases[e.name][off:off + raw_len] if bases is not None else None
-                yield _decode_task(e.name, ci, hdr, h, comp, raw_len, raw_hash,
-                                   new_hash if flags & FLAG_NEW_HASH else None, e.shuffle,
-                                   staged[e.name][off:off + raw_len], base)
-
-    for _ in pipeline(tasks(), threads):
-        pass
+    for ti, e in enumerate(man.tensors):
+        for ci in range(e.frames):
+            what = f"tensor {e.name!r} frame {ci}"
+            hdr = bytes(src.read(FRAME.size, f"{what} header"))
+            (h,) = U64.unpack(src.read(8, f"{what} checksum"))
+            magic, t_i, c_i, off, raw_len, comp_len, raw_hash, new_hash, flags = FRAME.unpack(hdr)
+            exp_off = ci * man.chunk_bytes
+            if magic != FRAME_MAGIC:
+                raise CorruptPayloadError(f"{what}: bad frame magic {magic!r}")
+            if (t_i, c_i, off) != (ti, ci, exp_off) or raw_len != min(man.chunk_bytes, e.nbytes - exp_off):
+                raise CorruptPayloadError(f"{what}: record says tensor #{t_i} frame {c_i} offset {off} "
+                                          f"length {raw_len}; expected #{ti} frame {ci} offset {exp_off}")
+            if comp_len > bound:
+                raise CorruptPayloadError(f"{what}: compressed length {comp_len} exceeds bound {bound}")
+            comp = src.read(comp_len, f"{what} data")
+            all_hashes.update(U64.pack(h))
+            yield FrameRecord(e, ci, off, raw_len, hdr, h, comp, raw_hash,
+                              new_hash if flags & FLAG_NEW_HASH else None)
     magic, count, fh, mh = TRAILER.unpack(src.read(TRAILER.size, "trailer"))
     if magic != END_MAGIC:
         raise CorruptPayloadError(f"trailer: bad magic {magic!r}")
@@ -367,3 +344,42 @@ def decode_frames(src: _Source, man: Manifest, staged: dict[str, np.ndarray],
         raise CorruptPayloadError("trailer: frame count or checksums do not match the frames/manifest read")
     if not src.at_end():
         raise CorruptPayloadError("payload: trailing bytes after the trailer")
+
+
+def decode_record(rec: FrameRecord, dst: np.ndarray, base: np.ndarray | None, check_new: bool = True) -> None:
+    """Verify and decompress one frame into `dst` (its new raw bytes: decoded XOR `base` for a delta)."""
+    where = f"tensor {rec.entry.name!r} frame {rec.index}"
+    if xxh3_parts(rec.header, rec.data) != rec.checksum:
+        raise CorruptPayloadError(f"{where}: frame checksum mismatch")
+    try:
+        dec = _SCRATCH.dctx.decompress(rec.data, max_output_size=rec.raw_len)
+    except zstd.ZstdError as e:
+        raise CorruptPayloadError(f"{where}: zstd error ({e})") from None
+    if len(dec) != rec.raw_len:
+        raise CorruptPayloadError(f"{where}: decoded {len(dec)} bytes, manifest says {rec.raw_len}")
+    if xxh3(dec) != rec.raw_hash:
+        raise CorruptPayloadError(f"{where}: decoded-content checksum mismatch")
+    stored = np.frombuffer(dec, dtype=np.uint8)
+    width = rec.entry.shuffle
+    raw = unshuffle_into(stored, width, _SCRATCH.buf("unshuf", rec.raw_len)) if width > 1 else stored
+    if base is None:
+        dst[...] = raw
+    else:
+        xor_into(base, raw, dst)
+    if check_new and rec.new_hash is not None and xxh3(dst) != rec.new_hash:
+        raise CorruptPayloadError(f"{where}: reconstructed-weights checksum mismatch (the receiver's base "
+                                  f"bytes differ from the sender's base)")
+
+
+def decode_frames(src: _Source, man: Manifest, staged: dict[str, np.ndarray],
+                  bases: dict[str, np.ndarray] | None, threads: int | None = None) -> None:
+    """Read every frame and the trailer of a payload whose manifest was read, writing the new raw bytes of
+    each tensor into `staged[name]` (XORed with `bases[name]` for a delta). Raises on any defect."""
+    def tasks() -> Iterator[Callable[[], None]]:
+        for rec in iter_frame_records(src, man):
+            sl = slice(rec.offset, rec.offset + rec.raw_len)
+            base = bases[rec.entry.name][sl] if bases is not None else None
+            yield partial(decode_record, rec, staged[rec.entry.name][sl], base)
+
+    for _ in pipeline(tasks(), threads or default_threads()):
+        pass
