@@ -184,7 +184,8 @@ def filter_stale(
         raise ValueError(f"decay must be in (0, 1], got {decay}")
     lag = int(learner_version) - v.long()
     keep = (lag >= 0) & (lag <= max_staleness)
-    weights = torch.where(keep, torch.full(lag.shape, decay, dtype=torch.float32) ** lag.float(), torch.zeros(lag.shape))
+    decayed = torch.full(lag.shape, decay, dtype=torch.float32) ** lag.float()
+    weights = torch.where(keep, decayed, torch.zeros(lag.shape))
     reasons: list[str | None] = []
     for ver, lg in zip(v.tolist(), lag.tolist()):
         if lg < 0:

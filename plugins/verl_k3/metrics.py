@@ -19,7 +19,8 @@ from .loss import mask_settings
 
 def kl_metrics(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """Per-token k1/k2/k3 estimates of KL(pi || ref) over `mask` (tokens sampled from pi)."""
-    return {kind: float(kl_estimate(log_prob.detach(), ref_log_prob.detach(), kind, mask)) for kind in ("k1", "k2", "k3")}
+    lp, ref = log_prob.detach(), ref_log_prob.detach()
+    return {kind: float(kl_estimate(lp, ref, kind, mask)) for kind in ("k1", "k2", "k3")}
 
 
 def mismatch_metrics_from_batch(data: Any) -> dict[str, float]:

@@ -22,7 +22,7 @@ import k3_verl  # noqa: E402
 AGG_MODES = ["seq-mean-token-mean", "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
 
-def _config(agg: str, low: float = 3e-4, high: float = 4e-4) -> ActorConfig:
+def _config(agg: str, mode: str = "k3_gspo", low: float = 3e-4, high: float = 4e-4) -> ActorConfig:
     return ActorConfig(
         strategy="fsdp",
         rollout_n=1,
@@ -30,7 +30,7 @@ def _config(agg: str, low: float = 3e-4, high: float = 4e-4) -> ActorConfig:
         clip_ratio_low=low,
         clip_ratio_high=high,
         loss_agg_mode=agg,
-        policy_loss=PolicyLossConfig(loss_mode="k3_gspo"),
+        policy_loss=PolicyLossConfig(loss_mode=mode),
     )
 
 
@@ -191,3 +191,42 @@ def test_kl_metrics_match_verl_kl_penalty():
     ours = k3_verl.kl_metrics(lp, ref, mask)
     for kind in ("k1", "k2", "k3"):
         assert ours[kind] == pytest.approx(kl_penalty(lp, ref, kind).mean().item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_through_verl_ppo_loss(monkeypatch, agg):
+    """verl's actor loss (`workers/utils/losses.py::ppo_loss`, the engine path) picks k3_gspo from
+    `actor.policy_loss.loss_mode`; with masking off its loss and gradient equal the run with loss_mode=gspo."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.losses import ppo_loss
+
+    monkeypatch.setenv("K3_GSPO_MASK", "off")
+    b, p, r = 3, 2, 5
+    lens = torch.tensor([5, 2, 4])
+    rmask = torch.arange(r)[None] < lens[:, None]
+    old, log_prob, adv, _, _ = _inputs(seed=11, b=b, t=r)
+    out = {}
+    for mode in ("gspo", "k3_gspo"):
+        x = log_prob.clone().requires_grad_()
+        # unpadded model output: per sequence, prompt + response positions; response log-probs sit one to the left
+        flat = torch.cat([torch.cat([torch.zeros(p - 1), x[i, : lens[i]], torch.zeros(1)]) for i in range(b)])
+        data = TensorDict(
+            {
+                "prompts": torch.ones(b, p, dtype=torch.long),
+                "responses": torch.ones(b, r, dtype=torch.long),
+                "attention_mask": torch.cat([torch.ones(b, p, dtype=torch.long), rmask.long()], 1),
+                "response_mask": rmask.long(),
+                "old_log_probs": old,
+                "advantages": adv,
+            },
+            batch_size=[b],
+        )
+        tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=int(rmask.sum()), global_batch_size=b)
+        loss, metrics = ppo_loss(_config(agg, mode), {"log_probs": flat}, data)
+        loss.backward()
+        out[mode] = (loss.detach(), x.grad, set(metrics))
+    torch.testing.assert_close(out["k3_gspo"][0], out["gspo"][0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(out["k3_gspo"][1], out["gspo"][1], rtol=1e-6, atol=1e-9)
+    assert out["gspo"][1].abs().sum() > 0
+    assert {"actor/pg_loss", "actor/pg_clipfrac", "actor/k3_masked_frac"} <= out["k3_gspo"][2]
