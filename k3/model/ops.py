@@ -31,17 +31,40 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    if _on_cuda(x):  # batch-invariant Triton kernel
+        from k3_kernels.norm.fused import rms_norm as fused_rms_norm
+        return fused_rms_norm(x, weight, eps)
     return naive_rms_norm(x, weight, eps)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    if _on_cuda(x):
+        from k3_kernels.norm.fused import gated_rms_norm as fused_gated_rms_norm
+        return fused_gated_rms_norm(x, gate, weight, eps)
     return naive_gated_rms_norm(x, gate, weight, eps)
 
 
 def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    if _on_cuda(gate):
+        from k3_kernels.situ.fused import situ_and_mul as fused_situ_and_mul
+        return fused_situ_and_mul(gate, up, beta, linear_beta)
     return naive_situ_and_mul(gate, up, beta, linear_beta)
 
 
 def block_attnres(rows: Sequence[torch.Tensor], partial: torch.Tensor, query: torch.Tensor,
-                  norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return naive_block_attnres(rows, partial, query, norm_weight, eps)
+                  norm_weight: torch.Tensor, eps: float, output_norm_weight: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """K3 block AttnRes; `output_norm_weight` fuses the following RMSNorm (applied to the rounded mixture)."""
+    if _on_cuda(partial):  # fused Triton kernel: rows read in place, gradients accumulated into their buffers
+        from k3_kernels.attnres.fused import fused_block_attnres
+        return fused_block_attnres(rows, partial, query, norm_weight, eps, output_norm_weight)
+    return naive_block_attnres(rows, partial, query, norm_weight, eps, output_norm_weight)
+
+
+def attnres_bank_row(x: torch.Tensor) -> torch.Tensor:
+    """What to store in the AttnRes bank for block row `x`: on CUDA under autograd, an alias whose gradients from
+    all AttnRes consumers accumulate in one buffer (no per-consumer gradient tensors); `x` itself otherwise."""
+    if _on_cuda(x):
+        from k3_kernels.attnres.fused import attnres_grad_sink
+        return attnres_grad_sink(x)
+    return x

@@ -226,14 +226,14 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _config(D: int) -> tuple[int, int, int]:
-    """(BLOCK_D, warps forward, warps backward)."""
+def _config(D: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_D, warps forward, warps backward, programs per SM forward, programs per SM backward)."""
     block = triton.next_power_of_2(D)
     if block >= 8192:
-        return block, 16, 16
+        return block, 16, 16, 2, 1
     if block >= 2048:
-        return block, 8, 8
-    return block, 4, 4
+        return block, 8, 8, 2, 2
+    return block, 4, 4, 4, 2
 
 
 def _num_programs(N: int, device: torch.device, per_sm: int) -> int:
@@ -351,8 +351,8 @@ def _forward(flat: list[torch.Tensor], query: torch.Tensor, weight: torch.Tensor
         rstd = logit = lse = o
     if N == 0:
         return o, rstd, logit, lse
-    BLOCK_D, warps, _ = _config(D)
-    grid = (_num_programs(N, dev, 4 if BLOCK_D <= 2048 else 2),)
+    BLOCK_D, warps, _, per_sm, _ = _config(D)
+    grid = (_num_programs(N, dev, per_sm),)
     _attnres_fwd_kernel[grid](*_src_args(flat), query, weight, ow if ow is not None else weight, o, rstd, logit, lse,
                               N, D, eps, scale, L=L, BLOCK_D=BLOCK_D, OUT_NORM=ow is not None, ROUND_MIX=round_mix,
                               STORE_STATS=store_stats, num_warps=warps)
@@ -413,8 +413,8 @@ class _AttnResFn(torch.autograd.Function):
                 acc_mask |= 1 << i
             seen[key] = i
             dests.append(_flat(dest, D, f"grad of sources[{i}]"))
-        BLOCK_D, _, warps = _config(D)
-        P = _num_programs(N, dev, 1 if BLOCK_D >= 4096 else 2)
+        BLOCK_D, _, warps, _, per_sm = _config(D)
+        P = _num_programs(N, dev, per_sm)
         da_part = torch.empty(P, D, device=dev, dtype=torch.float32)
         dow_part = torch.empty(P, D, device=dev, dtype=torch.float32) if ow is not None else da_part
         if N > 0:

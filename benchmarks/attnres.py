@@ -1,0 +1,234 @@
+"""Block AttnRes: fla-core `fused_attnres` vs k3_kernels `fused_block_attnres` (H200), plus batch-invariant
+RMSNorm vs `torch.nn.functional.rms_norm`, fused SiTU vs eager torch, and the AttnRes decode path.
+
+Layouts (9 sources = 8 stored block rows + the partial sum, D = 7168, bf16):
+* `k3`: the bank is one `[N, 8, D]` tensor (rows are its `unbind(1)` views) plus a `[N, D]` partial; the sources'
+  `.grad` buffers exist before the call (in training they accumulate over the block's sub-layers). fla-core is
+  called as a user would (it copies the strided rows); ours reads them in place and accumulates into `.grad`.
+* `contiguous`: 9 separate `[N, D]` leaves with `.grad` reset to None before every call (the anchor's setup,
+  shared/anchors/bench_fla.py): both sides allocate the 9 gradients.
+Medians of `triton.testing.do_bench`; peak extra = max allocated during one forward+backward minus allocated
+before it. Floor = bytes that must move / measured copy bandwidth. Writes benchmarks/results/attnres.json
+(or $OUT/attnres.json when OUT is set).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+from k3_kernels.attnres import block_attnres_decode, fused_block_attnres
+from k3_kernels.attnres import fused as ours_mod
+from k3_kernels.norm import gated_rms_norm, naive_gated_rms_norm, rms_norm
+from k3_kernels.situ import naive_situ_and_mul, situ_and_mul
+
+GiB = 2**30
+dev = "cuda"
+
+
+def med(fn, rep=200, grad_to_none=None) -> float:
+    return do_bench(fn, warmup=10, rep=rep, grad_to_none=grad_to_none, return_mode="median")
+
+
+def peak_extra(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / GiB
+
+
+def make_sources(layout: str, N: int, D: int, R: int):
+    torch.manual_seed(0)
+    q = (torch.randn(D, device=dev) * 0.02).requires_grad_(True)
+    w = torch.ones(D, device=dev, requires_grad=True)
+    partial = torch.randn(N, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    if layout == "k3":
+        bank = torch.randn(N, R, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        bank.grad = torch.zeros_like(bank)
+        partial.grad = torch.zeros_like(partial)
+        rows = list(bank.unbind(1))
+        leaves = [bank, partial]
+    else:
+        leaves = [torch.randn(N, D, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(R)]
+        leaves.append(partial)
+        rows = leaves[:-1]
+    return rows, partial, q, w, leaves
+
+
+def attnres_rows(copy_tbps: float) -> list[dict]:
+    from fla.ops.attnres import fused_attnres as fla_fused_attnres
+
+    out = []
+    R, D = 8, 7168
+    L = R + 1
+    for layout in ("k3", "contiguous"):
+        for N in (4096, 32768, 131072):
+            rows, partial, q, w, leaves = make_sources(layout, N, D, R)
+            do = torch.randn(N, D, device=dev, dtype=torch.bfloat16)
+            reset = [q, w] if layout == "k3" else [q, w, *leaves]
+            impls = {
+                "fla": lambda: fla_fused_attnres(q, [*rows, partial], w),
+                "ours": lambda: fused_block_attnres(rows, partial, q, w, 1e-6),
+            }
+            row = dict(layout=layout, N=N, L=L, D=D)
+            unit = N * D * 2
+            fwd_bytes = (L + 1) * unit
+            # backward floor: read do + L sources, write L grads (+ read them when accumulating into existing .grad)
+            bwd_bytes = (1 + 2 * L + (L if layout == "k3" else 0)) * unit
+            row["floor_fwd_ms"] = fwd_bytes / (copy_tbps * 1e12) * 1e3
+            row["floor_fwdbwd_ms"] = (fwd_bytes + bwd_bytes) / (copy_tbps * 1e12) * 1e3
+            for name, f in impls.items():
+                def fb(f=f):
+                    f().backward(do)
+                t0 = time.time()
+                fb()
+                torch.cuda.synchronize()
+                row[f"{name}_first_call_s"] = time.time() - t0
+                with torch.no_grad():
+                    row[f"{name}_fwd_ms"] = med(f)
+                row[f"{name}_fwdbwd_ms"] = med(fb, grad_to_none=reset)
+                for t in reset:
+                    t.grad = None
+                row[f"{name}_peak_extra_GiB"] = peak_extra(fb)
+                for t in reset:
+                    t.grad = None
+                torch.cuda.empty_cache()
+            row["speedup_fwd"] = row["fla_fwd_ms"] / row["ours_fwd_ms"]
+            row["speedup_fwdbwd"] = row["fla_fwdbwd_ms"] / row["ours_fwdbwd_ms"]
+            row["peak_ratio"] = row["ours_peak_extra_GiB"] / row["fla_peak_extra_GiB"]
+            row["ours_fwd_TBps"] = fwd_bytes / (row["ours_fwd_ms"] * 1e-3) / 1e12
+            row["ours_fwdbwd_of_floor"] = row["floor_fwdbwd_ms"] / row["ours_fwdbwd_ms"]
+            print("attnres", json.dumps(row), flush=True)
+            out.append(row)
+            del rows, partial, q, w, leaves, do, impls
+            torch.cuda.empty_cache()
+    return out
+
+
+def sweep(N: int = 32768) -> list[dict]:
+    """Launch-config sweep (warps fwd/bwd, programs per SM) on the k3 layout; the chosen config is in fused.py."""
+    R, D = 8, 7168
+    rows, partial, q, w, leaves = make_sources("k3", N, D, R)
+    do = torch.randn(N, D, device=dev, dtype=torch.bfloat16)
+    orig = ours_mod._config
+    res = []
+    for wf, wb, pf, pb in [(16, 16, 2, 1), (8, 16, 2, 1), (8, 8, 2, 2), (16, 16, 1, 1), (8, 16, 4, 1), (16, 8, 2, 2),
+                           (4, 8, 4, 2)]:
+        ours_mod._config = lambda D, c=(wf, wb, pf, pb): (triton.next_power_of_2(D), *c)
+        try:
+            f = lambda: fused_block_attnres(rows, partial, q, w, 1e-6)
+            fb = lambda: f().backward(do)
+            fb()
+            with torch.no_grad():
+                tf = med(f, rep=100)
+            tfb = med(fb, rep=100, grad_to_none=[q, w])
+            r = dict(warps_fwd=wf, warps_bwd=wb, per_sm_fwd=pf, per_sm_bwd=pb, fwd_ms=tf, fwdbwd_ms=tfb)
+        except Exception as e:  # a config that does not compile/fit is recorded, not fatal
+            r = dict(warps_fwd=wf, warps_bwd=wb, per_sm_fwd=pf, per_sm_bwd=pb, error=repr(e)[:200])
+        print("sweep", json.dumps(r), flush=True)
+        res.append(r)
+    ours_mod._config = orig
+    del rows, partial, leaves, do
+    torch.cuda.empty_cache()
+    return res
+
+
+def decode_rows() -> list[dict]:
+    from fla.ops.attnres import fused_attnres as fla_fused_attnres
+    out = []
+    R, D = 8, 7168
+    for B in (1, 64, 512):
+        torch.manual_seed(0)
+        srcs = [torch.randn(B, D, device=dev, dtype=torch.bfloat16) for _ in range(R + 1)]
+        q = torch.randn(D, device=dev) * 0.02
+        w = torch.ones(D, device=dev)
+        with torch.no_grad():
+            t_fla = med(lambda: fla_fused_attnres(q, srcs, w), rep=100)
+        t_ours = med(lambda: block_attnres_decode(srcs[:-1], srcs[-1], q, w, 1e-6), rep=100)
+        row = dict(B=B, fla_fwd_us=t_fla * 1e3, ours_decode_us=t_ours * 1e3)
+        print("decode", json.dumps(row), flush=True)
+        out.append(row)
+    return out
+
+
+def norm_rows() -> list[dict]:
+    out = []
+    D = 7168
+    for M in (4096, 32768):
+        torch.manual_seed(0)
+        x = torch.randn(M, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        w = (1 + 0.1 * torch.randn(D, device=dev)).to(torch.bfloat16).requires_grad_(True)
+        dy = torch.randn_like(x)
+        row = dict(op="rms_norm", M=M, D=D)
+        for name, f in {"torch": lambda: F.rms_norm(x, (D,), w, 1e-6), "ours": lambda: rms_norm(x, w, 1e-6)}.items():
+            with torch.no_grad():
+                row[f"{name}_fwd_ms"] = med(f)
+            row[f"{name}_fwdbwd_ms"] = med(lambda f=f: f().backward(dy), grad_to_none=[x, w])
+        row["fwd_ratio"] = row["ours_fwd_ms"] / row["torch_fwd_ms"]
+        row["fwdbwd_ratio"] = row["ours_fwdbwd_ms"] / row["torch_fwdbwd_ms"]
+        print("norm", json.dumps(row), flush=True)
+        out.append(row)
+    # gated (KDA output: per head, D = 128) vs the eager reference
+    x = torch.randn(32768 * 16, 128, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn_like(x).requires_grad_(True)
+    w = torch.ones(128, device=dev, dtype=torch.float32, requires_grad=True)
+    dy = torch.randn_like(x)
+    row = dict(op="gated_rms_norm", M=x.shape[0], D=128)
+    for name, f in {"eager": lambda: naive_gated_rms_norm(x, g, w, 1e-6),
+                    "ours": lambda: gated_rms_norm(x, g, w, 1e-6)}.items():
+        with torch.no_grad():
+            row[f"{name}_fwd_ms"] = med(f)
+        row[f"{name}_fwdbwd_ms"] = med(lambda f=f: f().backward(dy), grad_to_none=[x, g, w])
+    print("norm", json.dumps(row), flush=True)
+    out.append(row)
+    # SiTU on a latent-MoE-sized activation
+    gu = torch.randn(32768, 2 * 3072, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    gt, up = gu.chunk(2, -1)
+    dy = torch.randn(32768, 3072, device=dev, dtype=torch.bfloat16)
+    row = dict(op="situ_and_mul", M=32768, I=3072)
+    for name, f in {"eager": lambda: naive_situ_and_mul(gt, up), "ours": lambda: situ_and_mul(gt, up)}.items():
+        with torch.no_grad():
+            row[f"{name}_fwd_ms"] = med(f)
+        row[f"{name}_fwdbwd_ms"] = med(lambda f=f: f().backward(dy, retain_graph=True), grad_to_none=[gu])
+    print("norm", json.dumps(row), flush=True)
+    out.append(row)
+    return out
+
+
+def main() -> None:
+    import fla
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "fla_core": getattr(fla, "__version__", "?"), "python": sys.version.split()[0]}
+    x = torch.randn(1 << 29, device=dev, dtype=torch.bfloat16)  # 1 GiB
+    y = torch.empty_like(x)
+    res["copy_TBps"] = 2 * x.numel() * 2 / (med(lambda: y.copy_(x)) * 1e-3) / 1e12
+    del x, y
+    print("copy_TBps", res["copy_TBps"], flush=True)
+    parts = os.environ.get("BENCH_PARTS", "attnres,decode,norm").split(",")
+    runs = {"sweep": ("config_sweep_N32K", sweep), "attnres": ("attnres", lambda: attnres_rows(res["copy_TBps"])),
+            "decode": ("decode", decode_rows), "norm": ("norm", norm_rows)}
+    for part in parts:
+        key, fn = runs[part]
+        try:
+            res[key] = fn()
+        except Exception as e:  # keep the other parts' figures; the error is recorded in the results
+            res[key] = {"error": repr(e)[:500]}
+            print(part, "failed:", repr(e), flush=True)
+        torch.cuda.empty_cache()
+    path = os.path.join(os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "results")), "attnres.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
