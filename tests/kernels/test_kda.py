@@ -1,0 +1,285 @@
+"""KDA Triton kernels (chunk_kda fwd/bwd, fused_recurrent_kda decode) against the fp64 references, FLA's metric.
+On CPU the kernels run under TRITON_INTERPRET=1 at small shapes; GPU tests also compare with fla-core's chunk_kda."""
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+CUDA = torch.cuda.is_available()
+if not CUDA:  # run the Triton kernels on CPU through the interpreter (set before the kernels are decorated)
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import k3_kernels.kda.chunk as chunk_mod  # noqa: E402
+import k3_kernels.kda.fused_recurrent as recurrent_mod  # noqa: E402
+from k3_kernels.kda import (l2norm, naive_chunk_kda, naive_kda_gate, naive_kda_lowerbound_gate,  # noqa: E402
+                            naive_recurrent_kda)
+
+if not CUDA:  # the modules may have been imported (compiled mode) by an earlier test module
+    chunk_mod = importlib.reload(chunk_mod)
+    recurrent_mod = importlib.reload(recurrent_mod)
+
+DEV = "cuda" if CUDA else "cpu"
+chunk_kda = chunk_mod.chunk_kda
+fused_recurrent_kda = recurrent_mod.fused_recurrent_kda
+
+
+def assert_close(name: str, ref: torch.Tensor, tri: torch.Tensor, ratio: float) -> None:
+    """FLA's metric: pass if max |ref - tri| <= 1e-6, else require rms(ref - tri) / rms(ref) < ratio."""
+    assert torch.isfinite(tri).all(), f"{name}: non-finite values"
+    diff = (ref.double() - tri.double())
+    if diff.abs().max().item() <= 1e-6:
+        return
+    err = diff.pow(2).mean().sqrt().item() / max(ref.double().pow(2).mean().sqrt().item(), 1e-30)
+    assert err < ratio, f"{name}: relative RMS error {err:.3e} >= {ratio}"
+
+
+def make_inputs(B: int, T: int, H: int, HV: int, K: int, V: int, dtype=torch.float32, gate_raw: bool = False,
+                device: str = DEV) -> dict[str, torch.Tensor]:
+    """Fresh random KDA inputs in FLA's layouts: unit-norm k, log-decay g <= 0 (or raw gate input), beta in (0,1)."""
+    q = torch.randn(B, T, H, K, device=device).to(dtype)
+    k = l2norm(torch.randn(B, T, H, K, device=device)).to(dtype)
+    v = torch.randn(B, T, HV, V, device=device).to(dtype)
+    if gate_raw:
+        g = torch.randn(B, T, HV, K, device=device)
+    else:
+        g = F.logsigmoid(torch.randn(B, T, HV, K, device=device)) * 0.5
+    beta = torch.rand(B, T, HV, device=device).to(dtype)
+    return dict(q=q, k=k, v=v, g=g, beta=beta)
+
+
+# ---------------------------------------------------------------------------------------------- chunk_kda
+
+TOL = dict(o=5e-3, ht=5e-3, q=8e-3, k=8e-3, v=8e-3, g=2e-2, beta=2e-2, h0=8e-3, A_log=2e-2, dt_bias=8e-3)
+
+
+def _run(fn, inp: dict, grads: dict | None, **kw):
+    """Run fn on fresh leaf copies of inp; backprop `grads` (for o and ht); return outputs and input grads."""
+    leaves = {n: x.detach().clone().requires_grad_(True) for n, x in inp.items()}
+    args = {n: leaves[n] for n in ("q", "k", "v", "g", "beta")}
+    if "h0" in leaves:
+        kw["initial_state"] = leaves["h0"]
+    for n in ("A_log", "dt_bias"):
+        if n in leaves:
+            kw[n] = leaves[n]
+    o, ht = fn(**args, **kw)
+    outs = {"o": o, "ht": ht}
+    if grads is not None:
+        pairs = [(outs[n], grads[n]) for n in ("o", "ht") if outs[n] is not None]
+        torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+    return outs, {n: x.grad for n, x in leaves.items()}
+
+
+def _reference(inp: dict, gate: str | None = None, lower_bound=None, l2=False, cu=None, **kw):
+    """fp64 naive_recurrent_kda with autograd (per sequence when packed), with the gate / l2norm in torch."""
+    def fn(q, k, v, g, beta, initial_state=None, output_final_state=False, A_log=None, dt_bias=None, scale=None):
+        q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
+        if l2:
+            q, k = l2norm(q), l2norm(k)
+        if gate == "default":
+            g = naive_kda_gate(g, A_log.double(), dt_bias.double() if dt_bias is not None else None)
+        elif gate == "safe":
+            g = naive_kda_lowerbound_gate(g, A_log.double() if A_log is not None else None,
+                                          dt_bias.double() if dt_bias is not None else None, lower_bound)
+        h0 = initial_state.double() if initial_state is not None else None
+        if cu is None:
+            return naive_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=h0,
+                                       output_final_state=output_final_state)
+        os_, hs = [], []
+        for i in range(len(cu) - 1):
+            s = slice(cu[i], cu[i + 1])
+            o, h = naive_recurrent_kda(q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s], scale=scale,
+                                       initial_state=h0[i:i + 1] if h0 is not None else None, output_final_state=True)
+            os_.append(o)
+            hs.append(h)
+        return torch.cat(os_, 1), (torch.cat(hs, 0) if output_final_state else None)
+    return fn
+
+
+def _check_against_reference(inp, cu=None, gate=None, lower_bound=None, l2=False, scale=None):
+    kw = dict(output_final_state=True, scale=scale)
+    ours_kw = dict(kw, use_qk_l2norm_in_kernel=l2, use_gate_in_kernel=gate is not None, lower_bound=lower_bound,
+                   cu_seqlens=torch.tensor(cu, device=DEV) if cu is not None else None)
+    B, T, HV, V = inp["v"].shape
+    N = B if cu is None else len(cu) - 1
+    grads = {"o": torch.randn(B, T, HV, V, device=DEV), "ht": torch.randn(N, HV, inp["k"].shape[-1], V, device=DEV)}
+    ours, dours = _run(chunk_kda, inp, grads, **ours_kw)
+    ref, dref = _run(_reference(inp, gate, lower_bound, l2, cu), {n: x.double() for n, x in inp.items()},
+                     {n: x.double() for n, x in grads.items()}, **kw)
+    for n in ("o", "ht"):
+        assert_close(n, ref[n], ours[n], TOL[n])
+    for n in inp:
+        assert dours[n] is not None and dours[n].shape == inp[n].shape, n
+        assert_close("d" + n, dref[n], dours[n], TOL[n])
+
+
+@pytest.mark.parametrize("B,T,H,HV,K,V", [
+    (2, 80, 1, 1, 32, 32),    # T not a chunk multiple, batch of two
+    (1, 71, 1, 2, 16, 24),    # grouped value heads, V not a power of two
+    (1, 37, 1, 1, 32, 16),    # shorter than one chunk
+])
+def test_chunk_matches_reference(B, T, H, HV, K, V):
+    inp = make_inputs(B, T, H, HV, K, V)
+    inp["h0"] = torch.randn(B, HV, K, V, device=DEV)
+    _check_against_reference(inp, scale=0.3 if K == 16 else None)
+
+
+def test_chunk_varlen_matches_reference():
+    cu = [0, 37, 100, 106]
+    inp = make_inputs(1, cu[-1], 1, 1, 16, 16)
+    inp["h0"] = torch.randn(len(cu) - 1, 1, 16, 16, device=DEV)
+    _check_against_reference(inp, cu=cu)
+
+
+@pytest.mark.parametrize("gate", ["default", "safe"])
+def test_chunk_gate_and_l2norm_in_kernel(gate):
+    B, T, H, HV, K, V = 1, 70, 1, 1, 16, 16
+    inp = make_inputs(B, T, H, HV, K, V, gate_raw=True)
+    inp["q"], inp["k"] = inp["q"] * 3, inp["k"] * 2  # not unit norm: the in-kernel l2norm matters
+    inp["A_log"] = torch.rand(HV, device=DEV) * (1.5 if gate == "default" else 0.5)
+    inp["dt_bias"] = torch.randn(HV * K, device=DEV) * 0.5
+    _check_against_reference(inp, gate=gate, lower_bound=-5.0 if gate == "safe" else None, l2=True)
+
+
+def test_chunk_matches_naive_chunk_without_grad():
+    inp = make_inputs(1, 128, 1, 1, 16, 16)
+    with torch.no_grad():
+        o, ht = chunk_kda(**inp, output_final_state=True)
+        o2, ht2 = naive_chunk_kda(**inp, output_final_state=True)
+    assert_close("o", o2, o, 5e-3)
+    assert_close("ht", ht2, ht, 5e-3)
+
+
+def test_chunk_deterministic_and_batch_invariant():
+    """Bitwise-equal reruns, and a sequence's outputs/grads do not depend on what else is packed with it."""
+    cu = [0, 20, 90]
+    inp = make_inputs(1, cu[-1], 1, 1, 16, 16)
+    inp["h0"] = torch.randn(2, 1, 16, 16, device=DEV)
+    grads = {"o": torch.randn(1, cu[-1], 1, 16, device=DEV), "ht": torch.randn(2, 1, 16, 16, device=DEV)}
+    kw = dict(output_final_state=True, cu_seqlens=torch.tensor(cu, device=DEV))
+    a, da = _run(chunk_kda, inp, grads, **kw)
+    b, db = _run(chunk_kda, inp, grads, **kw)
+    for n in a:
+        assert torch.equal(a[n], b[n]), n
+    for n in da:
+        assert torch.equal(da[n], db[n]), "d" + n
+    # the second sequence alone
+    s = slice(cu[1], cu[2])
+    alone = {n: (x[:, s] if n != "h0" else x[1:]) for n, x in inp.items()}
+    c, dc = _run(chunk_kda, alone, {"o": grads["o"][:, s], "ht": grads["ht"][1:]}, output_final_state=True)
+    assert torch.equal(c["o"], a["o"][:, s]) and torch.equal(c["ht"], a["ht"][1:])
+    for n in ("q", "k", "v", "g", "beta"):
+        assert torch.equal(dc[n], da[n][:, s]), "d" + n
+    assert torch.equal(dc["h0"], da["h0"][1:])
+
+
+def test_chunk_bad_input_names_the_tensor():
+    inp = make_inputs(1, 16, 2, 2, 16, 16)
+    with pytest.raises(ValueError, match="beta"):
+        chunk_kda(**dict(inp, beta=inp["beta"][..., :1]))
+    with pytest.raises(ValueError, match="initial_state"):
+        chunk_kda(**inp, initial_state=torch.zeros(1, 2, 16, 16, dtype=torch.float64, device=DEV))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        chunk_kda(**inp, cu_seqlens=torch.tensor([0, 20], device=DEV))
+    with pytest.raises(ValueError, match="A_log"):
+        chunk_kda(**inp, use_gate_in_kernel=True)
+
+
+# ---------------------------------------------------------------------------------------------- fused_recurrent_kda
+
+def test_recurrent_matches_reference_with_gate_and_varlen():
+    cu = [0, 1, 4, 6]
+    HV, K, V = 4, 16, 24
+    inp = make_inputs(1, cu[-1], 2, HV, K, V, gate_raw=True)
+    A_log, dt_bias = torch.rand(HV, device=DEV), torch.randn(HV * K, device=DEV)
+    h0 = torch.randn(len(cu) - 1, HV, K, V, device=DEV)
+    for gate, lb in (("default", None), ("safe", -5.0)):
+        o, ht = fused_recurrent_kda(**inp, A_log=A_log, dt_bias=dt_bias, initial_state=h0, output_final_state=True,
+                                    use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=lb,
+                                    cu_seqlens=torch.tensor(cu, device=DEV))
+        ref, _ = _run(_reference(inp, gate, lb, True, cu), {**inp, "h0": h0, "A_log": A_log, "dt_bias": dt_bias},
+                      None, output_final_state=True)
+        assert_close("o", ref["o"], o, 1e-4)
+        assert_close("ht", ref["ht"], ht, 1e-4)
+
+
+def test_recurrent_state_pool_in_place():
+    """Sequences read and write their pool slots in place; other slots and padding rows (-1) are untouched."""
+    N, HV, K, V, P = 3, 2, 16, 16, 6
+    pool = torch.randn(P, HV, K, V, device=DEV)
+    before = pool.clone()
+    idx = torch.tensor([4, -1, 1], device=DEV)
+    inp = make_inputs(N, 2, 2, HV, K, V)
+    o, ht = fused_recurrent_kda(**inp, initial_state=pool, ssm_state_indices=idx)
+    assert ht is pool
+    h0 = torch.stack([before[4], torch.zeros_like(before[0]), before[1]])
+    ref_o, ref_h = naive_recurrent_kda(**inp, initial_state=h0, output_final_state=True)
+    assert_close("o", ref_o, o, 1e-4)
+    assert_close("slot4", ref_h[0], pool[4], 1e-4)
+    assert_close("slot1", ref_h[2], pool[1], 1e-4)
+    for s in (0, 2, 3, 5):
+        assert torch.equal(pool[s], before[s]), s
+    # not in place: the pool stays, the final states come back per sequence
+    pool2 = before.clone()
+    o2, ht2 = fused_recurrent_kda(**inp, initial_state=pool2, ssm_state_indices=idx, inplace_final_state=False,
+                                  output_final_state=True)
+    assert torch.equal(pool2, before) and torch.equal(o2, o)
+    assert_close("ht", ref_h, ht2, 1e-4)
+
+
+def test_decode_continues_chunk_prefill():
+    """Prefill with chunk_kda, then decode token by token from the state: same as one pass over everything."""
+    B, T, H, HV, K, V = 1, 70, 2, 2, 16, 16
+    inp = make_inputs(B, T + 3, H, HV, K, V)
+    with torch.no_grad():
+        full, _ = naive_recurrent_kda(**inp)
+        o, state = chunk_kda(**{n: x[:, :T] for n, x in inp.items()}, output_final_state=True)
+        outs = [o]
+        for t in range(T, T + 3):
+            step, state = fused_recurrent_kda(**{n: x[:, t:t + 1] for n, x in inp.items()}, initial_state=state,
+                                              output_final_state=True)
+            outs.append(step)
+    assert_close("o", full, torch.cat(outs, 1), 5e-3)
+
+
+def test_recurrent_bad_input():
+    inp = make_inputs(2, 1, 2, 2, 16, 16)
+    with pytest.raises(ValueError, match="ssm_state_indices"):
+        fused_recurrent_kda(**inp, initial_state=torch.zeros(4, 2, 16, 16, device=DEV),
+                            ssm_state_indices=torch.tensor([0], device=DEV))
+    with pytest.raises(ValueError, match="initial_state"):
+        fused_recurrent_kda(**inp, ssm_state_indices=torch.tensor([0, 1], device=DEV))
+
+
+# ---------------------------------------------------------------------------------------------- GPU: vs fla-core
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("safe", [False, True])
+def test_gpu_bf16_against_reference_and_fla(safe):
+    fla = pytest.importorskip("fla.ops.kda")
+    B, T, H, HV, K, V = 2, 1000, 4, 4, 128, 128
+    inp = make_inputs(B, T, H, HV, K, V, dtype=torch.bfloat16, gate_raw=safe)
+    inp["h0"] = torch.randn(B, HV, K, V, device=DEV)
+    kw = {}
+    if safe:
+        inp["A_log"] = torch.zeros(HV, device=DEV)
+        inp["dt_bias"] = torch.randn(HV * K, device=DEV) * 0.1
+        kw = dict(use_gate_in_kernel=True, lower_bound=-5.0)
+    grads = {"o": torch.randn(B, T, HV, V, device=DEV, dtype=torch.bfloat16), "ht": torch.randn_like(inp["h0"])}
+    ours, dours = _run(chunk_kda, inp, grads, output_final_state=True, **kw)
+    theirs, dtheirs = _run(fla.chunk_kda, inp, grads, output_final_state=True, safe_gate=safe, **kw)
+    ref, dref = _run(_reference(inp, "safe" if safe else None, kw.get("lower_bound")),
+                     {n: x.double() for n, x in inp.items()}, {n: x.double() for n, x in grads.items()},
+                     output_final_state=True)
+    for n in ("o", "ht"):
+        assert_close(n, ref[n], ours[n], TOL[n])
+        assert_close(n + " vs fla", theirs[n].float(), ours[n].float(), TOL[n])
+    for n in inp:
+        assert_close("d" + n, dref[n], dours[n], TOL[n])
+        assert_close("d" + n + " vs fla", dtheirs[n].float(), dours[n].float(), TOL[n])
+    again, dagain = _run(chunk_kda, inp, grads, output_final_state=True, **kw)
+    assert all(torch.equal(ours[n], again[n]) for n in ours)
+    assert all(torch.equal(dours[n], dagain[n]) for n in dours)
