@@ -20,6 +20,10 @@ def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
               initial_state: torch.Tensor | None = None, output_final_state: bool = False
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Multi-token KDA (prefill / training). q, k already L2-normalised; g log-decay; beta in (0, 1)."""
+    if _on_cuda(q):  # Triton chunked kernels, forward and backward
+        from k3_kernels.kda.chunk import chunk_kda
+        h0 = initial_state.float() if initial_state is not None else None  # the kernels keep the state in fp32
+        return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=output_final_state)
     return naive_chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state)
 
 
@@ -27,6 +31,12 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                   initial_state: torch.Tensor | None = None, output_final_state: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Few-token KDA (decode)."""
+    if _on_cuda(q):  # Triton token loop (forward only); the chunked kernels when gradients are needed
+        if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta)):
+            return kda_chunk(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state)
+        from k3_kernels.kda.fused_recurrent import fused_recurrent_kda
+        h0 = initial_state.float() if initial_state is not None else None
+        return fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=output_final_state)
     return naive_recurrent_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state)
 
 
