@@ -1,0 +1,360 @@
+"""Apply LoRA adapters to a K3 model, train and serve: one base copy, several named adapters, a per-token choice.
+
+`LoRAManager(model)` attaches hooks (nothing of the base is copied or changed): a forward hook on every targeted
+`nn.Linear` adds the low-rank path, and targeted routed-expert modules get a forward that adds it per expert.
+Which adapter a token uses is set with `use(...)` / `activate(...)`:
+
+    None                      the base model (every hook is a no-op: outputs are bitwise the base outputs)
+    "name"                    one adapter for the whole batch (training, single-tenant serving)
+    ["a", None, "b"]          one adapter (or none) per row of input_ids: a multi-LoRA batch
+    LongTensor [B, T]         one adapter slot per token (`slot(name)`, -1 = none): packed/ragged engine batches
+
+A multi-LoRA batch runs each adapter's low-rank path on its own rows only (a plain-torch gather/scatter version of
+Punica's SGMV, arXiv 2310.18547), so row i gives what a batch using only row i's adapter gives.
+
+`merge(name)` folds an adapter into the base weights (a copy of each merged-over weight is kept) and `unmerge()`
+restores them bit for bit; `merged_state_dict(name)` gives the merged weights without touching the model.
+"""
+from __future__ import annotations
+
+import contextlib
+import types
+from dataclasses import dataclass
+from typing import Iterator, Sequence, Union
+
+import torch
+from torch import nn
+
+from k3.lora.adapter import LoRAAdapter, LoRAError
+from k3.lora.config import LoRAConfig, Target, candidate_targets
+from k3.model import ops
+from k3.model.moe import RoutedExperts
+
+Selection = Union[None, str, Sequence[Union[str, None]], torch.Tensor]
+
+
+@dataclass
+class _Plan:
+    """The adapter choice for one forward over input_ids [B, T]: `single` for the whole batch, or per-token
+    `slots` [B*T] (-1 = none) with `row_slots` [B] when every row uses one adapter."""
+
+    single: LoRAAdapter | None = None
+    slots: torch.Tensor | None = None
+    row_slots: torch.Tensor | None = None
+    shape: tuple[int, int] = (0, 0)
+    groups: tuple[tuple[int, LoRAAdapter], ...] = ()
+
+    def slots_for(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """The slot of each row of a projection input x: [B, T, in] or [B*T, in] are the forward's tokens;
+        [B, S, in] with S != T (MLA's kv_b_proj over the cached latent) are per-row and need one adapter a row."""
+        B, T = self.shape
+        if (x.dim() == 3 and tuple(x.shape[:2]) == (B, T)) or (x.dim() == 2 and x.shape[0] == B * T):
+            return self.slots
+        if x.dim() == 3 and x.shape[0] == B:
+            if self.row_slots is None:
+                raise LoRAError(f"{name} reads {x.shape[1]} positions per row (cached tokens): a selection with "
+                                f"several adapters inside one row cannot be applied to it; use one adapter per row")
+            return self.row_slots.repeat_interleave(x.shape[1])
+        raise LoRAError(f"{name}: input of shape {tuple(x.shape)} does not match the forward's tokens {(B, T)}")
+
+
+class LoRAManager:
+    """Named adapters on one base model and the per-forward choice between them (see module doc)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._cands = candidate_targets(model)
+        self._adapters: dict[str, LoRAAdapter] = {}
+        self._slots: dict[str, int] = {}
+        self._next_slot = 0
+        self._selection: Selection = None
+        self._plan: _Plan | None = None
+        self._hooked: set[str] = set()
+        self._handles: list = []
+        self._experts: dict[str, RoutedExperts] = {}
+        self._merged: str | None = None
+        self._backup: dict[str, torch.Tensor] = {}
+        # Every forward (also `extend`, which calls forward directly) embeds input_ids [B, T] first: the plan for
+        # this forward is resolved there.
+        embed = model.get_submodule("model.embed_tokens")
+        self._handles.append(embed.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
+
+    # ------------------------------------------------------------------ adapters
+    @property
+    def adapters(self) -> dict[str, LoRAAdapter]:
+        return dict(self._adapters)
+
+    def create(self, name: str, config: LoRAConfig, *, dtype: torch.dtype = torch.float32,
+               seed: int | None = None) -> LoRAAdapter:
+        """Create a new adapter for this model (B = 0 unless config.init_scale) and add it under `name`."""
+        return self.add(name, LoRAAdapter.for_model(self.model, config, dtype=dtype, seed=seed))
+
+    def add(self, name: str, adapter: LoRAAdapter) -> LoRAAdapter:
+        """Register `adapter` under `name`; its targets must exist in the model with the adapter's shapes."""
+        if not isinstance(name, str) or not name:
+            raise LoRAError(f"adapter name must be a non-empty string, got {name!r}")
+        if name in self._adapters:
+            raise LoRAError(f"an adapter named {name!r} is already added; remove it first")
+        r = adapter.config.rank
+        for tname, t in adapter.targets.items():
+            mine = self._cands.get(tname)
+            if mine is None:
+                raise LoRAError(f"adapter {name!r} targets {tname!r}, which this model does not have")
+            if mine.a_shape(r) != tuple(adapter.A(tname).shape) or mine.b_shape(r) != tuple(adapter.B(tname).shape):
+                raise LoRAError(f"adapter {name!r}: {tname}.lora_A/B shapes {tuple(adapter.A(tname).shape)}/"
+                                f"{tuple(adapter.B(tname).shape)} do not fit the model ({mine.a_shape(r)}/"
+                                f"{mine.b_shape(r)})")
+        self._adapters[name] = adapter
+        self._slots[name] = self._next_slot
+        self._next_slot += 1
+        for t in adapter.targets.values():
+            self._hook(t)
+        return adapter
+
+    def remove(self, name: str) -> LoRAAdapter:
+        """Drop adapter `name` (hooks stay; they are no-ops for absent adapters)."""
+        self._require(name)
+        if self._merged == name:
+            raise LoRAError(f"adapter {name!r} is merged into the base weights; unmerge() first")
+        if self._mentions(self._selection, name):
+            self._selection = None
+        del self._slots[name]
+        return self._adapters.pop(name)
+
+    def slot(self, name: str) -> int:
+        """The integer id of adapter `name` for per-token selections."""
+        self._require(name)
+        return self._slots[name]
+
+    def close(self) -> None:
+        """Remove every hook and forward override (unmerging first): the model is the plain base model again."""
+        if self._merged is not None:
+            self.unmerge()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for mod in self._experts.values():
+            del mod.forward
+        self._experts.clear()
+        self._hooked.clear()
+
+    # ------------------------------------------------------------------ selection
+    def activate(self, selection: Selection) -> None:
+        """Set the adapter choice for following forwards (see module doc for the forms)."""
+        self._validate(selection)
+        self._selection = selection
+
+    @contextlib.contextmanager
+    def use(self, selection: Selection) -> Iterator[None]:
+        """Temporarily select adapters: `with manager.use(["a", None]): model(ids)`."""
+        prev = self._selection
+        self.activate(selection)
+        try:
+            yield
+        finally:
+            self._selection = prev
+
+    @property
+    def selection(self) -> Selection:
+        return self._selection
+
+    def _require(self, name: str) -> None:
+        if name not in self._adapters:
+            raise LoRAError(f"no adapter named {name!r} (have {sorted(self._adapters)})")
+
+    @staticmethod
+    def _mentions(selection: Selection, name: str) -> bool:
+        if isinstance(selection, str):
+            return selection == name
+        return isinstance(selection, (list, tuple)) and name in selection
+
+    def _validate(self, selection: Selection) -> None:
+        if selection is None:
+            return
+        if self._merged is not None and selection != self._merged:
+            raise LoRAError(f"adapter {self._merged!r} is merged into the base weights: only it can be selected "
+                            f"until unmerge()")
+        if isinstance(selection, str):
+            self._require(selection)
+        elif isinstance(selection, torch.Tensor):
+            if selection.dim() != 2 or selection.dtype in (torch.bool,) or selection.is_floating_point():
+                raise LoRAError(f"a per-token adapter selection must be an integer [B, T] tensor, got "
+                                f"{selection.dtype} {tuple(selection.shape)}")
+            known = torch.tensor(sorted(self._slots.values()) + [-1], device=selection.device)
+            bad = ~torch.isin(selection, known)
+            if bool(bad.any()):
+                raise LoRAError(f"per-token adapter slots {sorted(set(selection[bad].tolist()))[:4]} are not "
+                                f"added adapters (slots {sorted(self._slots.values())}, -1 = none)")
+        elif isinstance(selection, (list, tuple)):
+            for s in selection:
+                if s is not None:
+                    if not isinstance(s, str):
+                        raise LoRAError(f"per-row adapter selection entries must be names or None, got {s!r}")
+                    self._require(s)
+        else:
+            raise LoRAError(f"adapter selection must be None, a name, a per-row list or a [B, T] slot tensor, "
+                            f"got {type(selection).__name__}")
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Resolve the selection against this forward's input_ids [B, T] (the embedding's input) into a plan."""
+        sel = self._selection
+        if sel is None or (self._merged is not None and sel == self._merged):
+            self._plan = None
+            return
+        if isinstance(sel, str):
+            self._plan = _Plan(single=self._adapters[sel])
+            return
+        ids = args[0] if args else kwargs.get("input_ids")
+        B, T = ids.shape
+        if isinstance(sel, torch.Tensor):
+            if tuple(sel.shape) != (B, T):
+                raise LoRAError(f"per-token adapter selection has shape {tuple(sel.shape)} but input_ids is {(B, T)}")
+            slots = sel.to(device=ids.device, dtype=torch.long).reshape(-1)
+        else:
+            if len(sel) != B:
+                raise LoRAError(f"per-row adapter selection has {len(sel)} entries but input_ids has {B} rows")
+            rows = torch.tensor([-1 if s is None else self._slots[s] for s in sel], device=ids.device)
+            slots = rows[:, None].expand(B, T).reshape(-1)
+        by_slot = {v: k for k, v in self._slots.items()}
+        present = sorted(int(s) for s in torch.unique(slots).tolist() if s >= 0)
+        grid = slots.view(B, T)
+        row_slots = grid[:, 0] if bool((grid == grid[:, :1]).all()) else None
+        self._plan = _Plan(slots=slots, row_slots=row_slots, shape=(B, T),
+                           groups=tuple((s, self._adapters[by_slot[s]]) for s in present))
+
+    # ------------------------------------------------------------------ application
+    def _hook(self, t: Target) -> None:
+        if t.name in self._hooked:
+            return
+        self._hooked.add(t.name)
+        mod = self.model.get_submodule(t.module_name)
+        if t.kind == "linear":
+            self._handles.append(mod.register_forward_hook(self._linear_hook(t.name)))
+        elif t.module_name not in self._experts:
+            self._experts[t.module_name] = mod
+            mod.forward = types.MethodType(self._experts_forward(t.module_name), mod)
+
+    def _linear_hook(self, name: str):
+        def hook(mod: nn.Linear, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
+            plan = self._plan
+            if plan is None:
+                return None
+            x = args[0]
+            slots = None if plan.single is not None else plan.slots_for(name, x)
+            y = self._add_lowrank(plan, name, x.reshape(-1, mod.in_features), out.reshape(-1, mod.out_features),
+                                  slots, None)
+            return y.view(out.shape)
+        return hook
+
+    @staticmethod
+    def _add_lowrank(plan: _Plan, name: str, x: torch.Tensor, base: torch.Tensor, slots: torch.Tensor | None,
+                     expert: int | None) -> torch.Tensor:
+        """base + the selected adapters' (alpha/r) B A x for the rows of x [n, in]; `slots` [n] gives each row's
+        adapter slot (unused with a single adapter)."""
+        if plan.single is not None:
+            if name not in plan.single.targets:
+                return base
+            return base + _lowrank(plan.single, name, x, expert).to(base.dtype)
+        delta = None
+        for slot, ad in plan.groups:
+            if name not in ad.targets:
+                continue
+            pos = (slots == slot).nonzero(as_tuple=True)[0]
+            if pos.numel() == 0:
+                continue
+            d = _lowrank(ad, name, x[pos], expert).to(base.dtype)
+            delta = (base.new_zeros(base.shape) if delta is None else delta).index_put((pos,), d)
+        return base if delta is None else base + delta
+
+    def _experts_forward(self, module_name: str):
+        """Forward for a targeted RoutedExperts: the same computation as `RoutedExperts.forward` with each
+        projection adding the selected adapters' per-expert low-rank path (tokens routed to e use A[e], B[e])."""
+        names = {p: f"{module_name}.{p}" for p in ("w1", "w3", "w2")}
+        manager = self
+
+        def forward(mod: RoutedExperts, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            plan = manager._plan
+            ads = () if plan is None else ((plan.single,) if plan.single is not None else
+                                           tuple(a for _, a in plan.groups))
+            if not any(n in a.targets for a in ads for n in names.values()):
+                return RoutedExperts.forward(mod, z, idx, w)
+            N, k = idx.shape
+            if plan.single is None and N != plan.slots.shape[0]:
+                raise LoRAError(f"{module_name}: {N} routed tokens but the adapter selection covers "
+                                f"{plan.slots.shape[0]} tokens")
+            out = z.new_zeros(N, k, z.shape[-1])
+            flat = idx.reshape(-1)
+            for e in torch.unique(flat).tolist():
+                pos = (flat == e).nonzero(as_tuple=True)[0]
+                tok = pos // k
+                ze = z[tok]
+                slots = None if plan.single is not None else plan.slots[tok]
+                gate = manager._add_lowrank(plan, names["w1"], ze, ze @ mod.w1[e].t(), slots, e)
+                up = manager._add_lowrank(plan, names["w3"], ze, ze @ mod.w3[e].t(), slots, e)
+                h = ops.situ_and_mul(gate, up, mod.beta, mod.linear_beta)
+                o = manager._add_lowrank(plan, names["w2"], h, h @ mod.w2[e].t(), slots, e)
+                out = out.index_put((tok, pos % k), o)
+            return (out.float() * w[..., None]).sum(1).to(z.dtype)
+
+        return forward
+
+    # ------------------------------------------------------------------ merging
+    def _weight(self, t: Target) -> nn.Parameter:
+        return getattr(self.model.get_submodule(t.module_name), t.param)
+
+    @torch.no_grad()
+    def merge(self, name: str) -> None:
+        """Fold adapter `name` into the base weights (W += (alpha/r) B A, in the base dtype) and select it.
+        A copy of each merged-over weight is kept so that `unmerge` restores it exactly."""
+        self._require(name)
+        if self._merged is not None:
+            raise LoRAError(f"adapter {self._merged!r} is already merged; unmerge() first")
+        ad = self._adapters[name]
+        deltas = {n: ad.delta(n) for n in ad.targets}  # compute all first: nothing half applied on error
+        for n, t in ad.targets.items():
+            w = self._weight(t)
+            self._backup[n] = w.detach().clone()
+            w.add_(deltas[n].to(w.dtype))
+        self._merged = name
+        self._selection = name
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Restore the weights saved by `merge` (bitwise the base weights); the selection goes back to None."""
+        if self._merged is None:
+            raise LoRAError("no adapter is merged")
+        ad = self._adapters[self._merged]
+        for n, t in ad.targets.items():
+            self._weight(t).copy_(self._backup.pop(n))
+        self._merged = None
+        self._selection = None
+
+    @property
+    def merged(self) -> str | None:
+        return self._merged
+
+    @torch.no_grad()
+    def merged_state_dict(self, name: str | None) -> dict[str, torch.Tensor]:
+        """The model's state dict with adapter `name` folded in (None: the base), without changing the model.
+        Target weights equal what `merge(name)` writes, bit for bit; other tensors are the model's own (detached)."""
+        if name is not None:
+            self._require(name)
+        if self._merged is not None:
+            if name == self._merged:
+                return {k: v.detach() for k, v in self.model.state_dict().items()}
+            raise LoRAError(f"adapter {self._merged!r} is merged; unmerge() before exporting other weights")
+        out = {k: v.detach() for k, v in self.model.state_dict().items()}
+        if name is not None:
+            ad = self._adapters[name]
+            for n, t in ad.targets.items():
+                w = out[t.weight_name]
+                out[t.weight_name] = w + ad.delta(n).to(w.dtype)
+        return out
+
+
+def _lowrank(ad: LoRAAdapter, name: str, x: torch.Tensor, expert: int | None) -> torch.Tensor:
+    """(alpha/r) (x A^T) B^T for rows x [n, in] (expert `e`'s pair for stacked targets), in the adapter dtype."""
+    a, b = ad.A(name), ad.B(name)
+    if expert is not None:
+        a, b = a[expert], b[expert]
+    return ((x.to(a.dtype) @ a.t()) @ b.t()) * ad.scaling
