@@ -227,7 +227,8 @@ class Learner:
         gradient is the full batch's (tokens masked by the corrections then stay in the denominator). To
         accumulate over several calls yourself, pass the global `num_seqs` / `num_tokens` of all of them.
         Returns metrics: loss, pg_loss, clip_frac, masked_frac, seq_masked_frac, mismatch_k3_kl,
-        max_abs_dlogp, mean_abs_dlogp (trainer vs rollout log-probs), kl_ref (with kl_coef), num_tokens,
+        max_abs_dlogp, mean_abs_dlogp (trainer vs rollout log-probs), kl_ref (per-token KL to the reference)
+        and kl_loss (its aggregated penalty term) with kl_coef, num_tokens,
         num_seqs, micro_batches; router_flip_frac / router_token_flip_frac when the rollout routing is given
         but not replayed."""
         cfg = self.config
@@ -270,6 +271,7 @@ class Learner:
             sums["seq_masked_frac"] = sums.get("seq_masked_frac", 0.0) + m["seq_masked_frac"] * mb.batch_size
             if "kl_ref" in m:
                 sums["kl_ref"] = sums.get("kl_ref", 0.0) + m["kl_ref"] * m["num_tokens"]
+                sums["kl_loss"] = sums.get("kl_loss", 0.0) + m["kl_loss"]
             trainer_lp.append(lp.detach())
             used_routes.append(used)
         self._pending += 1
@@ -285,7 +287,7 @@ class Learner:
             "micro_batches": float(math.ceil(B / mbs)),
         }
         if "kl_ref" in sums:
-            out["kl_ref"] = sums["kl_ref"] / kept
+            out.update(kl_ref=sums["kl_ref"] / kept, kl_loss=sums["kl_loss"])
         mm = mismatch_metrics(torch.cat(trainer_lp), batch.rollout_logp, mask)
         out.update(mismatch_k3_kl=mm["k3_kl"], max_abs_dlogp=mm["max_abs_dlogp"], mean_abs_dlogp=mm["mean_abs_dlogp"])
         if batch.routed_experts is not None and not cfg.router_replay and used_routes[0] is not None:

@@ -1,0 +1,103 @@
+"""Router Replay (R3): replaying the rollout's experts lowers the train/rollout mismatch when the trainer's weights
+differ slightly from the rollout's (here: 1e-3 / 3e-3 relative perturbations of the tiny MoE, which flip experts).
+Run with -s to see the measured table."""
+import copy
+
+import pytest
+import torch
+
+from k3.config import K3Config
+from k3.model import K3ForCausalLM
+from k3.rl import Batch, Learner, LearnerConfig, check_routed_experts, mismatch_metrics, routing_diff
+
+B, T, PROMPT = 16, 16, 4
+
+
+@pytest.fixture
+def rollout():
+    """The "rollout engine": the unperturbed tiny model scores a batch and records its routing."""
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.preset("tiny"))
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(3, model.config.vocab_size, (B, T), generator=g)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    mask[:, PROMPT:] = True
+    with torch.no_grad():
+        out = model(tokens[:, :-1], use_cache=False, return_routed_experts=True)
+    lg = out.logits.float()
+    lp = torch.cat([torch.zeros(B, 1), lg.gather(-1, tokens[:, 1:, None])[..., 0] - lg.logsumexp(-1)], 1)
+    batch = Batch(tokens, mask, lp, torch.linspace(-1, 1, B), routed_experts=out.routed_experts.to(torch.int16))
+    return model, batch
+
+
+def _perturbed(model, rel=1e-3, seed=1):
+    """The trainer: the same model with every matrix moved by rel * its std of Gaussian noise."""
+    p = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for w in p.parameters():
+            if w.dim() >= 2:
+                w.add_(torch.randn(w.shape, generator=g) * w.std() * rel)
+    return p
+
+
+def test_unperturbed_replay_is_exact(rollout):
+    model, batch = rollout
+    learner = Learner(model, LearnerConfig(router_replay=True))
+    lp = learner.compute_logprobs(batch)
+    m = batch.response_mask
+    assert torch.equal(lp[m], batch.rollout_logp[m])
+
+
+@pytest.mark.parametrize("rel", [1e-3, 3e-3])
+def test_r3_lowers_train_rollout_mismatch(rollout, rel):
+    model, batch = rollout
+    mask = batch.response_mask
+    print(f"\nR3 on the tiny MoE (8 experts, top-2, 7 MoE layers), {int(mask.sum())} response tokens; trainer = "
+          f"rollout weights + {rel:g} relative Gaussian noise (3 draws)")
+    print(f"  {'draw':4s} {'flips':>7s} {'tok flips':>9s} | {'k3 KL no R3':>11s} {'k3 KL R3':>9s} {'ratio':>6s} | "
+          f"{'max|dlp| no R3':>14s} {'R3':>7s} | {'mean|dlp| no R3':>15s} {'R3':>8s}")
+    for seed in (1, 2, 3):
+        trainer = _perturbed(model, rel, seed)
+        with torch.no_grad():
+            own = trainer(batch.tokens[:, :-1], use_cache=False, return_routed_experts=True).routed_experts
+        flips = routing_diff(own, batch.routed_experts[:, : T - 1].long(), mask[:, 1:])
+        res = {}
+        for replay in (False, True):
+            learner = Learner(trainer, LearnerConfig(router_replay=replay))
+            res[replay] = mismatch_metrics(learner.compute_logprobs(batch), batch.rollout_logp, mask)
+            if seed == 1:  # the learner reports the same mismatch (and flips) in its step metrics
+                fb = learner.forward_backward(batch)
+                assert abs(fb["mismatch_k3_kl"] - res[replay]["k3_kl"]) < 1e-6 * res[replay]["k3_kl"]
+                if not replay:
+                    assert abs(fb["router_flip_frac"] - flips["flip_frac"]) < 1e-9
+        no, r3 = res[False], res[True]
+        print(f"  {seed:4d} {flips['flip_frac']:7.4f} {flips['token_flip_frac']:9.4f} | {no['k3_kl']:11.3e} "
+              f"{r3['k3_kl']:9.3e} {no['k3_kl'] / r3['k3_kl']:6.1f} | {no['max_abs_dlogp']:14.3e} "
+              f"{r3['max_abs_dlogp']:7.3e} | {no['mean_abs_dlogp']:15.3e} {r3['mean_abs_dlogp']:8.3e}")
+        assert flips["flip_frac"] > 0  # the perturbation flips experts
+        assert r3["k3_kl"] < no["k3_kl"]
+        assert r3["max_abs_dlogp"] < no["max_abs_dlogp"]
+        assert r3["mean_abs_dlogp"] < no["mean_abs_dlogp"]
+
+
+def test_check_routed_experts():
+    cfg = K3Config.preset("tiny")
+    n_moe, k = len(cfg.moe_layer_ids), cfg.num_experts_per_token
+    r = torch.zeros(2, 5, n_moe, k, dtype=torch.int16)
+    assert check_routed_experts(r, 2, 5, cfg).dtype == torch.int64
+    assert check_routed_experts(r[:, :4], 2, 5, cfg).shape[1] == 4  # engines record T - 1 positions
+    for bad, match in ((r.float(), "integer"), (r[0], r"\[B, T, n_moe_layers, top_k\]"), (r[:, :3], "shape"),
+                       (r[..., :1], "n_moe_layers"), (r + cfg.num_experts, "expert ids must be in"), ([1], "Tensor")):
+        with pytest.raises(ValueError, match=match):
+            check_routed_experts(bad, 2, 5, cfg)
+
+
+def test_routing_diff_counts_sets_not_order():
+    a = torch.tensor([[[[0, 1], [2, 3]], [[4, 5], [6, 7]]]])  # [1, 2 tokens, 2 layers, k=2]
+    b = torch.tensor([[[[1, 0], [2, 3]], [[4, 6], [6, 7]]]])  # token 0: same sets; token 1 layer 0: 5 -> 6
+    d = routing_diff(a, b)
+    assert d == {"flip_frac": 0.25, "token_flip_frac": 0.5, "expert_flip_frac": 0.125}
+    assert routing_diff(a, b, torch.tensor([[True, False]]))["flip_frac"] == 0.0
+    with pytest.raises(ValueError, match="equal-shaped"):
+        routing_diff(a, b[..., :1])
