@@ -114,25 +114,36 @@ def attnres_rows(copy_tbps: float) -> list[dict]:
 
 
 def sweep(N: int = 32768) -> list[dict]:
-    """Launch-config sweep (warps fwd/bwd, programs per SM) on the k3 layout; the chosen config is in fused.py."""
+    """Launch-config sweep on the k3 layout (forward configs timed forward-only, backward configs timed
+    forward+backward with the default forward); the chosen config is the default in fused.py."""
     R, D = 8, 7168
     rows, partial, q, w, leaves = make_sources("k3", N, D, R)
     do = torch.randn(N, D, device=dev, dtype=torch.bfloat16)
     orig = ours_mod._config
+    base = orig(D)
     res = []
-    for wf, wb, pf, pb in [(16, 16, 2, 1), (8, 16, 2, 1), (8, 8, 2, 2), (16, 16, 1, 1), (8, 16, 4, 1), (16, 8, 2, 2),
-                           (4, 8, 4, 2)]:
-        ours_mod._config = lambda D, c=(wf, wb, pf, pb): (triton.next_power_of_2(D), *c)
+    f = lambda: fused_block_attnres(rows, partial, q, w, 1e-6)
+    fb = lambda: f().backward(do)
+    trials = [("fwd", c) for c in [(16, 4, 1), (16, 4, 2), (8, 2, 2), (8, 4, 2), (16, 8, 1), (4, 2, 4), (8, 1, 4),
+                                    (4, 1, 4)]]
+    trials += [("bwd", c) for c in [(16, 2, 1), (16, 1, 1), (8, 1, 2), (16, 4, 1), (8, 2, 2), (4, 1, 4), (16, 2, 2)]]
+    for kind, (warps, tl_, per_sm) in trials:
+        if kind == "fwd":
+            cfg = base._replace(warps_fwd=warps, tl_fwd=tl_, per_sm_fwd=per_sm)
+        else:
+            cfg = base._replace(warps_bwd=warps, tl_bwd=tl_, per_sm_bwd=per_sm)
+        ours_mod._config = lambda D, cfg=cfg: cfg
+        r = dict(kind=kind, warps=warps, tl=tl_, per_sm=per_sm)
         try:
-            f = lambda: fused_block_attnres(rows, partial, q, w, 1e-6)
-            fb = lambda: f().backward(do)
-            fb()
-            with torch.no_grad():
-                tf = med(f, rep=100)
-            tfb = med(fb, rep=100, grad_to_none=[q, w])
-            r = dict(warps_fwd=wf, warps_bwd=wb, per_sm_fwd=pf, per_sm_bwd=pb, fwd_ms=tf, fwdbwd_ms=tfb)
+            if kind == "fwd":
+                with torch.no_grad():
+                    f()
+                    r["fwd_ms"] = med(f, rep=100)
+            else:
+                fb()
+                r["fwdbwd_ms"] = med(fb, rep=100, grad_to_none=[q, w])
         except Exception as e:  # a config that does not compile/fit is recorded, not fatal
-            r = dict(warps_fwd=wf, warps_bwd=wb, per_sm_fwd=pf, per_sm_bwd=pb, error=repr(e)[:200])
+            r["error"] = repr(e)[:200]
         print("sweep", json.dumps(r), flush=True)
         res.append(r)
     ours_mod._config = orig

@@ -2,7 +2,8 @@
 
 Design (see k3-architecture.md §4; the math follows fla-core's `fla/ops/attnres` derivation, re-derived here):
 
-* Sources are read where they live: up to 16 tensors passed as separate pointers with their own row stride
+* Sources are read where they live: up to 16 same-dtype tensors, each addressed by its offset from one base
+  pointer and its own row stride, so one tile load covers several sources
   (a `[T, NB, D]` bank's `unbind(1)` views work as they are); nothing is stacked or copied.
 * Forward: one program walks tokens (persistent grid); per token one pass over the sources with an online
   softmax over depth, so every source byte is read once. Per-token stats (key rstd, raw logit, lse: fp32,
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import triton
@@ -72,27 +74,35 @@ def _pick(i: tl.constexpr, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12
 
 
 @triton.jit
-def _load_src(i: tl.constexpr, n, offs, mask,
-              S0, S1, S2, S3, S4, S5, S6, S7, S8, S9, S10, S11, S12, S13, S14, S15,
-              R0, R1, R2, R3, R4, R5, R6, R7, R8, R9, R10, R11, R12, R13, R14, R15):
-    ptr = _pick(i, S0, S1, S2, S3, S4, S5, S6, S7, S8, S9, S10, S11, S12, S13, S14, S15)
-    stride = _pick(i, R0, R1, R2, R3, R4, R5, R6, R7, R8, R9, R10, R11, R12, R13, R14, R15)
-    return tl.load(ptr + n * stride + offs, mask=mask, other=0.0).to(tl.float32)
+def _tile_offsets(t: tl.constexpr, TL: tl.constexpr, L: tl.constexpr, n,
+                  X0, X1, X2, X3, X4, X5, X6, X7, X8, X9, X10, X11, X12, X13, X14, X15,
+                  Y0, Y1, Y2, Y3, Y4, Y5, Y6, Y7, Y8, Y9, Y10, Y11, Y12, Y13, Y14, Y15):
+    """Element offsets (from the base pointer) of token n's row in sources t*TL .. t*TL+TL-1: X_j + n * Y_j,
+    X_j = source j's offset from the base allocation, Y_j its row stride (0 for lanes past L)."""
+    lidx = tl.arange(0, TL)
+    off = tl.zeros([TL], dtype=tl.int64)
+    for j in tl.static_range(TL):
+        if t * TL + j < L:
+            o = _pick(t * TL + j, X0, X1, X2, X3, X4, X5, X6, X7, X8, X9, X10, X11, X12, X13, X14, X15) + \
+                n * _pick(t * TL + j, Y0, Y1, Y2, Y3, Y4, Y5, Y6, Y7, Y8, Y9, Y10, Y11, Y12, Y13, Y14, Y15)
+            off = tl.where(lidx == j, o, off)
+    return off
 
 
 @triton.jit
 def _attnres_fwd_kernel(
-    S0, S1, S2, S3, S4, S5, S6, S7, S8, S9, S10, S11, S12, S13, S14, S15,
-    R0, R1, R2, R3, R4, R5, R6, R7, R8, R9, R10, R11, R12, R13, R14, R15,
+    src_ptr, X0, X1, X2, X3, X4, X5, X6, X7, X8, X9, X10, X11, X12, X13, X14, X15,
+    Y0, Y1, Y2, Y3, Y4, Y5, Y6, Y7, Y8, Y9, Y10, Y11, Y12, Y13, Y14, Y15,
     q_ptr, w_ptr, ow_ptr, o_ptr, rstd_ptr, logit_ptr, lse_ptr,
     N, D, eps, scale,
-    L: tl.constexpr, BLOCK_D: tl.constexpr, OUT_NORM: tl.constexpr, ROUND_MIX: tl.constexpr,
+    L: tl.constexpr, TL: tl.constexpr, BLOCK_D: tl.constexpr, OUT_NORM: tl.constexpr, ROUND_MIX: tl.constexpr,
     STORE_STATS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
+    lidx = tl.arange(0, TL)
     a = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(w_ptr + offs, mask=mask,
                                                                               other=0.0).to(tl.float32)
     if OUT_NORM:
@@ -102,21 +112,26 @@ def _attnres_fwd_kernel(
         m_run = -float("inf")
         l_run = 0.0
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for i in tl.static_range(L):
-            v = _load_src(i, n, offs, mask, S0, S1, S2, S3, S4, S5, S6, S7, S8, S9, S10, S11, S12, S13, S14, S15,
-                          R0, R1, R2, R3, R4, R5, R6, R7, R8, R9, R10, R11, R12, R13, R14, R15)
-            r = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / D + eps)
-            logit = r * tl.sum(v * a, axis=0)
-            s = logit * scale
-            m_new = tl.maximum(m_run, s)
+        # online softmax over depth, TL sources per step (one wide load keeps many bytes in flight)
+        for t in tl.static_range((L + TL - 1) // TL):
+            jj = t * TL + lidx
+            jm = jj < L
+            off = _tile_offsets(t, TL, L, n, X0, X1, X2, X3, X4, X5, X6, X7, X8, X9, X10, X11, X12, X13, X14, X15,
+                                Y0, Y1, Y2, Y3, Y4, Y5, Y6, Y7, Y8, Y9, Y10, Y11, Y12, Y13, Y14, Y15)
+            v = tl.load(src_ptr + off[:, None] + offs[None, :], mask=jm[:, None] & mask[None, :],
+                        other=0.0).to(tl.float32)
+            r = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
+            logit = r * tl.sum(v * a[None, :], axis=1)
+            s = tl.where(jm, logit * scale, -float("inf"))
+            m_new = tl.maximum(m_run, tl.max(s, axis=0))
             alpha = tl.exp(m_run - m_new)
             e = tl.exp(s - m_new)
-            acc = acc * alpha + e * v
-            l_run = l_run * alpha + e
+            acc = acc * alpha + tl.sum(e[:, None] * v, axis=0)
+            l_run = l_run * alpha + tl.sum(e, axis=0)
             m_run = m_new
             if STORE_STATS:
-                tl.store(rstd_ptr + n * L + i, r)
-                tl.store(logit_ptr + n * L + i, logit)
+                tl.store(rstd_ptr + n * L + jj, r, mask=jm)
+                tl.store(logit_ptr + n * L + jj, logit, mask=jm)
         mix = acc / l_run
         if STORE_STATS:
             tl.store(lse_ptr + n, m_run + tl.log(l_run))
@@ -130,13 +145,14 @@ def _attnres_fwd_kernel(
 
 @triton.jit
 def _attnres_bwd_kernel(
-    S0, S1, S2, S3, S4, S5, S6, S7, S8, S9, S10, S11, S12, S13, S14, S15,
-    R0, R1, R2, R3, R4, R5, R6, R7, R8, R9, R10, R11, R12, R13, R14, R15,
-    G0, G1, G2, G3, G4, G5, G6, G7, G8, G9, G10, G11, G12, G13, G14, G15,
-    Q0, Q1, Q2, Q3, Q4, Q5, Q6, Q7, Q8, Q9, Q10, Q11, Q12, Q13, Q14, Q15,
+    src_ptr, X0, X1, X2, X3, X4, X5, X6, X7, X8, X9, X10, X11, X12, X13, X14, X15,
+    Y0, Y1, Y2, Y3, Y4, Y5, Y6, Y7, Y8, Y9, Y10, Y11, Y12, Y13, Y14, Y15,
+    grad_ptr, GX0, GX1, GX2, GX3, GX4, GX5, GX6, GX7, GX8, GX9, GX10, GX11, GX12, GX13, GX14, GX15,
+    GY0, GY1, GY2, GY3, GY4, GY5, GY6, GY7, GY8, GY9, GY10, GY11, GY12, GY13, GY14, GY15,
     q_ptr, w_ptr, ow_ptr, do_ptr, rstd_ptr, logit_ptr, lse_ptr, da_part_ptr, dow_part_ptr,
     N, D, eps, scale, write_mask, acc_mask,
-    L: tl.constexpr, BLOCK_D: tl.constexpr, OUT_NORM: tl.constexpr, ROUND_MIX: tl.constexpr,
+    L: tl.constexpr, TL: tl.constexpr, TLF: tl.constexpr, BLOCK_D: tl.constexpr, OUT_NORM: tl.constexpr,
+    ROUND_MIX: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -149,23 +165,29 @@ def _attnres_bwd_kernel(
         ow = tl.load(ow_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         dow_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for tok in range(pid, N, nprog):
-        n = tok + tl.zeros([], dtype=tl.int64)  # 64-bit offsets (N * row stride can exceed 2^31)
+        n = tok + tl.zeros([], dtype=tl.int64)
         do = tl.load(do_ptr + n * D + offs, mask=mask, other=0.0).to(tl.float32)
         lse = tl.load(lse_ptr + n)
-        # pass A: gradient of the pre-norm mixture (dm) and delta_bar = sum_l p_l <v_l, dm>
+        # pass A: gradient of the pre-norm mixture (dm) and dbar = sum_l p_l <v_l, dm>
         if OUT_NORM:
+            # the mixture, recomputed exactly as the forward did (same tiles, same saved logits)
+            lidf = tl.arange(0, TLF)
             m_run = -float("inf")
             l_run = 0.0
             acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-            for i in tl.static_range(L):
-                v = _load_src(i, n, offs, mask, S0, S1, S2, S3, S4, S5, S6, S7, S8, S9, S10, S11, S12, S13, S14,
-                              S15, R0, R1, R2, R3, R4, R5, R6, R7, R8, R9, R10, R11, R12, R13, R14, R15)
-                s = tl.load(logit_ptr + n * L + i) * scale
-                m_new = tl.maximum(m_run, s)
+            for t in tl.static_range((L + TLF - 1) // TLF):
+                jj = t * TLF + lidf
+                jm = jj < L
+                off = _tile_offsets(t, TLF, L, n, X0, X1, X2, X3, X4, X5, X6, X7, X8, X9, X10, X11, X12, X13, X14,
+                                    X15, Y0, Y1, Y2, Y3, Y4, Y5, Y6, Y7, Y8, Y9, Y10, Y11, Y12, Y13, Y14, Y15)
+                v = tl.load(src_ptr + off[:, None] + offs[None, :], mask=jm[:, None] & mask[None, :],
+                            other=0.0).to(tl.float32)
+                s = tl.where(jm, tl.load(logit_ptr + n * L + jj, mask=jm, other=0.0) * scale, -float("inf"))
+                m_new = tl.maximum(m_run, tl.max(s, axis=0))
                 alpha = tl.exp(m_run - m_new)
                 e = tl.exp(s - m_new)
-                acc = acc * alpha + e * v
-                l_run = l_run * alpha + e
+                acc = acc * alpha + tl.sum(e[:, None] * v, axis=0)
+                l_run = l_run * alpha + tl.sum(e, axis=0)
                 m_run = m_new
             mix = acc / l_run
             mm = mix
@@ -180,40 +202,55 @@ def _attnres_bwd_kernel(
         else:
             dm = do
             dbar = 0.0
-            for i in tl.static_range(L):
-                v = _load_src(i, n, offs, mask, S0, S1, S2, S3, S4, S5, S6, S7, S8, S9, S10, S11, S12, S13, S14,
-                              S15, R0, R1, R2, R3, R4, R5, R6, R7, R8, R9, R10, R11, R12, R13, R14, R15)
-                p = tl.exp(tl.load(logit_ptr + n * L + i) * scale - lse)
-                dbar += p * tl.sum(v * dm, axis=0)
-        # pass B: per-source gradients, written/accumulated into their destinations
-        for i in tl.static_range(L):
-            v = _load_src(i, n, offs, mask, S0, S1, S2, S3, S4, S5, S6, S7, S8, S9, S10, S11, S12, S13, S14, S15,
-                          R0, R1, R2, R3, R4, R5, R6, R7, R8, R9, R10, R11, R12, R13, R14, R15)
-            logit = tl.load(logit_ptr + n * L + i)
-            r = tl.load(rstd_ptr + n * L + i)
-            p = tl.exp(logit * scale - lse)
-            gs = scale * p * (tl.sum(v * dm, axis=0) - dbar) * r
-            da_acc += gs * v
-            if ((write_mask | acc_mask) >> i) & 1:
-                dv = p * dm + gs * (a - (r * logit / D) * v)
-                gptr = _pick(i, G0, G1, G2, G3, G4, G5, G6, G7, G8, G9, G10, G11, G12, G13, G14, G15)
-                gptr = gptr + n * _pick(i, Q0, Q1, Q2, Q3, Q4, Q5, Q6, Q7, Q8, Q9, Q10, Q11, Q12, Q13, Q14, Q15) + offs
-                if (acc_mask >> i) & 1:
-                    dv += tl.load(gptr, mask=mask, other=0.0).to(tl.float32)
-                tl.store(gptr, dv.to(gptr.dtype.element_ty), mask=mask)
+            lidx = tl.arange(0, TL)
+            for t in tl.static_range((L + TL - 1) // TL):
+                jj = t * TL + lidx
+                jm = jj < L
+                off = _tile_offsets(t, TL, L, n, X0, X1, X2, X3, X4, X5, X6, X7, X8, X9, X10, X11, X12, X13, X14,
+                                    X15, Y0, Y1, Y2, Y3, Y4, Y5, Y6, Y7, Y8, Y9, Y10, Y11, Y12, Y13, Y14, Y15)
+                v = tl.load(src_ptr + off[:, None] + offs[None, :], mask=jm[:, None] & mask[None, :],
+                            other=0.0).to(tl.float32)
+                p = tl.exp(tl.load(logit_ptr + n * L + jj, mask=jm, other=0.0) * scale - lse)
+                dbar += tl.sum(tl.where(jm, p, 0.0) * tl.sum(v * dm[None, :], axis=1), axis=0)
+        # pass B: per-source gradients, written / accumulated into their destinations
+        lidx = tl.arange(0, TL)
+        for t in tl.static_range((L + TL - 1) // TL):
+            jj = t * TL + lidx
+            jm = jj < L
+            off = _tile_offsets(t, TL, L, n, X0, X1, X2, X3, X4, X5, X6, X7, X8, X9, X10, X11, X12, X13, X14, X15,
+                                Y0, Y1, Y2, Y3, Y4, Y5, Y6, Y7, Y8, Y9, Y10, Y11, Y12, Y13, Y14, Y15)
+            v = tl.load(src_ptr + off[:, None] + offs[None, :], mask=jm[:, None] & mask[None, :],
+                        other=0.0).to(tl.float32)
+            logit = tl.load(logit_ptr + n * L + jj, mask=jm, other=0.0)
+            r = tl.load(rstd_ptr + n * L + jj, mask=jm, other=0.0)
+            p = tl.where(jm, tl.exp(logit * scale - lse), 0.0)
+            gs = scale * p * (tl.sum(v * dm[None, :], axis=1) - dbar) * r
+            da_acc += tl.sum(gs[:, None] * v, axis=0)
+            wm = jm & (((write_mask >> jj) & 1) != 0)
+            am = jm & (((acc_mask >> jj) & 1) != 0)
+            goff = _tile_offsets(t, TL, L, n, GX0, GX1, GX2, GX3, GX4, GX5, GX6, GX7, GX8, GX9, GX10, GX11, GX12,
+                                 GX13, GX14, GX15, GY0, GY1, GY2, GY3, GY4, GY5, GY6, GY7, GY8, GY9, GY10, GY11,
+                                 GY12, GY13, GY14, GY15)
+            gptr = grad_ptr + goff[:, None] + offs[None, :]
+            dv = p[:, None] * dm[None, :] + gs[:, None] * (a[None, :] - (r * logit / D)[:, None] * v)
+            dv += tl.load(gptr, mask=am[:, None] & mask[None, :], other=0.0).to(tl.float32)
+            tl.store(gptr, dv.to(gptr.dtype.element_ty), mask=(wm | am)[:, None] & mask[None, :])
     tl.store(da_part_ptr + pid * D + offs, da_acc, mask=mask)
     if OUT_NORM:
         tl.store(dow_part_ptr + pid * D + offs, dow_acc, mask=mask)
 
 
 @triton.jit
-def _colsum_kernel(part_ptr, out_ptr, P, D, BLOCK: tl.constexpr):
-    """out[d] = sum_p part[p, d], summed in program order p = 0, 1, ... (fixed, no atomics)."""
+def _colsum_kernel(part_ptr, out_ptr, P, D, BLOCK_P: tl.constexpr, BLOCK: tl.constexpr):
+    """out[d] = sum_p part[p, d]: BLOCK_P-row chunks (fixed tree) summed in chunk order (no atomics)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
+    rows = tl.arange(0, BLOCK_P)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for p in range(0, P):
-        acc += tl.load(part_ptr + p * D + offs, mask=mask, other=0.0)
+    for p0 in range(0, P, BLOCK_P):
+        m = ((p0 + rows) < P)[:, None] & mask[None, :]
+        acc += tl.sum(tl.load(part_ptr + (p0 + rows)[:, None].to(tl.int64) * D + offs[None, :], mask=m, other=0.0),
+                      axis=0)
     tl.store(out_ptr + offs, acc, mask=mask)
 
 
@@ -226,14 +263,24 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _config(D: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_D, warps forward, warps backward, programs per SM forward, programs per SM backward)."""
+class _Cfg(NamedTuple):
+    block_d: int
+    warps_fwd: int
+    warps_bwd: int
+    per_sm_fwd: int   # resident programs per SM (persistent grid)
+    per_sm_bwd: int
+    tl_fwd: int       # sources per load step
+    tl_bwd: int
+
+
+def _config(D: int) -> _Cfg:
+    """Launch configuration: a function of D alone (never of the token count), so results are batch invariant."""
     block = triton.next_power_of_2(D)
     if block >= 8192:
-        return block, 16, 16, 2, 1
+        return _Cfg(block, 16, 16, 2, 1, 4, 2)
     if block >= 2048:
-        return block, 8, 8, 2, 2
-    return block, 4, 4, 4, 2
+        return _Cfg(block, 8, 8, 2, 2, 4, 2)
+    return _Cfg(block, 4, 4, 4, 2, 4, 2)
 
 
 def _num_programs(N: int, device: torch.device, per_sm: int) -> int:
@@ -247,8 +294,8 @@ def colsum(part: torch.Tensor) -> torch.Tensor:
     """Fixed-order column sum of a [P, D] fp32 partials buffer -> [D] fp32."""
     P, D = part.shape
     out = torch.empty(D, device=part.device, dtype=torch.float32)
-    BLOCK = 1024
-    _colsum_kernel[(triton.cdiv(D, BLOCK),)](part, out, P, D, BLOCK=BLOCK)
+    BLOCK = 256
+    _colsum_kernel[(triton.cdiv(D, BLOCK),)](part, out, P, D, BLOCK_P=32, BLOCK=BLOCK, num_warps=4)
     return out
 
 
@@ -327,10 +374,20 @@ def _flat(x: torch.Tensor, D: int, name: str) -> torch.Tensor:
                          f"flattened without a copy") from e
 
 
-def _src_args(xs: Sequence[torch.Tensor]) -> list:
-    ptrs = list(xs) + [xs[0]] * (MAX_SOURCES - len(xs))
-    strides = [x.stride(0) for x in xs] + [0] * (MAX_SOURCES - len(xs))
-    return ptrs + strides
+def _offset_args(xs: Sequence[torch.Tensor]) -> list:
+    """Base tensor, then per source its element offset from the base and its row stride (padded to 16).
+
+    Sources are addressed from one base pointer so a kernel can load several of them in one tile."""
+    base = xs[0]
+    size = base.element_size()
+    offs = []
+    for i, x in enumerate(xs):
+        delta = x.data_ptr() - base.data_ptr()
+        if x.dtype != base.dtype or delta % size:
+            raise ValueError(f"sources[{i}]: dtype {x.dtype} / alignment differs from sources[0] ({base.dtype})")
+        offs.append(delta // size)
+    pad = MAX_SOURCES - len(xs)
+    return [base, *offs, *([0] * pad), *(x.stride(0) for x in xs), *([0] * pad)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -351,11 +408,11 @@ def _forward(flat: list[torch.Tensor], query: torch.Tensor, weight: torch.Tensor
         rstd = logit = lse = o
     if N == 0:
         return o, rstd, logit, lse
-    BLOCK_D, warps, _, per_sm, _ = _config(D)
-    grid = (_num_programs(N, dev, per_sm),)
-    _attnres_fwd_kernel[grid](*_src_args(flat), query, weight, ow if ow is not None else weight, o, rstd, logit, lse,
-                              N, D, eps, scale, L=L, BLOCK_D=BLOCK_D, OUT_NORM=ow is not None, ROUND_MIX=round_mix,
-                              STORE_STATS=store_stats, num_warps=warps)
+    cfg = _config(D)
+    grid = (_num_programs(N, dev, cfg.per_sm_fwd),)
+    _attnres_fwd_kernel[grid](*_offset_args(flat), query, weight, ow if ow is not None else weight, o, rstd, logit,
+                              lse, N, D, eps, scale, L=L, TL=cfg.tl_fwd, BLOCK_D=cfg.block_d, OUT_NORM=ow is not None,
+                              ROUND_MIX=round_mix, STORE_STATS=store_stats, num_warps=cfg.warps_fwd)
     return o, rstd, logit, lse
 
 
@@ -384,47 +441,56 @@ class _AttnResFn(torch.autograd.Function):
         do = do.reshape(N, D).contiguous()
         needs = ctx.needs_input_grad[4:]
         grads: list[torch.Tensor | None] = [None] * L      # returned to autograd
-        dests: list[torch.Tensor] = []
+        dests: list[torch.Tensor] = []                     # where the kernel writes (mode 0 lanes: unused)
+        later: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer already targeted, separate partial)
         write_mask = acc_mask = 0
-        seen: dict[tuple[int, tuple], int] = {}
+        seen: set[tuple[int, tuple]] = set()
         for i, s in enumerate(sources):
             if not needs[i]:
-                dests.append(flat[i])
+                dests.append(None)
                 continue
             sink = getattr(s, "_k3_attnres_sink", None)
-            dest = None
             if sink is not None:
                 if sink.grad is None:
                     sink.grad = torch.empty(s.shape, device=dev, dtype=s.dtype)
-                    write_mask |= 1 << i
+                    mode = 1
                 else:
-                    acc_mask |= 1 << i
+                    mode = 2
                 dest = sink.grad
             else:
                 dest = _leaf_grad_view(s)
-                if dest is not None:
-                    acc_mask |= 1 << i
-                else:
+                mode = 2
+                if dest is None:
                     dest = grads[i] = torch.empty(s.shape, device=dev, dtype=s.dtype)
-                    write_mask |= 1 << i
+                    mode = 1
             key = (dest.data_ptr(), tuple(dest.stride()))
-            if key in seen:  # the same buffer twice (a source passed twice): the later one accumulates
-                write_mask &= ~(1 << i)
+            if key in seen:  # the same buffer twice (a source passed twice): own buffer, added after the kernel
+                tmp = torch.empty(s.shape, device=dev, dtype=s.dtype)
+                later.append((dest, tmp))
+                dest, mode = tmp, 1
+            seen.add(key)
+            if mode == 1:
+                write_mask |= 1 << i
+            else:
                 acc_mask |= 1 << i
-            seen[key] = i
             dests.append(_flat(dest, D, f"grad of sources[{i}]"))
-        BLOCK_D, _, warps, _, per_sm = _config(D)
-        P = _num_programs(N, dev, per_sm)
+        gbase = next((d for d in dests if d is not None), flat[0])
+        dests = [gbase if d is None else d for d in dests]
+        cfg = _config(D)
+        P = _num_programs(N, dev, cfg.per_sm_bwd)
         da_part = torch.empty(P, D, device=dev, dtype=torch.float32)
         dow_part = torch.empty(P, D, device=dev, dtype=torch.float32) if ow is not None else da_part
         if N > 0:
-            _attnres_bwd_kernel[(P,)](*_src_args(flat), *_src_args(dests), query, weight,
+            _attnres_bwd_kernel[(P,)](*_offset_args(flat), *_offset_args(dests), query, weight,
                                       ow if ow is not None else weight, do, rstd, logit, lse, da_part, dow_part,
-                                      N, D, eps, scale, write_mask, acc_mask, L=L, BLOCK_D=BLOCK_D,
-                                      OUT_NORM=ow is not None, ROUND_MIX=round_mix, num_warps=warps)
+                                      N, D, eps, scale, write_mask, acc_mask, L=L, TL=cfg.tl_bwd, TLF=cfg.tl_fwd,
+                                      BLOCK_D=cfg.block_d, OUT_NORM=ow is not None, ROUND_MIX=round_mix,
+                                      num_warps=cfg.warps_bwd)
         else:
             da_part.zero_()
             dow_part.zero_()
+        for dest, tmp in later:
+            dest.add_(tmp)
         da = colsum(da_part)
         dq = (da * weight.float()).to(query.dtype) if ctx.needs_input_grad[0] else None
         dw = (da * query.float()).to(weight.dtype) if ctx.needs_input_grad[1] else None

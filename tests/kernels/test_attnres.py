@@ -41,6 +41,12 @@ def _inputs(R, N=(2, 3), D=48, dtype=torch.float32, out_norm=False, device=DEV, 
     return rows, partial, q, w, ow, do
 
 
+def _err_ratio(x, ref):
+    """RMS error relative to the reference's RMS (fla-core's test metric)."""
+    x, ref = x.double(), ref.double()
+    return ((x - ref).square().mean().sqrt() / ref.square().mean().sqrt().clamp_min(1e-30)).item()
+
+
 def _grads(out, inputs, do):
     return torch.autograd.grad(out, [t for t in inputs if t is not None], do)
 
@@ -186,6 +192,8 @@ def test_bad_input_names_the_tensor():
         fz.fused_block_attnres(rows, partial, q[:5], w)
     with pytest.raises(ValueError, match="sources"):
         fz.fused_block_attnres([rows[0]] * 16, partial, q, w)
+    with pytest.raises(ValueError, match="sources\\[1\\]: dtype"):
+        fz.fused_block_attnres([rows[0], rows[1].double()], partial, q, w)
     with pytest.raises(ValueError, match="checkpoint_level"):
         fz.fused_attnres(q, [*rows, partial], w, checkpoint_level=2)
 
@@ -196,10 +204,11 @@ def test_gpu_k3_width_matches_reference(out_norm):
     rows, partial, q, w, ow, do = _inputs(8, N=(257,), D=7168, out_norm=out_norm, device="cuda", seed=1)
     o = fz.fused_block_attnres(rows, partial, q, w, 1e-6, ow)
     o_ref = naive_block_attnres(rows, partial, q, w, 1e-6, ow)
-    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
+    assert _err_ratio(o, o_ref) < 1e-6
+    torch.testing.assert_close(o, o_ref, atol=1e-3, rtol=1e-3)
     ins = [*rows, partial, q, w, ow]
     for a, b in zip(_grads(o, ins, do), _grads(o_ref, ins, do)):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        assert _err_ratio(a, b) < 1e-5
 
 
 @pytest.mark.gpu
@@ -210,10 +219,10 @@ def test_gpu_bf16_and_fla_fused_agree():
     o = fz.fused_attnres(q, res, w)
     o_fla = fla_fused.fused_attnres(q, res, w)
     o_ref = fla_naive.naive_attnres(q, res, w)
-    assert (o.float() - o_ref.float()).abs().max() <= (o_fla.float() - o_ref.float()).abs().max() + 1e-2
+    assert _err_ratio(o, o_ref) <= max(_err_ratio(o_fla, o_ref), 1e-3)
     ins = [*res, q, w]
     for a, b in zip(_grads(o, ins, do), _grads(o_ref, ins, do)):
-        torch.testing.assert_close(a.float(), b.float(), atol=5e-2, rtol=2e-2)
+        assert _err_ratio(a, b) < 5e-3  # fla-core's bf16 ratio
 
 
 @pytest.mark.gpu
