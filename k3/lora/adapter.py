@@ -47,12 +47,16 @@ class LoRAAdapter(nn.Module):
         self.lora_B = nn.ParameterDict()
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         r = config.rank
+        # initialised on the CPU (same values for a seed on any device); on the meta device only shapes exist
+        init_device = "meta" if torch.device(device or "cpu").type == "meta" else "cpu"
         for name, t in self.targets.items():
-            bound = 1.0 / math.sqrt(t.in_features)
-            a = torch.empty(t.a_shape(r)).uniform_(-bound, bound, generator=gen)
-            b = torch.zeros(t.b_shape(r))
-            if config.init_scale > 0:
-                b.normal_(0.0, config.init_scale, generator=gen)
+            a = torch.empty(t.a_shape(r), device=init_device)
+            b = torch.zeros(t.b_shape(r), device=init_device)
+            if init_device == "cpu":
+                bound = 1.0 / math.sqrt(t.in_features)
+                a.uniform_(-bound, bound, generator=gen)
+                if config.init_scale > 0:
+                    b.normal_(0.0, config.init_scale, generator=gen)
             self.lora_A[_key(name)] = nn.Parameter(a.to(device=device, dtype=dtype))
             self.lora_B[_key(name)] = nn.Parameter(b.to(device=device, dtype=dtype))
 

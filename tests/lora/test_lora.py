@@ -257,3 +257,34 @@ def test_selection_errors(tiny):
     mgr.activate("a")
     mgr.remove("a")
     assert mgr.selection is None
+
+
+def test_k3_preset_default_adapter_on_meta():
+    """The K3 preset's default adapter (rank 64 on attention + dense MLP + shared experts), shapes only."""
+    cfg = K3Config.preset("k3")
+    with torch.device("meta"):
+        model = K3ForCausalLM(cfg, init=False)
+    ad = LoRAAdapter.for_model(model, LoRAConfig.preset("k3"))
+    n_mla = sum(not cfg.is_kda_layer(i) for i in range(cfg.num_hidden_layers))
+    n_kda = cfg.num_hidden_layers - n_mla
+    assert ad.config.rank == 64 and len(ad.targets) == 6 * n_mla + 8 * n_kda + 3 * cfg.num_hidden_layers
+    assert ad.A("model.layers.3.self_attn.kv_b_proj").shape == (64, cfg.kv_lora_rank)
+    assert ad.A("model.layers.3.self_attn.kv_b_proj").is_meta
+    r = 64
+    want = sum(r * (t.in_features + t.out_features) for t in ad.targets.values())
+    assert ad.num_parameters() == want
+    print(f"\nK3 default LoRA (rank 64, attn+mlp): {len(ad.targets)} targets, {want / 1e6:.1f} M parameters")
+
+
+def test_mixed_adapters_inside_a_row_cannot_decode_over_the_mla_cache(tiny):
+    mgr = LoRAManager(tiny)
+    mgr.create("a", _cfg(("attn",)), seed=1)
+    ids = _ids(tiny, b=2, t=4)
+    mixed = torch.tensor([[0, 0, -1, -1], [-1, -1, -1, -1]])
+    with torch.no_grad(), mgr.use(mixed):
+        _, state = tiny.extend(ids)  # a prefill sees each token once: fine
+    with torch.no_grad(), mgr.use(torch.tensor([[0], [-1]])):
+        tiny.extend(ids[:, :1], state)  # one adapter per row: fine
+    with torch.no_grad(), mgr.use(torch.tensor([[0, -1], [-1, -1]])):
+        with pytest.raises(LoRAError, match="kv_b_proj reads 6 positions per row"):
+            tiny.extend(ids[:, :2], state)
