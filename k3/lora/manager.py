@@ -62,7 +62,10 @@ class LoRAManager:
     """Named adapters on one base model and the per-forward choice between them (see module doc)."""
 
     def __init__(self, model: nn.Module) -> None:
+        if getattr(model, "_lora_manager", None) is not None:
+            raise LoRAError("this model already has a LoRAManager; close() it first (one manager per model)")
         self.model = model
+        model._lora_manager = self
         self._cands = candidate_targets(model)
         self._adapters: dict[str, LoRAAdapter] = {}
         self._slots: dict[str, int] = {}
@@ -116,7 +119,7 @@ class LoRAManager:
         self._require(name)
         if self._merged == name:
             raise LoRAError(f"adapter {name!r} is merged into the base weights; unmerge() first")
-        if self._mentions(self._selection, name):
+        if self._mentions(self._selection, name, self._slots[name]):
             self._selection = None
         del self._slots[name]
         return self._adapters.pop(name)
@@ -137,6 +140,7 @@ class LoRAManager:
             del mod.forward
         self._experts.clear()
         self._hooked.clear()
+        self.model._lora_manager = None
 
     # ------------------------------------------------------------------ selection
     def activate(self, selection: Selection) -> None:
@@ -163,9 +167,11 @@ class LoRAManager:
             raise LoRAError(f"no adapter named {name!r} (have {sorted(self._adapters)})")
 
     @staticmethod
-    def _mentions(selection: Selection, name: str) -> bool:
+    def _mentions(selection: Selection, name: str, slot: int) -> bool:
         if isinstance(selection, str):
             return selection == name
+        if isinstance(selection, torch.Tensor):
+            return bool((selection == slot).any())
         return isinstance(selection, (list, tuple)) and name in selection
 
     def _validate(self, selection: Selection) -> None:

@@ -257,6 +257,14 @@ def test_selection_errors(tiny):
     mgr.activate("a")
     mgr.remove("a")
     assert mgr.selection is None
+    b = mgr.create("b", _cfg(("attn",)))
+    mgr.activate(torch.full((2, 4), mgr.slot("b")))
+    mgr.remove("b")
+    assert mgr.selection is None
+    with pytest.raises(LoRAError, match="already has a LoRAManager"):
+        LoRAManager(tiny)
+    mgr.close()
+    LoRAManager(tiny).add("b", b)
 
 
 def test_k3_preset_default_adapter_on_meta():
