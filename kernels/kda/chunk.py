@@ -38,7 +38,7 @@ CONFIG = {"fwd_state_bv": 16, "fwd_state_warps": 4, "fwd_state_stages": 2,
 
 @triton.jit
 def _fwd_intra(q, k, v, g, beta, A_log, dt_bias, Gc, Mc, Aqk, Wc, Uc, QGc, KDc, cu, cidx, scale, lower_bound,
-               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+               H, HV, K, V, BK: tl.constexpr,
                BVF: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
                PREC: tl.constexpr):
     c = tl.program_id(0).to(tl.int64)
@@ -77,7 +77,7 @@ def _fwd_intra(q, k, v, g, beta, A_log, dt_bias, Gc, Mc, Aqk, Wc, Uc, QGc, KDc, 
     pA = Aqk + base * 64 * 64
     # 2. A and Aqk by 16-row blocks; M = (I + A)^-1 row block by row block:
     #    M_I = D_I (E_I - sum_{J<I} A_IJ M_J), D_I = (I + A_II)^-1 by forward substitution.
-    for I in tl.static_range(4):
+    for I in range(4):
         rI = I * 16 + c16
         mI = rI < nv
         kI = tl.load(k + ((t0 + rI) * H + h)[:, None] * K + ok[None, :], mask=mI[:, None] & km[None, :],
@@ -91,7 +91,7 @@ def _fwd_intra(q, k, v, g, beta, A_log, dt_bias, Gc, Mc, Aqk, Wc, Uc, QGc, KDc, 
         kIe = kI * eI
         qIe = qI * eI
         Y = tl.zeros([16, 64], dtype=tl.float32)
-        for J in tl.static_range(I):
+        for J in range(I):
             rJ = J * 16 + c16
             mJ = rJ < nv
             kJ = tl.load(k + ((t0 + rJ) * H + h)[:, None] * K + ok[None, :], mask=mJ[:, None] & km[None, :],
@@ -115,7 +115,7 @@ def _fwd_intra(q, k, v, g, beta, A_log, dt_bias, Gc, Mc, Aqk, Wc, Uc, QGc, KDc, 
             aqk = tl.where(c16[None, :] == jj, tl.sum(qI * kje, 1)[:, None], aqk)
         akk = tl.where(c16[:, None] > c16[None, :], akk, 0.) * bI[:, None]
         tl.store(pA + rI[:, None] * 64 + rI[None, :], aqk.to(Aqk.dtype.element_ty))
-        for J in tl.static_range(I + 1, 4):
+        for J in range(I + 1, 4):
             tl.store(pA + rI[:, None] * 64 + (J * 16 + c16)[None, :],
                      tl.zeros([16, 16], dtype=tl.float32).to(Aqk.dtype.element_ty))
         D = tl.where(c16[:, None] == c16[None, :], 1., 0.)
@@ -151,7 +151,7 @@ def _fwd_intra(q, k, v, g, beta, A_log, dt_bias, Gc, Mc, Aqk, Wc, Uc, QGc, KDc, 
 
 @triton.jit
 def _fwd_state(Wc, Uc, QGc, KDc, Aqk, Gc, o, h0, ht, Hc, VNc, cu, coff,
-               HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
+               HV, K, V, BK: tl.constexpr, BVF: tl.constexpr,
                BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, SAVE: tl.constexpr,
                NUM_STAGES: tl.constexpr, PREC: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
@@ -199,7 +199,7 @@ def _fwd_state(Wc, Uc, QGc, KDc, Aqk, Gc, o, h0, ht, Hc, VNc, cu, coff,
 
 @triton.jit
 def _bwd_state(QGc, Wc, KDc, Aqk, Gc, do, dht, dh0, DHc, DVNc, cu, coff,
-               HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
+               HV, K, V, BK: tl.constexpr, BVF: tl.constexpr,
                BV: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, NUM_STAGES: tl.constexpr,
                PREC: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
@@ -244,7 +244,7 @@ def _bwd_state(QGc, Wc, KDc, Aqk, Gc, do, dht, dh0, DHc, DVNc, cu, coff,
 @triton.jit
 def _bwd_intra(q, k, v, beta, do, Gc, Mc, Hc, DHc, VNc, DVNc, dq, dk, dv, dbeta, dg,
                Rs, Ps, DQs, DKs, DGs, DBs, cu, cidx, scale,
-               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+               H, HV, K, V, BK: tl.constexpr,
                BVF: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1).to(tl.int64)
@@ -272,7 +272,7 @@ def _bwd_intra(q, k, v, beta, do, Gc, Mc, Hc, DHc, VNc, DVNc, dq, dk, dv, dbeta,
     dAqk = tl.zeros([64, 64], dtype=tl.float32)
     dM = tl.zeros([64, 64], dtype=tl.float32)
     db = tl.zeros([64], dtype=tl.float32)
-    for iv in tl.static_range(BVF // BV):
+    for iv in range(BVF // BV):
         ov = iv * BV + tl.arange(0, BV)
         vm = ov < V
         pS = base * BK * BVF + ok[:, None] * BVF + ov[None, :]
@@ -317,7 +317,7 @@ def _bwd_intra(q, k, v, beta, do, Gc, Mc, Hc, DHc, VNc, DVNc, dq, dk, dv, dbeta,
     tl.store(DBs + base * 64 + r, db)
     tl.debug_barrier()
     # phase B: gradients through A (P = dA) and Aqk (R = dAqk), by 16-row blocks
-    for b in tl.static_range(4):
+    for b in range(4):
         rb = b * 16 + c16
         mb = rb < nv
         mbk = mb[:, None] & km[None, :]
@@ -332,7 +332,7 @@ def _bwd_intra(q, k, v, beta, do, Gc, Mc, Hc, DHc, VNc, DVNc, dq, dk, dv, dbeta,
         rowP = tl.zeros([16, BK], dtype=tl.float32)
         colX = tl.zeros([16, BK], dtype=tl.float32)
         dbb = tl.zeros([16], dtype=tl.float32)
-        for J in tl.static_range(b):  # rows b, columns J < b
+        for J in range(b):  # rows b, columns J < b
             rJ = J * 16 + c16
             kJ = tl.load(k + ((t0 + rJ) * H + h)[:, None] * K + ok[None, :], mask=(rJ < nv)[:, None] & km[None, :],
                          other=0.).to(tl.float32)
@@ -356,7 +356,7 @@ def _bwd_intra(q, k, v, beta, do, Gc, Mc, Hc, DHc, VNc, DVNc, dq, dk, dv, dbeta,
             rowP += Pc[:, None] * kje
             dbb += Pc * tl.sum(kb * kje, 1)
         rowP *= bb[:, None]
-        for I in tl.static_range(b + 1, 4):  # rows I > b, columns b
+        for I in range(b + 1, 4):  # rows I > b, columns b
             rI = I * 16 + c16
             mIk = (rI < nv)[:, None] & km[None, :]
             qI = tl.load(q + ((t0 + rI) * H + h)[:, None] * K + ok[None, :], mask=mIk, other=0.).to(tl.float32)
@@ -488,11 +488,9 @@ class _ChunkKDA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound, cu):
         plan = _chunk_plan(cu, q.device)
-        save = any(ctx.needs_input_grad)
-        o, ht, saved = _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound, plan, save)
-        if any(ctx.needs_input_grad):
-            ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, *saved)
-            ctx.plan, ctx.scale, ctx.gate, ctx.lower_bound, ctx.has_h0 = plan, scale, gate, lower_bound, h0 is not None
+        o, ht, saved = _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound, plan, True)
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, *saved)
+        ctx.plan, ctx.scale, ctx.gate, ctx.lower_bound, ctx.has_h0 = plan, scale, gate, lower_bound, h0 is not None
         return o, ht
 
     @staticmethod
@@ -572,6 +570,13 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
         raise ValueError(f"cu_seqlens must rise from 0 to {B * T}, got {cu}")
     gate = 0 if not use_gate_in_kernel else (2 if lower_bound is not None else 1)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    return _ChunkKDA.apply(q, k, v, g, beta, scale, initial_state.contiguous() if initial_state is not None else None,
-                           output_final_state, gate, A_log.contiguous() if A_log is not None else None,
-                           dt_bias.contiguous() if dt_bias is not None else None, lower_bound, cu)
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    A_log = A_log.contiguous() if A_log is not None else None
+    dt_bias = dt_bias.contiguous() if dt_bias is not None else None
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad
+                                       for x in (q, k, v, g, beta, h0, A_log, dt_bias)):
+        return _ChunkKDA.apply(q, k, v, g, beta, scale, h0, output_final_state, gate, A_log, dt_bias, lower_bound, cu)
+    # inference: no autograd node, nothing saved (per-chunk states never reach memory)
+    o, ht, _ = _fwd(q, k, v, g, beta, scale, h0, output_final_state, gate, A_log, dt_bias, lower_bound,
+                    _chunk_plan(cu, q.device), False)
+    return o, ht

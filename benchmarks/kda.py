@@ -1,0 +1,198 @@
+"""KDA chunked prefill/training: fla-core `chunk_kda` vs k3_kernels `chunk_kda` on one GPU, same process.
+
+Protocol of shared/anchors/bench_fla.py: B=1, H=16, K=V=128, bf16 q/k/v/beta, fp32 log-decay
+g = 0.5 * logsigmoid(randn), unit-norm k; T in {4K, 16K, 64K, 128K} plus one packed varlen batch.
+Forward medians under no_grad, forward+backward medians (`triton.testing.do_bench`, grads reset each call);
+backward = difference. Floors: bytes that must move / measured copy bandwidth, and the report's FLOP count
+(Kimi Linear Eq. 13, per head 6 T d^2 + 3 T C d + T C^2, backward taken as 2x) / measured bf16 matmul rate.
+Before timing, a short sweep picks the state-pass launch settings (recorded in the JSON), and each size checks
+ours against fla-core (relative RMS of o and every gradient).
+Writes benchmarks/results/kda.json (or $OUT/kda.json when OUT is set). `--quick` runs 4K/16K only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+import k3_kernels.kda.chunk as ours_mod
+
+dev = "cuda"
+H, D, C = 16, 128, 64
+
+
+def med(fn, rep=100, grad_to_none=None) -> float:
+    return do_bench(fn, warmup=10, rep=rep, grad_to_none=grad_to_none, return_mode="median")
+
+
+def inputs(T: int, seed: int = 0):
+    torch.manual_seed(seed)
+    q = torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16)
+    k = F.normalize(torch.randn(1, T, H, D, device=dev), dim=-1).to(torch.bfloat16)
+    v = torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16)
+    g = F.logsigmoid(torch.randn(1, T, H, D, device=dev)) * 0.5
+    beta = torch.rand(1, T, H, device=dev, dtype=torch.bfloat16)
+    return [x.requires_grad_(True) for x in (q, k, v, g, beta)]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
+
+
+def floors(T: int, copy_Bps: float, mm_flops: float) -> dict:
+    tok = T * H
+    fwd_bytes = tok * (2 * D + 2 * D + 2 * D + 4 * D + 2 + 2 * D)
+    bwd_bytes = fwd_bytes + tok * (2 * D + 2 * D + 2 * D + 4 * D + 2)  # + do read, grads written
+    fwd_flops = H * (6 * T * D * D + 3 * T * C * D + T * C * C)
+    return dict(fwd_bytes=fwd_bytes, fwd_floor_ms=max(fwd_bytes / copy_Bps, fwd_flops / mm_flops) * 1e3,
+                bwd_bytes=bwd_bytes, bwd_floor_ms=max(bwd_bytes / copy_Bps, 2 * fwd_flops / mm_flops) * 1e3,
+                fwd_flops=fwd_flops)
+
+
+def run_pair(fla_kda, xs, do, cu=None, check=False, rep=100):
+    """(fla fwd, ours fwd, fla fwd+bwd, ours fwd+bwd) medians in ms, plus errors of ours vs fla if check."""
+    q, k, v, g, beta = xs
+    kw = {} if cu is None else dict(cu_seqlens=cu)
+    kw_fla = {} if cu is None else dict(cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
+    res, errs = {}, {}
+    outs = {}
+    for name, fn, extra in (("fla", fla_kda, kw_fla), ("ours", ours_mod.chunk_kda, kw)):
+        with torch.no_grad():
+            fn(q, k, v, g, beta, **extra)
+            res[name + "_fwd_ms"] = med(lambda: fn(q, k, v, g, beta, **extra), rep=rep)
+
+        def fb():
+            o, _ = fn(q, k, v, g, beta, **extra)
+            o.backward(do)
+        for x in xs:
+            x.grad = None
+        fb()
+        torch.cuda.synchronize()
+        if check:
+            with torch.no_grad():
+                outs[name] = [fn(q, k, v, g, beta, **extra)[0]] + [x.grad.clone() for x in xs]
+        res[name + "_fwdbwd_ms"] = med(fb, rep=max(rep // 2, 20), grad_to_none=xs)
+    if check:
+        for n, a, b in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), outs["ours"], outs["fla"]):
+            errs[n] = rel(a, b)
+    for name in ("fla", "ours"):
+        res[name + "_bwd_ms"] = res[name + "_fwdbwd_ms"] - res[name + "_fwd_ms"]
+    res["speedup_fwd"] = res["fla_fwd_ms"] / res["ours_fwd_ms"]
+    res["speedup_bwd"] = res["fla_bwd_ms"] / res["ours_bwd_ms"]
+    res["speedup_fwdbwd"] = res["fla_fwdbwd_ms"] / res["ours_fwdbwd_ms"]
+    if check:
+        res["rel_rms_ours_vs_fla"] = errs
+    return res
+
+
+def sweep(T: int) -> list:
+    """Pick the state passes' V block / warps / stages by timing our forward and forward+backward at length T."""
+    xs = inputs(T)
+    do = torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16)
+    log = []
+    for key, cands in (("fwd", [(16, 4, 2), (32, 4, 2), (16, 4, 3), (32, 8, 2), (64, 8, 2)]),
+                       ("bwd", [(16, 4, 2), (32, 4, 2), (16, 4, 3), (32, 8, 2)])):
+        best = None
+        for bv, w, st in cands:
+            ours_mod.CONFIG.update({f"{key}_state_bv": bv, f"{key}_state_warps": w, f"{key}_state_stages": st})
+            if key == "fwd":
+                with torch.no_grad():
+                    ours_mod.chunk_kda(*xs)
+                    t = med(lambda: ours_mod.chunk_kda(*xs), rep=50)
+            else:
+                def fb():
+                    ours_mod.chunk_kda(*xs)[0].backward(do)
+                fb()
+                t = med(fb, rep=30, grad_to_none=xs)
+            log.append(dict(stage=key, T=T, bv=bv, warps=w, stages=st, ms=t))
+            print("sweep", log[-1], flush=True)
+            if best is None or t < best[0]:
+                best = (t, bv, w, st)
+        ours_mod.CONFIG.update({f"{key}_state_bv": best[1], f"{key}_state_warps": best[2],
+                                f"{key}_state_stages": best[3]})
+    return log
+
+
+def breakdown(T: int) -> dict:
+    """Device time per kernel (ms) in one forward+backward of ours at length T (torch.profiler)."""
+    xs = inputs(T)
+    do = torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16)
+    for _ in range(2):
+        ours_mod.chunk_kda(*xs)[0].backward(do)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        ours_mod.chunk_kda(*xs)[0].backward(do)
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t:
+            out[e.key] = out.get(e.key, 0.) + t / 1e3
+    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:12])
+
+
+def main() -> None:
+    quick = "--quick" in sys.argv
+    from fla import __version__ as fla_version
+    from fla.ops.kda import chunk_kda as fla_kda
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "fla_core": fla_version, "shape": dict(B=1, H=H, K=D, V=D, dtype="bf16", g="fp32 0.5*logsigmoid(randn)")}
+    x = torch.randn(1 << 29, device=dev, dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    t = med(lambda: y.copy_(x), rep=100)
+    copy_Bps = 2 * x.numel() * 2 / (t * 1e-3)
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    t = med(lambda: a @ a, rep=100)
+    mm_flops = 2 * 8192 ** 3 / (t * 1e-3)
+    del x, y, a
+    res["copy_TBps"], res["bf16_mm_TFLOPs"] = copy_Bps / 1e12, mm_flops / 1e12
+    t0 = time.time()
+    res["sweep"] = [] if quick else sweep(16384)
+    res["config"] = dict(ours_mod.CONFIG)
+    print("config", res["config"], f"sweep {time.time() - t0:.0f}s", flush=True)
+    rows = []
+    Ts = [4096, 16384] if quick else [4096, 16384, 65536, 131072]
+    for T in Ts:
+        xs = inputs(T)
+        do = torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16)
+        row = dict(T=T, **run_pair(fla_kda, xs, do, check=T <= 16384, rep=100 if T <= 16384 else 30),
+                   **floors(T, copy_Bps, mm_flops))
+        print("kda", row, flush=True)
+        rows.append(row)
+        del xs, do
+        torch.cuda.empty_cache()
+    # one packed varlen batch: 8 sequences, 32K tokens
+    gen = torch.Generator().manual_seed(1)
+    cuts = torch.sort(torch.randperm(32767, generator=gen)[:7] + 1).values
+    cu = torch.cat([torch.tensor([0]), cuts, torch.tensor([32768])]).to(dev)
+    xs = inputs(32768)
+    do = torch.randn(1, 32768, H, D, device=dev, dtype=torch.bfloat16)
+    row = dict(T=32768, varlen=cu.tolist(), **run_pair(fla_kda, xs, do, cu=cu, check=True),
+               **floors(32768, copy_Bps, mm_flops))
+    print("kda varlen", row, flush=True)
+    rows.append(row)
+    res["chunk_kda"] = rows
+    if not quick:
+        res["breakdown_T65536_fwdbwd_ms"] = breakdown(65536)
+        print("breakdown", res["breakdown_T65536_fwdbwd_ms"], flush=True)
+    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "kda.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"\n{'T':>7} {'fla fwd':>8} {'ours':>7} {'x':>5} | {'fla bwd':>8} {'ours':>7} {'x':>5} | "
+          f"{'floor f/b ms':>13}")
+    for r in rows:
+        print(f"{r['T']:>7}{'v' if 'varlen' in r else ' '}{r['fla_fwd_ms']:>8.3f} {r['ours_fwd_ms']:>7.3f} "
+              f"{r['speedup_fwd']:>5.2f} | {r['fla_bwd_ms']:>8.3f} {r['ours_bwd_ms']:>7.3f} {r['speedup_bwd']:>5.2f} | "
+              f"{r['fwd_floor_ms']:>6.3f}/{r['bwd_floor_ms']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
