@@ -87,8 +87,14 @@ def test_check_routed_experts():
     r = torch.zeros(2, 5, n_moe, k, dtype=torch.int16)
     assert check_routed_experts(r, 2, 5, cfg).dtype == torch.int64
     assert check_routed_experts(r[:, :4], 2, 5, cfg).shape[1] == 4  # engines record T - 1 positions
+    r[0, :2] = -1  # prompt tokens served from a prefix cache: not recorded
+    check_routed_experts(r, 2, 5, cfg)
+    half = r.clone()
+    half[1, 0, 0, 0] = -1
+    with pytest.raises(ValueError, match="all valid or all -1"):
+        check_routed_experts(half, 2, 5, cfg)
     for bad, match in ((r.float(), "integer"), (r[0], r"\[B, T, n_moe_layers, top_k\]"), (r[:, :3], "shape"),
-                       (r[..., :1], "n_moe_layers"), (r + cfg.num_experts, "expert ids must be in"), ([1], "Tensor")):
+                       (r[..., :1], "n_moe_layers"), (r - 1, "expert ids must be in"), (r + cfg.num_experts, "expert ids must be in"), ([1], "Tensor")):
         with pytest.raises(ValueError, match=match):
             check_routed_experts(bad, 2, 5, cfg)
 
@@ -99,5 +105,7 @@ def test_routing_diff_counts_sets_not_order():
     d = routing_diff(a, b)
     assert d == {"flip_frac": 0.25, "token_flip_frac": 0.5, "expert_flip_frac": 0.125}
     assert routing_diff(a, b, torch.tensor([[True, False]]))["flip_frac"] == 0.0
+    b[0, 0] = -1  # token 0 not recorded: only token 1's pairs count
+    assert routing_diff(a, b) == {"flip_frac": 0.5, "token_flip_frac": 1.0, "expert_flip_frac": 0.25}
     with pytest.raises(ValueError, match="equal-shaped"):
         routing_diff(a, b[..., :1])
