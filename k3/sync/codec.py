@@ -21,7 +21,7 @@ import torch
 import xxhash
 import zstandard as zstd
 
-from .format import (END_MAGIC, FLAG_NEW_HASH, FORMAT_VERSION, FRAME, FRAME_MAGIC, MAGIC, MAX_MANIFEST_BYTES,
+from .format import (END_MAGIC, FLAG_NEW_HASH, FLAG_SPARSE, FORMAT_VERSION, FRAME, FRAME_MAGIC, MAGIC, MAX_MANIFEST_BYTES,
                      TRAILER, U32, U64, CorruptPayloadError, Manifest, SyncError, TensorEntry, dtype_name, pack_header,
                      parse_manifest, xxh3)
 
@@ -141,13 +141,85 @@ def _check_state(state: StateDict, what: str) -> None:
 
 
 def _frame_record(ti: int, ci: int, off: int, raw_len: int, stored: np.ndarray, new_hash: int | None,
-                  level: int) -> list[Piece]:
-    """Compress one chunk (already XORed/shuffled into `stored`) into a frame record."""
+                  level: int, sparse: bool = False) -> list[Piece]:
+    """Compress one chunk (already XORed and packed into `stored`) into a frame record."""
     comp = _SCRATCH.compressor(level).compress(stored)
-    flags = FLAG_NEW_HASH if new_hash is not None else 0
+    flags = (FLAG_NEW_HASH if new_hash is not None else 0) | (FLAG_SPARSE if sparse else 0)
     hdr = FRAME.pack(FRAME_MAGIC, ti, ci, off, raw_len, len(comp), xxh3(stored), new_hash or 0, flags)
     h = xxh3_parts(hdr, comp)
     return [hdr + U64.pack(h), comp]
+
+
+_WORD = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+SPARSE_MAX_DENSITY = 0.25  # above this fraction of changed elements a chunk is stored dense
+_SPARSE_HDR = np.dtype("<u4")
+
+
+def pack_sparse(xor: np.ndarray, itemsize: int) -> np.ndarray | None:
+    """Sparse form of an XOR chunk, or None when too dense to pay off.
+
+    Layout (uint8): u32 count | u32 big-gap count | count gap bytes (elements skipped since the previous
+    change; 255 = the gap is the next u32 of the big-gap list) | big gaps (u32) | the changed XOR words,
+    byte-plane split. Positions cost ~6 bits and a bf16 one-ulp XOR ~3 bits per change after zstd."""
+    words = xor.view(_WORD[itemsize])
+    mask = words != 0
+    nnz = int(np.count_nonzero(mask))
+    if nnz > SPARSE_MAX_DENSITY * words.size:
+        return None
+    idx = np.flatnonzero(mask)
+    gaps = np.diff(idx, prepend=-1) - 1
+    big = gaps >= 255
+    bigs = gaps[big].astype(_SPARSE_HDR)
+    out = np.empty(8 + nnz + 4 * bigs.size + nnz * itemsize, dtype=np.uint8)
+    out[:8].view(_SPARSE_HDR)[:] = (nnz, bigs.size)
+    small = out[8:8 + nnz]
+    small[:] = gaps.astype(np.uint8)
+    small[big] = 255
+    pos = 8 + nnz
+    out[pos:pos + 4 * bigs.size] = bigs.view(np.uint8)
+    pos += 4 * bigs.size
+    vals = np.ascontiguousarray(words[idx]).view(np.uint8)
+    if itemsize > 1:
+        shuffle_into(vals, itemsize, out[pos:])
+    else:
+        out[pos:] = vals
+    return out
+
+
+def unpack_sparse_into(stored: np.ndarray, itemsize: int, dst: np.ndarray, where: str) -> None:
+    """XOR the changes of a sparse chunk into `dst` (which holds the base bytes, or zeros)."""
+    words = dst.view(_WORD[itemsize])
+    if stored.size < 8:
+        raise CorruptPayloadError(f"{where}: sparse frame shorter than its header")
+    nnz, nbig = (int(v) for v in stored[:8].view(_SPARSE_HDR))
+    if stored.size != 8 + nnz + 4 * nbig + nnz * itemsize or nnz > words.size:
+        raise CorruptPayloadError(f"{where}: sparse frame length does not match its counts")
+    small = stored[8:8 + nnz]
+    gaps = small.astype(np.int64)
+    is_big = small == 255
+    if int(np.count_nonzero(is_big)) != nbig:
+        raise CorruptPayloadError(f"{where}: sparse frame big-gap count mismatch")
+    pos = 8 + nnz
+    gaps[is_big] = stored[pos:pos + 4 * nbig].view(_SPARSE_HDR)
+    pos += 4 * nbig
+    idx = np.cumsum(gaps + 1) - 1
+    if nnz and idx[-1] >= words.size:
+        raise CorruptPayloadError(f"{where}: sparse frame position {int(idx[-1])} beyond the chunk")
+    vals = np.empty(nnz * itemsize, dtype=np.uint8)
+    if itemsize > 1:
+        unshuffle_into(stored[pos:], itemsize, vals)
+    else:
+        vals[:] = stored[pos:]
+    words[idx] ^= vals.view(_WORD[itemsize])
+
+
+def pack_chunk(raw: np.ndarray, width: int, itemsize: int, delta: bool) -> tuple[np.ndarray, bool]:
+    """The bytes to compress for one chunk: sparse for a sparse delta, else byte-plane shuffled raw."""
+    if delta and itemsize in _WORD:
+        sp = pack_sparse(raw, itemsize)
+        if sp is not None:
+            return sp, True
+    return (shuffle_into(raw, width, _SCRATCH.buf("shuf", raw.size)) if width > 1 else raw), False
 
 
 def xxh3_parts(*parts: Piece) -> int:
@@ -159,12 +231,12 @@ def xxh3_parts(*parts: Piece) -> int:
 
 
 def _cpu_task(ti: int, ci: int, off: int, n: int, new: np.ndarray, base: np.ndarray | None, width: int,
-              level: int) -> Callable[[], list[Piece]]:
+              itemsize: int, level: int) -> Callable[[], list[Piece]]:
     def run() -> list[Piece]:
         chunk = new[off:off + n]
         raw = chunk if base is None else xor_into(chunk, base[off:off + n], _SCRATCH.buf("xor", n))
-        stored = shuffle_into(raw, width, _SCRATCH.buf("shuf", n)) if width > 1 else raw
-        return _frame_record(ti, ci, off, n, stored, xxh3(chunk), level)
+        stored, sparse = pack_chunk(raw, width, itemsize, base is not None)
+        return _frame_record(ti, ci, off, n, stored, xxh3(chunk), level, sparse)
     return run
 
 
@@ -231,7 +303,7 @@ def _cpu_tasks(plan, chunk_bytes: int, level: int) -> Iterator[Callable[[], list
         nb, bb = host_bytes(t), (host_bytes(b) if b is not None else None)
         for ci in range(frames):
             off = ci * chunk_bytes
-            yield _cpu_task(ti, ci, off, min(chunk_bytes, nbytes - off), nb, bb, width, level)
+            yield _cpu_task(ti, ci, off, min(chunk_bytes, nbytes - off), nb, bb, width, t.element_size(), level)
 
 
 def encode_delta(base: StateDict, new: StateDict, base_version: int, new_version: int, **kw) -> bytes:
@@ -313,6 +385,7 @@ class FrameRecord(NamedTuple):
     data: Piece
     raw_hash: int
     new_hash: int | None
+    sparse: bool
 
 
 def iter_frame_records(src: _Source, man: Manifest) -> Iterator[FrameRecord]:
@@ -335,8 +408,10 @@ def iter_frame_records(src: _Source, man: Manifest) -> Iterator[FrameRecord]:
                 raise CorruptPayloadError(f"{what}: compressed length {comp_len} exceeds bound {bound}")
             comp = src.read(comp_len, f"{what} data")
             all_hashes.update(U64.pack(h))
+            if flags & FLAG_SPARSE and man.kind != "delta":
+                raise CorruptPayloadError(f"{what}: sparse frame in a full snapshot")
             yield FrameRecord(e, ci, off, raw_len, hdr, h, comp, raw_hash,
-                              new_hash if flags & FLAG_NEW_HASH else None)
+                              new_hash if flags & FLAG_NEW_HASH else None, bool(flags & FLAG_SPARSE))
     magic, count, fh, mh = TRAILER.unpack(src.read(TRAILER.size, "trailer"))
     if magic != END_MAGIC:
         raise CorruptPayloadError(f"trailer: bad magic {magic!r}")
@@ -347,25 +422,36 @@ def iter_frame_records(src: _Source, man: Manifest) -> Iterator[FrameRecord]:
 
 
 def decode_record(rec: FrameRecord, dst: np.ndarray, base: np.ndarray | None, check_new: bool = True) -> None:
-    """Verify and decompress one frame into `dst` (its new raw bytes: decoded XOR `base` for a delta)."""
+    """Verify and decompress one frame into `dst`: the new raw bytes (decoded XOR `base` for a delta; with
+    `base=None` a delta frame yields the XOR bytes themselves)."""
     where = f"tensor {rec.entry.name!r} frame {rec.index}"
     if xxh3_parts(rec.header, rec.data) != rec.checksum:
         raise CorruptPayloadError(f"{where}: frame checksum mismatch")
+    limit = rec.raw_len + 8 + 5 * (rec.raw_len // max(rec.entry.itemsize, 1)) if rec.sparse else rec.raw_len
     try:
-        dec = _SCRATCH.dctx.decompress(rec.data, max_output_size=rec.raw_len)
+        dec = _SCRATCH.dctx.decompress(rec.data, max_output_size=limit)
     except zstd.ZstdError as e:
         raise CorruptPayloadError(f"{where}: zstd error ({e})") from None
-    if len(dec) != rec.raw_len:
-        raise CorruptPayloadError(f"{where}: decoded {len(dec)} bytes, manifest says {rec.raw_len}")
     if xxh3(dec) != rec.raw_hash:
         raise CorruptPayloadError(f"{where}: decoded-content checksum mismatch")
     stored = np.frombuffer(dec, dtype=np.uint8)
-    width = rec.entry.shuffle
-    raw = unshuffle_into(stored, width, _SCRATCH.buf("unshuf", rec.raw_len)) if width > 1 else stored
-    if base is None:
-        dst[...] = raw
+    if rec.sparse:
+        if rec.entry.itemsize not in _WORD:
+            raise CorruptPayloadError(f"{where}: sparse frame for a {rec.entry.itemsize}-byte dtype")
+        if base is None:
+            dst[...] = 0
+        else:
+            dst[...] = base
+        unpack_sparse_into(stored, rec.entry.itemsize, dst, where)
     else:
-        xor_into(base, raw, dst)
+        if len(dec) != rec.raw_len:
+            raise CorruptPayloadError(f"{where}: decoded {len(dec)} bytes, manifest says {rec.raw_len}")
+        width = rec.entry.shuffle
+        raw = unshuffle_into(stored, width, _SCRATCH.buf("unshuf", rec.raw_len)) if width > 1 else stored
+        if base is None:
+            dst[...] = raw
+        else:
+            xor_into(base, raw, dst)
     if check_new and rec.new_hash is not None and xxh3(dst) != rec.new_hash:
         raise CorruptPayloadError(f"{where}: reconstructed-weights checksum mismatch (the receiver's base "
                                   f"bytes differ from the sender's base)")

@@ -4,6 +4,9 @@
     frame*   FRAME header (fixed struct, below) | u64 xxh3(frame header + data) | zstd data
     trailer  b"K3EN" | u64 frame count | u64 xxh3(all frame checksums) | u64 xxh3(JSON)
 
+A delta chunk whose XOR has few non-zero words (the usual case: most bf16 weights keep their value at RL
+learning rates) is stored sparse: gap-coded positions and the non-zero XOR words, byte-plane split; a
+denser chunk is stored dense (XOR bytes, byte-plane shuffled). Either way zstd compresses the result.
 The manifest names the payload kind ("full" or "delta"), the base and new versions, the chain id, the
 chunk size, and every tensor's name, dtype, shape, byte size, byte-plane shuffle and frame count.
 Each frame is one bounded chunk of one tensor's raw bytes (for a delta: new XOR base), compressed as one
@@ -31,6 +34,7 @@ U32 = struct.Struct("<I")
 U64 = struct.Struct("<Q")
 TRAILER = struct.Struct("<4sQQQ")
 FLAG_NEW_HASH = 1  # the frame's xxh3(new) field is set (sender had the new bytes on the host)
+FLAG_SPARSE = 2  # delta frame stored sparse: gap-coded positions + XOR words (see codec.pack_sparse)
 MAX_MANIFEST_BYTES = 64 << 20
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
@@ -84,6 +88,7 @@ class TensorEntry:
     nbytes: int
     shuffle: int  # byte-plane shuffle width (the dtype's itemsize) or 1 for none
     frames: int
+    itemsize: int
 
 
 @dataclass(frozen=True)
@@ -156,6 +161,6 @@ def parse_manifest(js: bytes) -> Manifest:
                                       f"nbytes/chunk_bytes")
         if shuffle not in (1, itemsize):
             raise CorruptPayloadError(f"tensor {name!r}: manifest shuffle {shuffle!r} is not 1 or {itemsize}")
-        entries.append(TensorEntry(name, dtype, shape, nbytes, shuffle, frames))
+        entries.append(TensorEntry(name, dtype, shape, nbytes, shuffle, frames, itemsize))
     return Manifest(kind, base_v if kind == "delta" else None, new_v, meta.get("chain"), chunk,
                     int(meta.get("level", 0)), tuple(entries), js)

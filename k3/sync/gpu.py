@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .codec import (FrameRecord, Piece, _Source, _frame_record, decode_record, default_threads,
-                    iter_frame_records, pipeline, shuffle_into, _SCRATCH)
+                    iter_frame_records, pack_chunk, pipeline)
 from .format import Manifest, SyncError
 
 
@@ -56,14 +56,15 @@ def cuda_tasks(plan, chunk_bytes: int, level: int, depth: int) -> Iterator[Calla
                 host[slot][:n].copy_(src, non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(stream)
-            yield partial(_host_compress, ev, host[slot][:n].numpy(), ti, ci, off, n, width, level)
+            yield partial(_host_compress, ev, host[slot][:n].numpy(), ti, ci, off, width, t.element_size(),
+                          bb is not None, level)
 
 
-def _host_compress(ev: torch.cuda.Event, raw: np.ndarray, ti: int, ci: int, off: int, n: int, width: int,
-                   level: int) -> list[Piece]:
+def _host_compress(ev: torch.cuda.Event, raw: np.ndarray, ti: int, ci: int, off: int, width: int, itemsize: int,
+                   delta: bool, level: int) -> list[Piece]:
     ev.synchronize()
-    stored = shuffle_into(raw, width, _SCRATCH.buf("shuf", n)) if width > 1 else raw
-    return _frame_record(ti, ci, off, n, stored, None, level)
+    stored, sparse = pack_chunk(raw, width, itemsize, delta)
+    return _frame_record(ti, ci, off, raw.size, stored, None, level, sparse)
 
 
 def _host_decode(rec: FrameRecord, ev: torch.cuda.Event | None, dst: np.ndarray) -> FrameRecord:

@@ -133,3 +133,50 @@ def test_many_versions_chain():
     for v in range(1, 6):
         r.apply(encode_delta(states[v - 1], states[v], v - 1, v, chunk_bytes=128))
         assert states_equal(r.state_dict(), states[v])
+
+
+def _frame_flags(payload: bytes) -> list[bool]:
+    from k3.sync.codec import iter_frame_records
+
+    src = _Source(payload)
+    return [rec.sparse for rec in iter_frame_records(src, read_manifest(src))]
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bool, torch.bfloat16, torch.float16, torch.float32,
+                                   torch.float64, torch.int64, torch.float8_e4m3fn])
+@pytest.mark.parametrize("density", [0.0, 0.0005, 0.05, 0.12, 0.6])
+def test_sparse_and_dense_frames_bit_exact(dtype, density):
+    """Sparse frames (gap-coded, incl. gaps >= 255) below the density threshold, dense above; both exact."""
+    g = torch.Generator().manual_seed(int(density * 1e4))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    n = 20000
+    base_b = torch.randint(0, 256, (n * itemsize,), generator=g, dtype=torch.uint8)
+    new_b = base_b.clone().view(n, itemsize)
+    flip = torch.rand(n, generator=g) < density
+    new_b[flip, 0] ^= torch.randint(1, 256, (int(flip.sum()),), generator=g, dtype=torch.uint8)
+    base, new = base_b.view(dtype), new_b.reshape(-1).view(dtype)
+    if dtype == torch.bool:  # keep valid bools: 0/1 bytes
+        base, new = (base_b & 1).view(torch.bool), (new_b.reshape(-1) & 1).view(torch.bool)
+    payload = encode_delta({"x": base}, {"x": new}, 0, 1, chunk_bytes=4096)
+    sparse = _frame_flags(payload)
+    changed = (base.view(torch.uint8).view(n, itemsize) != new.view(torch.uint8).view(n, itemsize)).any(1)
+    assert all(sparse) == (changed.float().mean().item() < 0.25) and (any(sparse) == all(sparse))
+    r = WeightReceiver({"x": base.clone()}, 0)
+    r.apply(payload)
+    assert torch.equal(r.state_dict()["x"].view(torch.uint8), new.view(torch.uint8))
+
+
+def test_sparse_unpack_refuses_inconsistent_frames():
+    from k3.sync.codec import pack_sparse, unpack_sparse_into
+    from k3.sync.format import CorruptPayloadError
+
+    xor = np.zeros(4000, dtype=np.uint8)
+    xor[[3, 900, 3999]] = 1
+    sp = pack_sparse(xor, 2)
+    out = np.zeros_like(xor)
+    unpack_sparse_into(sp, 2, out, "t")
+    assert np.array_equal(out, xor)
+    with pytest.raises(CorruptPayloadError, match="length does not match"):
+        unpack_sparse_into(sp[:-1], 2, np.zeros_like(xor), "t")
+    with pytest.raises(CorruptPayloadError, match="beyond the chunk"):
+        unpack_sparse_into(sp, 2, np.zeros(1000, dtype=np.uint8), "t")
