@@ -406,16 +406,30 @@ def _prec(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
-def _chunk_plan(cu: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(cu_seqlens int64, chunk index pairs (seq, chunk) int32 [NC, 2], chunk offsets int32 [N+1]) on device."""
+_PLANS: dict = {}
+
+
+def _chunk_plan(cu: list[int] | None, B: int, T: int, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cu_seqlens int64 [N+1], chunk -> (sequence, chunk in sequence) int32 [NC, 2], chunk offsets int32 [N+1]).
+    Fixed-length batches are built on the device and cached (no host sync); packed ones from the host list."""
+    if cu is None:
+        key = (B, T, str(device))
+        if key not in _PLANS:
+            nt = triton.cdiv(T, BT)
+            c = torch.arange(B * nt, device=device, dtype=torch.int32)
+            _PLANS[key] = (torch.arange(B + 1, device=device, dtype=torch.int64) * T,
+                           torch.stack([c // nt, c % nt], 1).contiguous(),
+                           torch.arange(B + 1, device=device, dtype=torch.int32) * nt)
+        return _PLANS[key]
     pairs, offs = [], [0]
     for i in range(len(cu) - 1):
-        nt = -(-(cu[i + 1] - cu[i]) // BT)
+        nt = triton.cdiv(cu[i + 1] - cu[i], BT)
         pairs.extend((i, t) for t in range(nt))
         offs.append(offs[-1] + nt)
-    cidx = torch.tensor(pairs if pairs else [(0, 0)], dtype=torch.int32).view(-1, 2)[: len(pairs)]
-    return (torch.tensor(cu, dtype=torch.int64).to(device), cidx.to(device),
-            torch.tensor(offs, dtype=torch.int32).to(device))
+    cidx = torch.tensor(pairs, dtype=torch.int32).view(-1, 2)
+    return tuple(x.to(device, non_blocking=True) for x in (torch.tensor(cu, dtype=torch.int64), cidx,
+                                                           torch.tensor(offs, dtype=torch.int32)))
 
 
 def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound, plan, save):
@@ -487,7 +501,7 @@ def _bwd(q, k, v, beta, do, dht, has_h0, scale, saved, plan):
 class _ChunkKDA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound, cu):
-        plan = _chunk_plan(cu, q.device)
+        plan = _chunk_plan(cu, q.shape[0], q.shape[1], q.device)
         o, ht, saved = _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound, plan, True)
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, *saved)
         ctx.plan, ctx.scale, ctx.gate, ctx.lower_bound, ctx.has_h0 = plan, scale, gate, lower_bound, h0 is not None
@@ -553,21 +567,24 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
               use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False,
               A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
               lower_bound: float | None = None, cu_seqlens: torch.Tensor | None = None,
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+              cu_seqlens_cpu: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA over whole sequences (prefill / training), differentiable. FLA's `chunk_kda` layouts:
     q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] (log-decay, or the raw gate input when
     `use_gate_in_kernel`: `-exp(A_log) softplus(g + dt_bias)`, or K3's safe gate
     `lower_bound * sigmoid(exp(A_log) (g + dt_bias))` when `lower_bound` is set); beta [B, T, HV];
-    initial_state [N, HV, K, V] fp32; `cu_seqlens` int [N+1] packs N sequences into B = 1.
+    initial_state [N, HV, K, V] fp32; `cu_seqlens` int [N+1] packs N sequences into B = 1
+    (`cu_seqlens_cpu`, a host copy, saves a device sync).
     Returns (o [B, T, HV, V] in v.dtype, final state [N, HV, K, V] fp32 or None)."""
     _check(q, k, v, g, beta, initial_state, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound)
     B, T, H, K = q.shape
     scale = K ** -0.5 if scale is None else float(scale)
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
-    cu = cu_seqlens.tolist() if cu_seqlens is not None else [i * T for i in range(B + 1)]
-    if cu[0] != 0 or cu[-1] != B * T or any(b < a for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens must rise from 0 to {B * T}, got {cu}")
+    cu = None
+    if cu_seqlens is not None:
+        cu = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
+        if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens must rise from 0 to {T}, got {cu}")
     gate = 0 if not use_gate_in_kernel else (2 if lower_bound is not None else 1)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     h0 = initial_state.contiguous() if initial_state is not None else None
@@ -578,5 +595,5 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
         return _ChunkKDA.apply(q, k, v, g, beta, scale, h0, output_final_state, gate, A_log, dt_bias, lower_bound, cu)
     # inference: no autograd node, nothing saved (per-chunk states never reach memory)
     o, ht, _ = _fwd(q, k, v, g, beta, scale, h0, output_final_state, gate, A_log, dt_bias, lower_bound,
-                    _chunk_plan(cu, q.device), False)
+                    _chunk_plan(cu, B, T, q.device), False)
     return o, ht
