@@ -225,7 +225,8 @@ class Learner:
 
         The loss of a split batch is normalised by the whole batch's response sequences/tokens, so the summed
         gradient is the full batch's (tokens masked by the corrections then stay in the denominator). To
-        accumulate over several calls yourself, pass the global `num_seqs` / `num_tokens` of all of them.
+        accumulate over several calls yourself, pass the global `num_seqs` / `num_tokens` of all of them. If a
+        micro-batch fails (e.g. NaN log-probs), the whole accumulated gradient is dropped before the error is raised.
         Returns metrics: loss, pg_loss, clip_frac, masked_frac, seq_masked_frac, mismatch_k3_kl,
         max_abs_dlogp, mean_abs_dlogp (trainer vs rollout log-probs), kl_ref (per-token KL to the reference)
         and kl_loss (its aggregated penalty term) with kl_coef, num_tokens,
@@ -233,20 +234,57 @@ class Learner:
         but not replayed."""
         cfg = self.config
         batch.validate(getattr(self.model, "config", None))
+        if micro_batch_size is not None and micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         batch = batch.to(self.device)
         B = batch.batch_size
         mbs = micro_batch_size or cfg.micro_batch_size or B
-        if mbs < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {mbs}")
         mask = batch.response_mask.bool()
-        split = mbs < B
-        if split:
+        if mbs < B:
             num_seqs = float(B) if num_seqs is None else num_seqs
             num_tokens = float(mask.sum()) if num_tokens is None else num_tokens
+        try:
+            sums, trainer_lp, used_routes = self._accumulate(batch, mbs, num_seqs, num_tokens)
+        except Exception:
+            # a micro-batch failed after earlier ones added gradient: drop all of it rather than keep a part
+            self.optimizer.zero_grad(set_to_none=True)
+            self._pending = 0
+            raise
+        self._pending += 1
+        kept = max(sums["num_tokens"], 1.0)
+        n_resp = int(mask.sum())
+        out = {
+            "loss": sums["loss"],
+            "pg_loss": sums["pg_loss"],
+            "clip_frac": sums["clip_frac"] / kept,
+            "masked_frac": sums["masked_frac"] / n_resp,
+            "seq_masked_frac": sums["seq_masked_frac"] / B,
+            "num_tokens": float(n_resp),
+            "num_seqs": float(B),
+            "micro_batches": float(math.ceil(B / mbs)),
+        }
+        if "kl_ref" in sums:
+            out.update(kl_ref=sums["kl_ref"] / kept, kl_loss=sums["kl_loss"])
+        mm = mismatch_metrics(torch.cat(trainer_lp), batch.rollout_logp, mask)
+        out.update(mismatch_k3_kl=mm["k3_kl"], max_abs_dlogp=mm["max_abs_dlogp"], mean_abs_dlogp=mm["mean_abs_dlogp"])
+        if batch.routed_experts is not None and not cfg.router_replay and used_routes[0] is not None:
+            T1 = batch.tokens.shape[1] - 1
+            rd = routing_diff(torch.cat(used_routes), batch.routed_experts[:, :T1].long(), mask[:, 1:])
+            out.update(router_flip_frac=rd["flip_frac"], router_token_flip_frac=rd["token_flip_frac"])
+        return out
+
+    def _accumulate(self, batch: Batch, mbs: int, num_seqs: float | None, num_tokens: float | None
+                    ) -> tuple[dict[str, float], list[torch.Tensor], list[torch.Tensor | None]]:
+        """Forward and backward of each micro-batch of `mbs` sequences; returns the metric sums (fractions
+        weighted by what they are fractions of), the trainer's detached log-probs and the routings used."""
+        cfg = self.config
         sums: dict[str, float] = {}
         trainer_lp, used_routes = [], []
-        n_resp_total = 0
-        for start in range(0, B, mbs):
+
+        def add(key: str, value: float) -> None:
+            sums[key] = sums.get(key, 0.0) + value
+
+        for start in range(0, batch.batch_size, mbs):
             mb = batch.select(slice(start, start + mbs))
             routed = self._routing(mb)
             lp, used = self._token_logp(self.model, mb.tokens, routed)
@@ -260,41 +298,18 @@ class Learner:
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"GSPO loss is {float(loss)} on sequences {start}..{start + mb.batch_size}")
             loss.backward()
-            n_resp = int(mb.response_mask.bool().sum())
-            n_resp_total += n_resp
-            for k in ("loss", "pg_loss"):
-                sums[k] = sums.get(k, 0.0) + m[k]
-            # fractions: weighted by the tokens they are fractions of
-            sums["clip_frac"] = sums.get("clip_frac", 0.0) + m["clip_frac"] * m["num_tokens"]
-            sums["num_tokens"] = sums.get("num_tokens", 0.0) + m["num_tokens"]
-            sums["masked_frac"] = sums.get("masked_frac", 0.0) + m["masked_frac"] * n_resp
-            sums["seq_masked_frac"] = sums.get("seq_masked_frac", 0.0) + m["seq_masked_frac"] * mb.batch_size
+            add("loss", m["loss"])
+            add("pg_loss", m["pg_loss"])
+            add("clip_frac", m["clip_frac"] * m["num_tokens"])
+            add("num_tokens", m["num_tokens"])
+            add("masked_frac", m["masked_frac"] * int(mb.response_mask.bool().sum()))
+            add("seq_masked_frac", m["seq_masked_frac"] * mb.batch_size)
             if "kl_ref" in m:
-                sums["kl_ref"] = sums.get("kl_ref", 0.0) + m["kl_ref"] * m["num_tokens"]
-                sums["kl_loss"] = sums.get("kl_loss", 0.0) + m["kl_loss"]
+                add("kl_ref", m["kl_ref"] * m["num_tokens"])
+                add("kl_loss", m["kl_loss"])
             trainer_lp.append(lp.detach())
             used_routes.append(used)
-        self._pending += 1
-        kept = max(sums["num_tokens"], 1.0)
-        out = {
-            "loss": sums["loss"],
-            "pg_loss": sums["pg_loss"],
-            "clip_frac": sums["clip_frac"] / kept,
-            "masked_frac": sums["masked_frac"] / max(n_resp_total, 1),
-            "seq_masked_frac": sums["seq_masked_frac"] / B,
-            "num_tokens": float(n_resp_total),
-            "num_seqs": float(B),
-            "micro_batches": float(math.ceil(B / mbs)),
-        }
-        if "kl_ref" in sums:
-            out.update(kl_ref=sums["kl_ref"] / kept, kl_loss=sums["kl_loss"])
-        mm = mismatch_metrics(torch.cat(trainer_lp), batch.rollout_logp, mask)
-        out.update(mismatch_k3_kl=mm["k3_kl"], max_abs_dlogp=mm["max_abs_dlogp"], mean_abs_dlogp=mm["mean_abs_dlogp"])
-        if batch.routed_experts is not None and not cfg.router_replay and used_routes[0] is not None:
-            T1 = batch.tokens.shape[1] - 1
-            rd = routing_diff(torch.cat(used_routes), batch.routed_experts[:, :T1].long(), mask[:, 1:])
-            out.update(router_flip_frac=rd["flip_frac"], router_token_flip_frac=rd["token_flip_frac"])
-        return out
+        return sums, trainer_lp, used_routes
 
     def optim_step(self) -> dict[str, float]:
         """Clip the accumulated gradient to `max_grad_norm`, take an AdamW step, zero the gradient.

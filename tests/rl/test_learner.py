@@ -234,3 +234,31 @@ def test_learner_step_on_gpu_matches_cpu():
     gc, gg = lc.optim_step()["grad_norm"], lg.optim_step()["grad_norm"]
     assert abs(gc - gg) < 1e-3 * gc
     assert (lc.compute_logprobs(batch) - lg.compute_logprobs(batch).cpu()).abs().max() < 1e-3
+
+
+def test_failed_micro_batch_drops_the_whole_gradient(monkeypatch):
+    model = _model()
+    batch = _batch(model)
+    learner = Learner(model, LearnerConfig(lora=LoRAConfig.preset("tiny")))
+    learner.forward_backward(batch)  # an earlier, good call
+    kept = [p.grad.clone() for p in learner.params]
+    bad = batch.rollout_logp.clone()
+    bad[3, 8] = float("inf")
+    with pytest.raises(ValueError, match="old_logp has 1 NaN/inf"):  # caught by validation: nothing changes
+        learner.forward_backward(Batch(**{**batch.__dict__, "old_logp": bad}), micro_batch_size=2)
+    assert all(torch.equal(a, p.grad) for a, p in zip(kept, learner.params))
+    # a failure the inputs cannot show (the model's log-probs turn NaN in the second micro-batch)
+    calls = []
+    real = learner._token_logp
+
+    def flaky(*args):
+        lp, used = real(*args)
+        calls.append(1)
+        return (lp * float("nan") if len(calls) == 2 else lp), used
+
+    monkeypatch.setattr(learner, "_token_logp", flaky)
+    with pytest.raises(ValueError, match="logp has .* NaN/inf"):
+        learner.forward_backward(batch, micro_batch_size=2)
+    assert all(p.grad is None for p in learner.params)  # the first micro-batch's gradient went too
+    with pytest.raises(RuntimeError, match="forward_backward"):
+        learner.optim_step()
