@@ -145,6 +145,11 @@ class LearnerConfig:
             raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1 or None, got {self.micro_batch_size}")
+        if not (0.0 <= self.eps_low < 1.0 and self.eps_high >= 0.0):
+            raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {self.eps_low}, {self.eps_high}")
+        if self.is_level not in ("token", "sequence", None):
+            raise ValueError(f"is_level must be 'token', 'sequence' or None, got {self.is_level!r}")
+        self.is_band = _checks.band("is_band", self.is_band)
 
 
 class Learner:
@@ -236,6 +241,8 @@ class Learner:
         batch.validate(getattr(self.model, "config", None))
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if batch.advantages.dim() == 2 and not cfg.token_level:
+            raise ValueError("advantages is [B, T]: per-token advantages need LearnerConfig(token_level=True)")
         batch = batch.to(self.device)
         B = batch.batch_size
         mbs = micro_batch_size or cfg.micro_batch_size or B

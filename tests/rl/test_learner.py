@@ -99,6 +99,24 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient():
     assert learner.optim_step()["grad_norm"] > 0
 
 
+def test_gspo_token_with_broadcast_advantages_matches_gspo():
+    model = _model()
+    batch = _batch(model)
+    seq = Learner(model, LearnerConfig(lora=LoRAConfig.preset("tiny", init_scale=0.02)), seed=0)
+    batch.rollout_logp = seq.compute_logprobs(batch)  # on-policy: importance weights 1 (they weight tokens)
+    m_seq = seq.forward_backward(batch)
+    g_seq = _grads(seq)
+    seq.lora.close()
+    tok = Learner(model, LearnerConfig(token_level=True, lora=LoRAConfig.preset("tiny", init_scale=0.02)), seed=0)
+    per_token = Batch(**{**batch.__dict__, "advantages": batch.advantages[:, None].expand(B, T).clone()})
+    m_tok = tok.forward_backward(per_token)
+    assert abs(m_seq["loss"] - m_tok["loss"]) < 1e-7
+    for a, b in zip(g_seq, _grads(tok)):
+        assert (a - b).abs().max() <= 1e-6 * a.abs().max()
+    with pytest.raises(ValueError, match="token_level=True"):
+        seq.forward_backward(per_token)
+
+
 def test_lora_kl_reference_is_the_base_model():
     model = _model()
     batch = _batch(model)
@@ -203,7 +221,8 @@ def test_bad_input_names_the_field():
     with pytest.raises(RuntimeError, match="forward_backward"):
         learner.optim_step()
     for kw, match in ((dict(lr=0.0), "lr"), (dict(agg="mean"), "agg"), (dict(kl_kind="k4"), "kl_kind"),
-                      (dict(micro_batch_size=0), "micro_batch_size")):
+                      (dict(micro_batch_size=0), "micro_batch_size"), (dict(is_band=(2.0, 3.0)), "is_band"),
+                      (dict(is_level="row"), "is_level"), (dict(eps_low=1.5), "eps_low")):
         with pytest.raises(ValueError, match=match):
             LearnerConfig(**kw)
     with pytest.raises(ValueError, match="ref_model"):
