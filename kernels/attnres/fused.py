@@ -8,9 +8,10 @@ Design (see k3-architecture.md §4; the math follows fla-core's `fla/ops/attnres
 * Forward: one program walks tokens (persistent grid); per token one pass over the sources with an online
   softmax over depth, so every source byte is read once. Per-token stats (key rstd, raw logit, lse: fp32,
   ~L*8 B/token) are saved; the mixture is recomputed in backward, never stored.
-* Backward: per token, pass A recomputes the mixture (or the logit-weighted deltas) and the gradient of the
-  pre-norm mixture; pass B re-reads each source (the token's rows are still in L2) and writes its gradient
-  *into its final destination*:
+* Backward: per token, pass A recomputes the gradient of the pre-norm mixture (with the fused output norm:
+  the mixture itself, with the forward's tiles and saved logits, so its bits match the forward) and
+  dbar = sum_l p_l <v_l, dm>; pass B re-reads each source (the token's rows are still in L2), one row per step,
+  and writes its gradient *into its final destination*:
     - a row registered with `attnres_grad_sink` (the model's bank rows): one buffer per row for the whole
       backward, accumulated in place by every AttnRes consumer and handed to autograd once;
     - a leaf (or a view of a leaf, e.g. a `[N, NB, D]` bank) whose `.grad` already exists: accumulated into
@@ -144,16 +145,28 @@ def _attnres_fwd_kernel(
 
 
 @triton.jit
+def _load_src(i: tl.constexpr, n, offs, mask,
+              S0, S1, S2, S3, S4, S5, S6, S7, S8, S9, S10, S11, S12, S13, S14, S15,
+              R0, R1, R2, R3, R4, R5, R6, R7, R8, R9, R10, R11, R12, R13, R14, R15):
+    ptr = _pick(i, S0, S1, S2, S3, S4, S5, S6, S7, S8, S9, S10, S11, S12, S13, S14, S15)
+    stride = _pick(i, R0, R1, R2, R3, R4, R5, R6, R7, R8, R9, R10, R11, R12, R13, R14, R15)
+    return tl.load(ptr + n * stride + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _attnres_bwd_kernel(
     src_ptr, X0, X1, X2, X3, X4, X5, X6, X7, X8, X9, X10, X11, X12, X13, X14, X15,
     Y0, Y1, Y2, Y3, Y4, Y5, Y6, Y7, Y8, Y9, Y10, Y11, Y12, Y13, Y14, Y15,
-    grad_ptr, GX0, GX1, GX2, GX3, GX4, GX5, GX6, GX7, GX8, GX9, GX10, GX11, GX12, GX13, GX14, GX15,
-    GY0, GY1, GY2, GY3, GY4, GY5, GY6, GY7, GY8, GY9, GY10, GY11, GY12, GY13, GY14, GY15,
+    S0, S1, S2, S3, S4, S5, S6, S7, S8, S9, S10, S11, S12, S13, S14, S15,
+    R0, R1, R2, R3, R4, R5, R6, R7, R8, R9, R10, R11, R12, R13, R14, R15,
+    G0, G1, G2, G3, G4, G5, G6, G7, G8, G9, G10, G11, G12, G13, G14, G15,
+    Q0, Q1, Q2, Q3, Q4, Q5, Q6, Q7, Q8, Q9, Q10, Q11, Q12, Q13, Q14, Q15,
     q_ptr, w_ptr, ow_ptr, do_ptr, rstd_ptr, logit_ptr, lse_ptr, da_part_ptr, dow_part_ptr,
     N, D, eps, scale, write_mask, acc_mask,
-    L: tl.constexpr, TL: tl.constexpr, TLF: tl.constexpr, BLOCK_D: tl.constexpr, OUT_NORM: tl.constexpr,
-    ROUND_MIX: tl.constexpr,
+    L: tl.constexpr, TLF: tl.constexpr, BLOCK_D: tl.constexpr, OUT_NORM: tl.constexpr, ROUND_MIX: tl.constexpr,
 ):
+    """One source per step (a 1-D row at a time measured faster here than multi-source tiles); the mixture for
+    the fused output norm is recomputed with the forward's own tiles and saved logits, so its bits match."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_D)
@@ -165,12 +178,11 @@ def _attnres_bwd_kernel(
         ow = tl.load(ow_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         dow_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for tok in range(pid, N, nprog):
-        n = tok + tl.zeros([], dtype=tl.int64)
+        n = tok + tl.zeros([], dtype=tl.int64)  # 64-bit offsets
         do = tl.load(do_ptr + n * D + offs, mask=mask, other=0.0).to(tl.float32)
         lse = tl.load(lse_ptr + n)
         # pass A: gradient of the pre-norm mixture (dm) and dbar = sum_l p_l <v_l, dm>
         if OUT_NORM:
-            # the mixture, recomputed exactly as the forward did (same tiles, same saved logits)
             lidf = tl.arange(0, TLF)
             m_run = -float("inf")
             l_run = 0.0
@@ -178,8 +190,8 @@ def _attnres_bwd_kernel(
             for t in tl.static_range((L + TLF - 1) // TLF):
                 jj = t * TLF + lidf
                 jm = jj < L
-                off = _tile_offsets(t, TLF, L, n, X0, X1, X2, X3, X4, X5, X6, X7, X8, X9, X10, X11, X12, X13, X14,
-                                    X15, Y0, Y1, Y2, Y3, Y4, Y5, Y6, Y7, Y8, Y9, Y10, Y11, Y12, Y13, Y14, Y15)
+                off = _tile_offsets(t, TLF, L, n, X0, X1, X2, X3, X4, X5, X6, X7, X8, X9, X10, X11, X12, X13, X14, X15,
+                                    Y0, Y1, Y2, Y3, Y4, Y5, Y6, Y7, Y8, Y9, Y10, Y11, Y12, Y13, Y14, Y15)
                 v = tl.load(src_ptr + off[:, None] + offs[None, :], mask=jm[:, None] & mask[None, :],
                             other=0.0).to(tl.float32)
                 s = tl.where(jm, tl.load(logit_ptr + n * L + jj, mask=jm, other=0.0) * scale, -float("inf"))
@@ -202,39 +214,27 @@ def _attnres_bwd_kernel(
         else:
             dm = do
             dbar = 0.0
-            lidx = tl.arange(0, TL)
-            for t in tl.static_range((L + TL - 1) // TL):
-                jj = t * TL + lidx
-                jm = jj < L
-                off = _tile_offsets(t, TL, L, n, X0, X1, X2, X3, X4, X5, X6, X7, X8, X9, X10, X11, X12, X13, X14,
-                                    X15, Y0, Y1, Y2, Y3, Y4, Y5, Y6, Y7, Y8, Y9, Y10, Y11, Y12, Y13, Y14, Y15)
-                v = tl.load(src_ptr + off[:, None] + offs[None, :], mask=jm[:, None] & mask[None, :],
-                            other=0.0).to(tl.float32)
-                p = tl.exp(tl.load(logit_ptr + n * L + jj, mask=jm, other=0.0) * scale - lse)
-                dbar += tl.sum(tl.where(jm, p, 0.0) * tl.sum(v * dm[None, :], axis=1), axis=0)
+            for i in tl.static_range(L):
+                v = _load_src(i, n, offs, mask, S0, S1, S2, S3, S4, S5, S6, S7, S8, S9, S10, S11, S12, S13, S14, S15,
+                              R0, R1, R2, R3, R4, R5, R6, R7, R8, R9, R10, R11, R12, R13, R14, R15)
+                p = tl.exp(tl.load(logit_ptr + n * L + i) * scale - lse)
+                dbar += p * tl.sum(v * dm, axis=0)
         # pass B: per-source gradients, written / accumulated into their destinations
-        lidx = tl.arange(0, TL)
-        for t in tl.static_range((L + TL - 1) // TL):
-            jj = t * TL + lidx
-            jm = jj < L
-            off = _tile_offsets(t, TL, L, n, X0, X1, X2, X3, X4, X5, X6, X7, X8, X9, X10, X11, X12, X13, X14, X15,
-                                Y0, Y1, Y2, Y3, Y4, Y5, Y6, Y7, Y8, Y9, Y10, Y11, Y12, Y13, Y14, Y15)
-            v = tl.load(src_ptr + off[:, None] + offs[None, :], mask=jm[:, None] & mask[None, :],
-                        other=0.0).to(tl.float32)
-            logit = tl.load(logit_ptr + n * L + jj, mask=jm, other=0.0)
-            r = tl.load(rstd_ptr + n * L + jj, mask=jm, other=0.0)
-            p = tl.where(jm, tl.exp(logit * scale - lse), 0.0)
-            gs = scale * p * (tl.sum(v * dm[None, :], axis=1) - dbar) * r
-            da_acc += tl.sum(gs[:, None] * v, axis=0)
-            wm = jm & (((write_mask >> jj) & 1) != 0)
-            am = jm & (((acc_mask >> jj) & 1) != 0)
-            goff = _tile_offsets(t, TL, L, n, GX0, GX1, GX2, GX3, GX4, GX5, GX6, GX7, GX8, GX9, GX10, GX11, GX12,
-                                 GX13, GX14, GX15, GY0, GY1, GY2, GY3, GY4, GY5, GY6, GY7, GY8, GY9, GY10, GY11,
-                                 GY12, GY13, GY14, GY15)
-            gptr = grad_ptr + goff[:, None] + offs[None, :]
-            dv = p[:, None] * dm[None, :] + gs[:, None] * (a[None, :] - (r * logit / D)[:, None] * v)
-            dv += tl.load(gptr, mask=am[:, None] & mask[None, :], other=0.0).to(tl.float32)
-            tl.store(gptr, dv.to(gptr.dtype.element_ty), mask=(wm | am)[:, None] & mask[None, :])
+        for i in tl.static_range(L):
+            v = _load_src(i, n, offs, mask, S0, S1, S2, S3, S4, S5, S6, S7, S8, S9, S10, S11, S12, S13, S14, S15,
+                          R0, R1, R2, R3, R4, R5, R6, R7, R8, R9, R10, R11, R12, R13, R14, R15)
+            logit = tl.load(logit_ptr + n * L + i)
+            r = tl.load(rstd_ptr + n * L + i)
+            p = tl.exp(logit * scale - lse)
+            gs = scale * p * (tl.sum(v * dm, axis=0) - dbar) * r
+            da_acc += gs * v
+            if ((write_mask | acc_mask) >> i) & 1:
+                dv = p * dm + gs * (a - (r * logit / D) * v)
+                gptr = _pick(i, G0, G1, G2, G3, G4, G5, G6, G7, G8, G9, G10, G11, G12, G13, G14, G15)
+                gptr = gptr + n * _pick(i, Q0, Q1, Q2, Q3, Q4, Q5, Q6, Q7, Q8, Q9, Q10, Q11, Q12, Q13, Q14, Q15) + offs
+                if (acc_mask >> i) & 1:
+                    dv += tl.load(gptr, mask=mask, other=0.0).to(tl.float32)
+                tl.store(gptr, dv.to(gptr.dtype.element_ty), mask=mask)
     tl.store(da_part_ptr + pid * D + offs, da_acc, mask=mask)
     if OUT_NORM:
         tl.store(dow_part_ptr + pid * D + offs, dow_acc, mask=mask)
@@ -269,18 +269,18 @@ class _Cfg(NamedTuple):
     warps_bwd: int
     per_sm_fwd: int   # resident programs per SM (persistent grid)
     per_sm_bwd: int
-    tl_fwd: int       # sources per load step
-    tl_bwd: int
+    tl_fwd: int       # sources per forward load step
 
 
 def _config(D: int) -> _Cfg:
-    """Launch configuration: a function of D alone (never of the token count), so results are batch invariant."""
+    """Launch configuration: a function of D alone (never of the token count), so results are batch invariant.
+    D = 7168 values from the H200 sweep in benchmarks/results/attnres.json."""
     block = triton.next_power_of_2(D)
     if block >= 8192:
-        return _Cfg(block, 16, 16, 2, 1, 4, 2)
+        return _Cfg(block, 16, 8, 1, 2, 4)
     if block >= 2048:
-        return _Cfg(block, 8, 8, 2, 2, 4, 2)
-    return _Cfg(block, 4, 4, 4, 2, 4, 2)
+        return _Cfg(block, 8, 8, 2, 2, 4)
+    return _Cfg(block, 4, 4, 4, 2, 4)
 
 
 def _num_programs(N: int, device: torch.device, per_sm: int) -> int:
@@ -372,6 +372,12 @@ def _flat(x: torch.Tensor, D: int, name: str) -> torch.Tensor:
     except RuntimeError as e:
         raise ValueError(f"{name}: leading dims of shape {tuple(x.shape)} stride {tuple(x.stride())} cannot be "
                          f"flattened without a copy") from e
+
+
+def _ptr_args(xs: Sequence[torch.Tensor]) -> list:
+    """Per source its own pointer, then its row stride (padded to 16)."""
+    pad = MAX_SOURCES - len(xs)
+    return [*xs, *([xs[0]] * pad), *(x.stride(0) for x in xs), *([0] * pad)]
 
 
 def _offset_args(xs: Sequence[torch.Tensor]) -> list:
@@ -474,16 +480,15 @@ class _AttnResFn(torch.autograd.Function):
             else:
                 acc_mask |= 1 << i
             dests.append(_flat(dest, D, f"grad of sources[{i}]"))
-        gbase = next((d for d in dests if d is not None), flat[0])
-        dests = [gbase if d is None else d for d in dests]
+        dests = [flat[i] if d is None else d for i, d in enumerate(dests)]  # mode 0: never written
         cfg = _config(D)
         P = _num_programs(N, dev, cfg.per_sm_bwd)
         da_part = torch.empty(P, D, device=dev, dtype=torch.float32)
         dow_part = torch.empty(P, D, device=dev, dtype=torch.float32) if ow is not None else da_part
         if N > 0:
-            _attnres_bwd_kernel[(P,)](*_offset_args(flat), *_offset_args(dests), query, weight,
+            _attnres_bwd_kernel[(P,)](*_offset_args(flat), *_ptr_args(flat), *_ptr_args(dests), query, weight,
                                       ow if ow is not None else weight, do, rstd, logit, lse, da_part, dow_part,
-                                      N, D, eps, scale, write_mask, acc_mask, L=L, TL=cfg.tl_bwd, TLF=cfg.tl_fwd,
+                                      N, D, eps, scale, write_mask, acc_mask, L=L, TLF=cfg.tl_fwd,
                                       BLOCK_D=cfg.block_d, OUT_NORM=ow is not None, ROUND_MIX=round_mix,
                                       num_warps=cfg.warps_bwd)
         else:

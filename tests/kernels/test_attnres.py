@@ -201,14 +201,18 @@ def test_bad_input_names_the_tensor():
 @pytest.mark.gpu
 @pytest.mark.parametrize("out_norm", [False, True])
 def test_gpu_k3_width_matches_reference(out_norm):
+    """fp32 at D = 7168: our error against an fp64 evaluation of the reference is within a few times the fp32
+    reference's own error (sharp softmaxes at this width amplify rounding in both)."""
     rows, partial, q, w, ow, do = _inputs(8, N=(257,), D=7168, out_norm=out_norm, device="cuda", seed=1)
-    o = fz.fused_block_attnres(rows, partial, q, w, 1e-6, ow)
-    o_ref = naive_block_attnres(rows, partial, q, w, 1e-6, ow)
-    assert _err_ratio(o, o_ref) < 1e-6
-    torch.testing.assert_close(o, o_ref, atol=1e-3, rtol=1e-3)
     ins = [*rows, partial, q, w, ow]
-    for a, b in zip(_grads(o, ins, do), _grads(o_ref, ins, do)):
-        assert _err_ratio(a, b) < 1e-5
+    ins64 = [t.detach().double().requires_grad_() if t is not None else None for t in ins]
+    o = fz.fused_block_attnres(rows, partial, q, w, 1e-6, ow)
+    o32 = naive_block_attnres(rows, partial, q, w, 1e-6, ow)
+    o64 = naive_block_attnres(ins64[:8], ins64[8], *ins64[9:11], 1e-6, ins64[11])
+    assert _err_ratio(o, o64) <= max(4 * _err_ratio(o32, o64), 1e-5)
+    g64 = _grads(o64, ins64, do.double())
+    for a, b, c in zip(_grads(o, ins, do), _grads(o32, ins, do), g64):
+        assert _err_ratio(a, c) <= max(4 * _err_ratio(b, c), 1e-5)
 
 
 @pytest.mark.gpu
