@@ -16,6 +16,6 @@ def attn_res(rows: list[torch.Tensor], partial: torch.Tensor, proj: nn.Linear, n
 
 
 def pseudo_query(d: int) -> nn.Linear:
-    p = nn.Linear(d, 1, bias=False)
+    p = ops.Linear(d, 1, bias=False)
     nn.init.zeros_(p.weight)
     return p

@@ -31,27 +31,27 @@ class KimiDeltaAttention(nn.Module):
         self.lower_bound = cfg.gate_lower_bound
         self.eps = cfg.rms_norm_eps
         proj = H * K
-        self.q_proj = nn.Linear(d, proj, bias=False)
-        self.k_proj = nn.Linear(d, proj, bias=False)
-        self.v_proj = nn.Linear(d, proj, bias=False)
+        self.q_proj = ops.Linear(d, proj, bias=False)
+        self.k_proj = ops.Linear(d, proj, bias=False)
+        self.v_proj = ops.Linear(d, proj, bias=False)
         self.q_conv1d = nn.Conv1d(proj, proj, W, groups=proj, bias=False)
         self.k_conv1d = nn.Conv1d(proj, proj, W, groups=proj, bias=False)
         self.v_conv1d = nn.Conv1d(proj, proj, W, groups=proj, bias=False)
-        self.f_a_proj = nn.Linear(d, K, bias=False)
-        self.f_b_proj = nn.Linear(K, proj, bias=False)
-        self.b_proj = nn.Linear(d, H, bias=False)
+        self.f_a_proj = ops.Linear(d, K, bias=False)
+        self.f_b_proj = ops.Linear(K, proj, bias=False)
+        self.b_proj = ops.Linear(d, H, bias=False)
         if cfg.linear_attn_config.get("use_full_rank_gate", True):
-            self.g_proj = nn.Linear(d, proj, bias=False)
+            self.g_proj = ops.Linear(d, proj, bias=False)
         else:
-            self.g_a_proj = nn.Linear(d, K, bias=False)
-            self.g_b_proj = nn.Linear(K, proj, bias=False)
+            self.g_a_proj = ops.Linear(d, K, bias=False)
+            self.g_b_proj = ops.Linear(K, proj, bias=False)
         # Safe gate: A_log zero-init (FLA); default gate: log U(1, 16).
         self.A_log = nn.Parameter(torch.zeros(H) if self.lower_bound is not None else torch.empty(H).uniform_(1, 16).log())
         dt = torch.exp(torch.empty(proj).uniform_(math.log(1e-3), math.log(1e-1))).clamp(min=1e-4)
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
         self.o_norm = nn.Module()
         self.o_norm.weight = nn.Parameter(torch.ones(K))
-        self.o_proj = nn.Linear(proj, d, bias=False)
+        self.o_proj = ops.Linear(proj, d, bias=False)
 
     def _output_gate(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "g_proj"):

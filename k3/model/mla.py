@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from k3.config import K3Config
+from k3.model import ops
 from k3.model.norm import RMSNorm
 from k3.model.state import CacheView
 
@@ -21,16 +22,16 @@ class GatedMLA(nn.Module):
         qk = self.nope + self.rope
         d = cfg.hidden_size
         if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(d, self.n_heads * qk, bias=False)
+            self.q_proj = ops.Linear(d, self.n_heads * qk, bias=False)
         else:
-            self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=False)
+            self.q_a_proj = ops.Linear(d, cfg.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.n_heads * qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_lora + self.rope, bias=False)
+            self.q_b_proj = ops.Linear(cfg.q_lora_rank, self.n_heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = ops.Linear(d, self.kv_lora + self.rope, bias=False)
         self.kv_a_layernorm = RMSNorm(self.kv_lora, cfg.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(self.kv_lora, self.n_heads * (self.nope + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(self.n_heads * self.v_dim, d, bias=False)
-        self.g_proj = nn.Linear(d, self.n_heads * self.v_dim, bias=False) if cfg.mla_use_output_gate else None
+        self.kv_b_proj = ops.Linear(self.kv_lora, self.n_heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = ops.Linear(self.n_heads * self.v_dim, d, bias=False)
+        self.g_proj = ops.Linear(d, self.n_heads * self.v_dim, bias=False) if cfg.mla_use_output_gate else None
         self.scale = qk ** -0.5
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from k3.config import K3Config
+from k3.model import ops
 from k3.model.attnres import attn_res, pseudo_query
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
@@ -89,7 +90,7 @@ class K3ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = K3Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ops.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.moe_layer_ids = config.moe_layer_ids
@@ -114,7 +115,7 @@ class K3ForCausalLM(nn.Module):
                 use_cache: bool = True) -> K3Output:
         """input_ids [B, T] continuing `state` (None = from scratch): a K3State (not modified; the output holds
         the new state) or an engine's CacheView (written in place; output state None). routed_experts
-        [B, T, n_moe, k] forces the routing of every MoE layer (Router Replay)."""
+        [B, T, n_moe, k] forces the routing of every MoE layer (Router Replay); -1 rows route freely."""
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise ValueError(f"input_ids: expected [B, T] with T >= 1, got {tuple(input_ids.shape)}")
         B, T = input_ids.shape
@@ -128,9 +129,12 @@ class K3ForCausalLM(nn.Module):
             want = (B, T, len(self.moe_layer_ids), cfg.num_experts_per_token)
             if tuple(routed_experts.shape) != want:
                 raise ValueError(f"routed_experts: expected shape {want}, got {tuple(routed_experts.shape)}")
-            if int(routed_experts.min()) < 0 or int(routed_experts.max()) >= cfg.num_experts:
-                raise ValueError(f"routed_experts: expert ids must be in [0, {cfg.num_experts}), "
+            free = routed_experts < 0
+            if int(routed_experts.min()) < -1 or int(routed_experts.max()) >= cfg.num_experts:
+                raise ValueError(f"routed_experts: expert ids must be in [0, {cfg.num_experts}) or -1 (route freely), "
                                  f"got range [{int(routed_experts.min())}, {int(routed_experts.max())}]")
+            if bool((free.any(-1) != free.all(-1)).any()):
+                raise ValueError("routed_experts: a token's ids in a layer must be all valid or all -1")
         dense = state is None or isinstance(state, K3State)
         cache = DenseCache(state, cfg.num_hidden_layers, B, input_ids.device, store=use_cache) if dense else state
         h = self.model.embed_tokens(input_ids)

@@ -3,7 +3,8 @@
 Latent MoE (K3 Eq. 11): z = W_down x; u = sum_{i in TopK(x)} p_i E_i(z); y = shared(x) + W_up RMSNorm(u).
 Router (noaux_tc): s = sigmoid(W_r x) in fp32; the correction bias only affects selection; weights are s over the
 selected set, renormalised and scaled. With `routed_experts` given (Router Replay) selection is forced and weights
-are recomputed from the current router over the given experts.
+are recomputed from the current router over the given experts; tokens whose ids are all -1 route freely (e.g.
+prompt tokens a rollout engine served from its prefix cache without recording their routing).
 """
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ from k3.model.norm import RMSNorm
 class SiTUMLP(nn.Module):
     def __init__(self, d: int, inter: int, beta: float, linear_beta: float) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(d, inter, bias=False)
-        self.up_proj = nn.Linear(d, inter, bias=False)
-        self.down_proj = nn.Linear(inter, d, bias=False)
+        self.gate_proj = ops.Linear(d, inter, bias=False)
+        self.up_proj = ops.Linear(d, inter, bias=False)
+        self.down_proj = ops.Linear(inter, d, bias=False)
         self.beta, self.linear_beta = beta, linear_beta
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -40,12 +41,14 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, d] -> (expert ids [N, k] int64, weights [N, k] fp32)."""
-        scores = torch.sigmoid(x.float() @ self.weight.float().t())
-        if forced is None:
+        scores = torch.sigmoid(ops.linear(x.float(), self.weight.float()))
+        if forced is None or bool((forced < 0).any()):
             sel = (scores + self.e_score_correction_bias.float()).detach()
             if self.n_group > 1:
                 sel = self._mask_groups(sel)
             idx = torch.topk(sel, self.top_k, dim=-1, sorted=True).indices
+            if forced is not None:  # rows of -1 are routed freely, the others replayed
+                idx = torch.where(forced[:, :1] < 0, idx, forced.long())
         else:
             idx = forced.long()
         w = scores.gather(-1, idx)
@@ -85,8 +88,8 @@ class RoutedExperts(nn.Module):
             pos = (flat == e).nonzero(as_tuple=True)[0]
             tok = pos // k
             ze = z[tok]
-            h = ops.situ_and_mul(ze @ self.w1[e].t(), ze @ self.w3[e].t(), self.beta, self.linear_beta)
-            out = out.index_put((tok, pos % k), h @ self.w2[e].t())
+            h = ops.situ_and_mul(ops.linear(ze, self.w1[e]), ops.linear(ze, self.w3[e]), self.beta, self.linear_beta)
+            out = out.index_put((tok, pos % k), ops.linear(h, self.w2[e]))
         return (out.float() * w[..., None]).sum(1).to(z.dtype)
 
 
@@ -103,8 +106,8 @@ class LatentMoE(nn.Module):
                                        cfg.activation_situ_linear_beta) if cfg.num_shared_experts > 0 else None)
         self.is_latent = cfg.routed_expert_hidden_size is not None
         if self.is_latent:
-            self.routed_expert_down_proj = nn.Linear(d, L, bias=False)
-            self.routed_expert_up_proj = nn.Linear(L, d, bias=False)
+            self.routed_expert_down_proj = ops.Linear(d, L, bias=False)
+            self.routed_expert_up_proj = ops.Linear(L, d, bias=False)
             self.routed_expert_norm = RMSNorm(L, cfg.rms_norm_eps) if cfg.latent_moe_use_norm else None
 
     def forward(self, x: torch.Tensor, forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from k3_kernels.attnres import naive_block_attnres
 from k3_kernels.kda import naive_chunk_kda, naive_recurrent_kda
@@ -14,6 +16,33 @@ from k3_kernels.situ import naive_situ_and_mul
 
 def _on_cuda(x: torch.Tensor) -> bool:
     return x.is_cuda
+
+
+# CPU GEMMs take another code path for a handful of rows (and for some row-count tails), so a token's result
+# would depend on how many tokens share the call (decode vs prefill, expert group sizes). Padding the row count
+# to a multiple of 8 makes each row's result independent of the others (tests/model/test_ops.py checks it).
+_ROW_MULTIPLE = 8
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Batch-invariant x @ weight.T (+ bias) on CPU; plain F.linear on CUDA."""
+    if x.is_cuda:
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    pad = (-rows.shape[0]) % _ROW_MULTIPLE
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
+    out = F.linear(rows, weight, bias)
+    if pad:
+        out = out[: out.shape[0] - pad]
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameter names) computed through the batch-invariant `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

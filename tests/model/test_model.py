@@ -85,6 +85,22 @@ def test_routed_experts_record_and_replay(tiny):
         assert (other.logits - out.logits).abs().max() > 1e-4
 
 
+def test_partial_replay_routes_free_rows(tiny):
+    cfg = tiny.config
+    ids = torch.randint(0, cfg.vocab_size, (2, 20))
+    with torch.no_grad():
+        ref = tiny(ids, use_cache=False, return_routed_experts=True)
+        forced = ((ref.routed_experts + 1) % cfg.num_experts)
+        forced[:, :10] = -1                      # first half free, second half replayed (shifted) experts
+        out = tiny(ids, use_cache=False, routed_experts=forced, return_routed_experts=True)
+    assert torch.equal(out.routed_experts[:, :10, 0], ref.routed_experts[:, :10, 0])   # layer 1 sees the same input
+    assert torch.equal(out.routed_experts[:, 10:], forced[:, 10:])
+    assert torch.equal(out.logits[:, :10], ref.logits[:, :10])
+    bad = forced.clone(); bad[0, 12, 0, 0] = -1
+    with pytest.raises(ValueError, match="all valid or all -1"):
+        tiny(ids, use_cache=False, routed_experts=bad)
+
+
 def test_routed_replay_recomputes_gate_weights_with_gradient(tiny):
     ids = torch.randint(0, tiny.config.vocab_size, (1, 12))
     with torch.no_grad():
