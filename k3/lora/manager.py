@@ -295,10 +295,10 @@ class LoRAManager:
                 tok = pos // k
                 ze = z[tok]
                 slots = None if plan.single is not None else plan.slots[tok]
-                gate = manager._add_lowrank(plan, names["w1"], ze, ze @ mod.w1[e].t(), slots, e)
-                up = manager._add_lowrank(plan, names["w3"], ze, ze @ mod.w3[e].t(), slots, e)
+                gate = manager._add_lowrank(plan, names["w1"], ze, ops.linear(ze, mod.w1[e]), slots, e)
+                up = manager._add_lowrank(plan, names["w3"], ze, ops.linear(ze, mod.w3[e]), slots, e)
                 h = ops.situ_and_mul(gate, up, mod.beta, mod.linear_beta)
-                o = manager._add_lowrank(plan, names["w2"], h, h @ mod.w2[e].t(), slots, e)
+                o = manager._add_lowrank(plan, names["w2"], h, ops.linear(h, mod.w2[e]), slots, e)
                 out = out.index_put((tok, pos % k), o)
             return (out.float() * w[..., None]).sum(1).to(z.dtype)
 
@@ -359,8 +359,9 @@ class LoRAManager:
 
 
 def _lowrank(ad: LoRAAdapter, name: str, x: torch.Tensor, expert: int | None) -> torch.Tensor:
-    """(alpha/r) (x A^T) B^T for rows x [n, in] (expert `e`'s pair for stacked targets), in the adapter dtype."""
+    """(alpha/r) (x A^T) B^T for rows x [n, in] (expert `e`'s pair for stacked targets), in the adapter dtype;
+    through the model's (batch-invariant) linear, so a row's result does not depend on which rows share it."""
     a, b = ad.A(name), ad.B(name)
     if expert is not None:
         a, b = a[expert], b[expert]
-    return ((x.to(a.dtype) @ a.t()) @ b.t()) * ad.scaling
+    return ops.linear(ops.linear(x.to(a.dtype), a), b) * ad.scaling

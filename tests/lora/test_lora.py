@@ -199,8 +199,8 @@ def test_multi_lora_batch_matches_each_adapter_alone(tiny):
         with mgr.use(name):
             alone[name] = _logits(tiny, ids)
     for i, name in enumerate(rows):
-        ref = alone[name][i]
-        assert (mixed[i] - ref).abs().max() < 1e-5, (i, name)
+        # bitwise: the model's linear (and so each adapter's low-rank path) is batch-invariant on CPU
+        assert torch.equal(mixed[i], alone[name][i]), (i, name)
         others = [alone[n][i] for n in ("a", "b", "c", None) if n != name]
         assert all((mixed[i] - o).abs().max() > 1e-3 for o in others)  # the adapters really differ
     # per-token slots give the same as per-row names
