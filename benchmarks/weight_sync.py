@@ -65,12 +65,11 @@ def positions_values(prev: dict[str, torch.Tensor], cur: dict[str, torch.Tensor]
     """(changed elements, verl-style int32 positions + values bytes, the same buffer zstd-compressed)."""
     changed, raw, parts = 0, 0, []
     for k, c in cur.items():
-        p = prev[k]
-        iv = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[c.element_size()]
-        pi, ci = p.reshape(-1).view(iv), c.reshape(-1).view(iv)
-        pos = torch.nonzero(pi != ci).reshape(-1)
-        changed += pos.numel()
-        buf = pos.to(torch.int32).numpy().tobytes() + c.reshape(-1)[pos].contiguous().view(torch.uint8).numpy().tobytes()
+        word = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[c.element_size()]
+        pw, cw = host_bytes(prev[k]).view(word), host_bytes(c).view(word)
+        pos = np.flatnonzero(pw != cw)
+        changed += pos.size
+        buf = pos.astype(np.int32).tobytes() + cw[pos].tobytes()
         raw += len(buf) + 16  # + per-tensor (name id, count) header
         parts.append(buf)
     comp = len(cctx.compress(b"".join(parts)))
@@ -126,7 +125,7 @@ def run(preset: str, lr: float, steps: int, batch: int, seq: int, budget_s: floa
         if not exact:
             raise SystemExit(f"{preset} lr={lr} step {step}: decoded weights differ from the published ones")
         changed, pv_raw, pv_zstd = positions_values(prev, cur, zstd.ZstdCompressor(level=1))
-        row = {"step": step, "loss": round(float(loss), 5), "train_s": round(t_train, 3), "raw_bytes": raw_full,
+        row = {"step": step, "loss": round(loss.item(), 5), "train_s": round(t_train, 3), "raw_bytes": raw_full,
                "xor_zstd_bytes": len(payload), "changed_elems": changed, "posval_bytes": pv_raw,
                "posval_zstd_bytes": pv_zstd, "encode_s": t_enc, "decode_s": t_dec, "bit_exact": exact}
         if step % FULL_EVERY == 0:
@@ -246,7 +245,7 @@ def main() -> None:
     ap.add_argument("--presets", default="tiny,small")
     ap.add_argument("--lrs", default="1e-6,1e-5")
     ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--tiny-tokens", default="4x64", help="batch x seq per step for tiny")
+    ap.add_argument("--tiny-tokens", default="2x32", help="batch x seq per step for tiny")
     ap.add_argument("--small-tokens", default="1x16", help="batch x seq per step for small")
     ap.add_argument("--small-budget-s", type=float, default=180.0, help="wall budget per small run")
     ap.add_argument("--gpu", action="store_true", help="GPU stage benchmark (H200)")

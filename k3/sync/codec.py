@@ -155,18 +155,11 @@ SPARSE_MAX_DENSITY = 0.25  # above this fraction of changed elements a chunk is 
 _SPARSE_HDR = np.dtype("<u4")
 
 
-def pack_sparse(xor: np.ndarray, itemsize: int) -> np.ndarray | None:
-    """Sparse form of an XOR chunk, or None when too dense to pay off.
-
-    Layout (uint8): u32 count | u32 big-gap count | count gap bytes (elements skipped since the previous
-    change; 255 = the gap is the next u32 of the big-gap list) | big gaps (u32) | the changed XOR words,
-    byte-plane split. Positions cost ~6 bits and a bf16 one-ulp XOR ~3 bits per change after zstd."""
-    words = xor.view(_WORD[itemsize])
-    mask = words != 0
-    nnz = int(np.count_nonzero(mask))
-    if nnz > SPARSE_MAX_DENSITY * words.size:
-        return None
-    idx = np.flatnonzero(mask)
+def _sparse_bytes(idx: np.ndarray, vals: np.ndarray, itemsize: int) -> np.ndarray:
+    """Sparse chunk layout (uint8): u32 count | u32 big-gap count | count gap bytes (elements skipped since
+    the previous change; 255 = the gap is the next entry of the big-gap list) | big gaps (u32) | the changed
+    XOR words, byte-plane split. After zstd a change costs ~6 bits of position plus ~3 bits of bf16 XOR."""
+    nnz = idx.size
     gaps = np.diff(idx, prepend=-1) - 1
     big = gaps >= 255
     bigs = gaps[big].astype(_SPARSE_HDR)
@@ -178,21 +171,29 @@ def pack_sparse(xor: np.ndarray, itemsize: int) -> np.ndarray | None:
     pos = 8 + nnz
     out[pos:pos + 4 * bigs.size] = bigs.view(np.uint8)
     pos += 4 * bigs.size
-    vals = np.ascontiguousarray(words[idx]).view(np.uint8)
+    vb = np.ascontiguousarray(vals).view(np.uint8)
     if itemsize > 1:
-        shuffle_into(vals, itemsize, out[pos:])
+        shuffle_into(vb, itemsize, out[pos:])
     else:
-        out[pos:] = vals
+        out[pos:] = vb
     return out
 
 
-def unpack_sparse_into(stored: np.ndarray, itemsize: int, dst: np.ndarray, where: str) -> None:
-    """XOR the changes of a sparse chunk into `dst` (which holds the base bytes, or zeros)."""
-    words = dst.view(_WORD[itemsize])
+def pack_sparse(xor: np.ndarray, itemsize: int) -> np.ndarray | None:
+    """Sparse form of an XOR chunk, or None when more than SPARSE_MAX_DENSITY of its elements changed."""
+    words = xor.view(_WORD[itemsize])
+    idx = np.flatnonzero(words != 0)
+    if idx.size > SPARSE_MAX_DENSITY * words.size:
+        return None
+    return _sparse_bytes(idx, words[idx], itemsize)
+
+
+def unpack_sparse(stored: np.ndarray, itemsize: int, n_words: int, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """(element indices, XOR words) of a sparse chunk of `n_words` elements; validates the layout."""
     if stored.size < 8:
         raise CorruptPayloadError(f"{where}: sparse frame shorter than its header")
     nnz, nbig = (int(v) for v in stored[:8].view(_SPARSE_HDR))
-    if stored.size != 8 + nnz + 4 * nbig + nnz * itemsize or nnz > words.size:
+    if stored.size != 8 + nnz + 4 * nbig + nnz * itemsize or nnz > n_words:
         raise CorruptPayloadError(f"{where}: sparse frame length does not match its counts")
     small = stored[8:8 + nnz]
     gaps = small.astype(np.int64)
@@ -203,22 +204,34 @@ def unpack_sparse_into(stored: np.ndarray, itemsize: int, dst: np.ndarray, where
     gaps[is_big] = stored[pos:pos + 4 * nbig].view(_SPARSE_HDR)
     pos += 4 * nbig
     idx = np.cumsum(gaps + 1) - 1
-    if nnz and idx[-1] >= words.size:
+    if nnz and idx[-1] >= n_words:
         raise CorruptPayloadError(f"{where}: sparse frame position {int(idx[-1])} beyond the chunk")
     vals = np.empty(nnz * itemsize, dtype=np.uint8)
     if itemsize > 1:
         unshuffle_into(stored[pos:], itemsize, vals)
     else:
         vals[:] = stored[pos:]
-    words[idx] ^= vals.view(_WORD[itemsize])
+    return idx, vals.view(_WORD[itemsize])
 
 
 def pack_chunk(raw: np.ndarray, width: int, itemsize: int, delta: bool) -> tuple[np.ndarray, bool]:
-    """The bytes to compress for one chunk: sparse for a sparse delta, else byte-plane shuffled raw."""
+    """The bytes to compress for one chunk given its XOR (delta) or new bytes (full): sparse for a sparse
+    delta, else byte-plane shuffled."""
     if delta and itemsize in _WORD:
         sp = pack_sparse(raw, itemsize)
         if sp is not None:
             return sp, True
+    return (shuffle_into(raw, width, _SCRATCH.buf("shuf", raw.size)) if width > 1 else raw), False
+
+
+def pack_delta_chunk(new: np.ndarray, base: np.ndarray, width: int, itemsize: int) -> tuple[np.ndarray, bool]:
+    """`pack_chunk` of new XOR base, without materializing the XOR when the chunk is sparse."""
+    if itemsize in _WORD:
+        nw, bw = new.view(_WORD[itemsize]), base.view(_WORD[itemsize])
+        idx = np.flatnonzero(nw != bw)
+        if idx.size <= SPARSE_MAX_DENSITY * nw.size:
+            return _sparse_bytes(idx, nw[idx] ^ bw[idx], itemsize), True
+    raw = xor_into(new, base, _SCRATCH.buf("xor", new.size))
     return (shuffle_into(raw, width, _SCRATCH.buf("shuf", raw.size)) if width > 1 else raw), False
 
 
@@ -234,8 +247,10 @@ def _cpu_task(ti: int, ci: int, off: int, n: int, new: np.ndarray, base: np.ndar
               itemsize: int, level: int) -> Callable[[], list[Piece]]:
     def run() -> list[Piece]:
         chunk = new[off:off + n]
-        raw = chunk if base is None else xor_into(chunk, base[off:off + n], _SCRATCH.buf("xor", n))
-        stored, sparse = pack_chunk(raw, width, itemsize, base is not None)
+        if base is None:
+            stored, sparse = pack_chunk(chunk, width, itemsize, False)
+        else:
+            stored, sparse = pack_delta_chunk(chunk, base[off:off + n], width, itemsize)
         return _frame_record(ti, ci, off, n, stored, xxh3(chunk), level, sparse)
     return run
 
@@ -421,13 +436,36 @@ def iter_frame_records(src: _Source, man: Manifest) -> Iterator[FrameRecord]:
         raise CorruptPayloadError("payload: trailing bytes after the trailer")
 
 
-def decode_record(rec: FrameRecord, dst: np.ndarray, base: np.ndarray | None, check_new: bool = True) -> None:
-    """Verify and decompress one frame into `dst`: the new raw bytes (decoded XOR `base` for a delta; with
-    `base=None` a delta frame yields the XOR bytes themselves)."""
+class Change(NamedTuple):
+    """One verified frame, staged until the whole payload verified: sparse (element indices + XOR words)
+    or dense (XOR bytes of a delta, or the new bytes of a full snapshot)."""
+    name: str
+    offset: int
+    raw_len: int
+    itemsize: int
+    delta: bool
+    idx: np.ndarray | None
+    vals: np.ndarray | None
+    dense: np.ndarray | None
+
+    def apply_to(self, chunk: np.ndarray) -> None:
+        """Commit onto `chunk` (the target's bytes at this frame's offset): XOR for a delta, copy for full."""
+        if self.idx is not None:
+            chunk.view(_WORD[self.itemsize])[self.idx] ^= self.vals
+        elif self.delta:
+            xor_into(chunk, self.dense, chunk)
+        else:
+            chunk[...] = self.dense
+
+
+def verify_record(rec: FrameRecord, delta: bool, base: np.ndarray | None) -> Change:
+    """Verify and decompress one frame into a staged `Change`. When `base` (the receiver's bytes of this
+    chunk) is given and the sender recorded the new bytes' checksum, the reconstruction is checked too."""
     where = f"tensor {rec.entry.name!r} frame {rec.index}"
     if xxh3_parts(rec.header, rec.data) != rec.checksum:
         raise CorruptPayloadError(f"{where}: frame checksum mismatch")
-    limit = rec.raw_len + 8 + 5 * (rec.raw_len // max(rec.entry.itemsize, 1)) if rec.sparse else rec.raw_len
+    itemsize = rec.entry.itemsize
+    limit = rec.raw_len + 8 + 5 * (rec.raw_len // itemsize) if rec.sparse else rec.raw_len
     try:
         dec = _SCRATCH.dctx.decompress(rec.data, max_output_size=limit)
     except zstd.ZstdError as e:
@@ -436,36 +474,43 @@ def decode_record(rec: FrameRecord, dst: np.ndarray, base: np.ndarray | None, ch
         raise CorruptPayloadError(f"{where}: decoded-content checksum mismatch")
     stored = np.frombuffer(dec, dtype=np.uint8)
     if rec.sparse:
-        if rec.entry.itemsize not in _WORD:
-            raise CorruptPayloadError(f"{where}: sparse frame for a {rec.entry.itemsize}-byte dtype")
-        if base is None:
-            dst[...] = 0
-        else:
-            dst[...] = base
-        unpack_sparse_into(stored, rec.entry.itemsize, dst, where)
+        if itemsize not in _WORD:
+            raise CorruptPayloadError(f"{where}: sparse frame for a {itemsize}-byte dtype")
+        idx, vals = unpack_sparse(stored, itemsize, rec.raw_len // itemsize, where)
+        ch = Change(rec.entry.name, rec.offset, rec.raw_len, itemsize, True, idx, vals, None)
     else:
         if len(dec) != rec.raw_len:
             raise CorruptPayloadError(f"{where}: decoded {len(dec)} bytes, manifest says {rec.raw_len}")
         width = rec.entry.shuffle
-        raw = unshuffle_into(stored, width, _SCRATCH.buf("unshuf", rec.raw_len)) if width > 1 else stored
-        if base is None:
-            dst[...] = raw
-        else:
-            xor_into(base, raw, dst)
-    if check_new and rec.new_hash is not None and xxh3(dst) != rec.new_hash:
-        raise CorruptPayloadError(f"{where}: reconstructed-weights checksum mismatch (the receiver's base "
-                                  f"bytes differ from the sender's base)")
+        raw = unshuffle_into(stored, width, np.empty(rec.raw_len, dtype=np.uint8)) if width > 1 else stored
+        ch = Change(rec.entry.name, rec.offset, rec.raw_len, itemsize, delta, None, None, raw)
+    if rec.new_hash is not None and (base is not None or not delta):
+        new = _SCRATCH.buf("new", rec.raw_len)
+        if base is not None:
+            new[...] = base
+        ch.apply_to(new)
+        if xxh3(new) != rec.new_hash:
+            raise CorruptPayloadError(f"{where}: reconstructed-weights checksum mismatch (the receiver's base "
+                                      f"bytes differ from the sender's base)")
+    return ch
 
 
-def decode_frames(src: _Source, man: Manifest, staged: dict[str, np.ndarray],
-                  bases: dict[str, np.ndarray] | None, threads: int | None = None) -> None:
-    """Read every frame and the trailer of a payload whose manifest was read, writing the new raw bytes of
-    each tensor into `staged[name]` (XORed with `bases[name]` for a delta). Raises on any defect."""
-    def tasks() -> Iterator[Callable[[], None]]:
+def decode_frames(src: _Source, man: Manifest, bases: dict[str, np.ndarray] | None,
+                  threads: int | None = None) -> list[Change]:
+    """Read, verify and stage every frame and the trailer of a payload whose manifest was read. `bases`
+    (the receiver's bytes per tensor) enables the reconstruction check of deltas. Raises on any defect."""
+    delta = man.kind == "delta"
+
+    def tasks() -> Iterator[Callable[[], Change]]:
         for rec in iter_frame_records(src, man):
-            sl = slice(rec.offset, rec.offset + rec.raw_len)
-            base = bases[rec.entry.name][sl] if bases is not None else None
-            yield partial(decode_record, rec, staged[rec.entry.name][sl], base)
+            base = bases[rec.entry.name][rec.offset:rec.offset + rec.raw_len] if bases is not None else None
+            yield partial(verify_record, rec, delta, base)
 
-    for _ in pipeline(tasks(), threads or default_threads()):
+    return list(pipeline(tasks(), threads or default_threads()))
+
+
+def commit(changes: list[Change], targets: dict[str, np.ndarray], threads: int | None = None) -> None:
+    """Apply verified changes onto the target tensors' bytes (in parallel over frames)."""
+    tasks = (partial(ch.apply_to, targets[ch.name][ch.offset:ch.offset + ch.raw_len]) for ch in changes)
+    for _ in pipeline(tasks, threads or default_threads()):
         pass

@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from .codec import (FrameRecord, Piece, _Source, _frame_record, decode_record, default_threads,
+from .codec import (FrameRecord, Piece, _Source, _frame_record, default_threads, verify_record,
                     iter_frame_records, pack_chunk, pipeline)
 from .format import Manifest, SyncError
 
@@ -67,10 +67,15 @@ def _host_compress(ev: torch.cuda.Event, raw: np.ndarray, ti: int, ci: int, off:
     return _frame_record(ti, ci, off, raw.size, stored, None, level, sparse)
 
 
-def _host_decode(rec: FrameRecord, ev: torch.cuda.Event | None, dst: np.ndarray) -> FrameRecord:
+def _host_decode(rec: FrameRecord, delta: bool, ev: torch.cuda.Event | None, dst: np.ndarray) -> FrameRecord:
+    """Verify a frame and write its dense XOR bytes (delta) or new bytes (full) into pinned slot `dst`."""
+    ch = verify_record(rec, delta, None)
     if ev is not None:
         ev.synchronize()  # the previous host->device copy out of this slot has finished
-    decode_record(rec, dst, None, check_new=False)
+    if ch.dense is None or ch.delta:
+        dst[...] = 0
+        ch = ch._replace(delta=True)
+    ch.apply_to(dst)
     return rec
 
 
@@ -89,7 +94,7 @@ def cuda_apply(state: dict[str, torch.Tensor], src: _Source, man: Manifest, thre
     def tasks() -> Iterator[Callable[[], FrameRecord]]:
         for k, rec in enumerate(iter_frame_records(src, man)):
             slot = k % depth
-            yield partial(_host_decode, rec, events[slot], host[slot][:rec.raw_len].numpy())
+            yield partial(_host_decode, rec, man.kind == "delta", events[slot], host[slot][:rec.raw_len].numpy())
 
     stream.wait_stream(torch.cuda.current_stream(device))
     for k, rec in enumerate(pipeline(tasks(), threads, depth)):

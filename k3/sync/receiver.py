@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .codec import StateDict, _Source, decode_frames, host_bytes, iter_encode, read_manifest
+from .codec import StateDict, _Source, commit, decode_frames, host_bytes, iter_encode, read_manifest
 from .format import Manifest, ManifestMismatchError, SyncError, VersionError, dtype_name
 
 PERSIST_FILE = "state.k3sync"
@@ -17,8 +17,8 @@ class WeightReceiver:
     """Weights of one model at `version`; `apply(payload)` moves them to the payload's new version.
 
     The tensors passed in are updated in place on success (so a model built on them sees the new weights).
-    A payload is decoded completely into staging buffers and verified (manifest, every frame checksum, the
-    trailer, the reconstructed bytes) before anything is copied: a refused payload leaves the receiver at
+    A payload is decoded completely into staging (sparse changes or dense chunks) and verified (manifest,
+    every frame checksum, the trailer, the reconstructed bytes) before anything is written: a refused payload leaves the receiver at
     its previous version with its previous bytes. With `persist_dir`, every applied version is also written
     there atomically (temp file + fsync + rename) so a killed receiver restarts at a known version
     (`WeightReceiver.restore`)."""
@@ -97,11 +97,9 @@ class WeightReceiver:
 
             cuda_apply(self._state, src, man, self._threads)
         else:
-            staged = {e.name: torch.empty_like(self._state[e.name]) for e in man.tensors}
-            bases = {n: host_bytes(t) for n, t in self._state.items()} if man.kind == "delta" else None
-            decode_frames(src, man, {n: host_bytes(t) for n, t in staged.items()}, bases, self._threads)
-            for name, t in staged.items():  # commit: everything verified
-                self._state[name].copy_(t)
+            live = {n: host_bytes(t) for n, t in self._state.items()}
+            staged = decode_frames(src, man, live, self._threads)
+            commit(staged, live, self._threads)  # everything verified: apply in place
         self._version, self._chain = man.new_version, man.chain
         if self._persist_dir is not None:
             self.save(self._persist_dir)
@@ -125,7 +123,7 @@ class WeightReceiver:
         if man.kind != "full":
             raise SyncError(f"from_payload: needs a full snapshot, got a {man.kind} payload")
         state = {e.name: torch.empty(e.shape, dtype=e.dtype) for e in man.tensors}
-        decode_frames(src, man, {n: host_bytes(t) for n, t in state.items()}, None, threads)
+        commit(decode_frames(src, man, None, threads), {n: host_bytes(t) for n, t in state.items()}, threads)
         state = {k: v.to(device) for k, v in state.items()}
         return cls(state, man.new_version, chain=man.chain, threads=threads, persist_dir=persist_dir)
 

@@ -42,10 +42,11 @@ def main() -> None:
         real = receiver_mod.decode_frames
 
         def decode(*a, **k):
-            real(*a, **k)
+            staged = real(*a, **k)
             calls["decode"] += 1
             if calls["decode"] == 2:
                 _hang(marker)
+            return staged
         receiver_mod.decode_frames = decode
     elif killpoint == "persist":  # killed half way through writing the 2nd persisted state
         real_write = transport_mod.atomic_write
