@@ -49,6 +49,21 @@ def test_unperturbed_replay_is_exact(rollout):
     assert torch.equal(lp[m], batch.rollout_logp[m])
 
 
+def test_partial_routing_prompt_served_from_cache(rollout):
+    """Prompt tokens whose routing the engine did not record (-1) route freely; the rest are replayed."""
+    model, batch = rollout
+    partial = batch.routed_experts.clone()
+    partial[:, :PROMPT] = -1
+    trainer = _perturbed(model, 3e-3, 2)
+    full = Learner(trainer, LearnerConfig()).compute_logprobs(batch)
+    part = Learner(trainer, LearnerConfig()).compute_logprobs(Batch(**{**batch.__dict__, "routed_experts": partial}))
+    free = Learner(trainer, LearnerConfig(router_replay=False)).compute_logprobs(batch)
+    m = batch.response_mask
+    k3 = {n: mismatch_metrics(v, batch.rollout_logp, m)["k3_kl"] for n, v in (("full", full), ("part", part),
+                                                                              ("free", free))}
+    assert k3["full"] <= k3["part"] < k3["free"]
+
+
 @pytest.mark.parametrize("rel", [1e-3, 3e-3])
 def test_r3_lowers_train_rollout_mismatch(rollout, rel):
     model, batch = rollout
