@@ -97,26 +97,30 @@ def sweep(T: int) -> list:
     xs = inputs(T)
     do = torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16)
     log = []
-    for key, cands in (("fwd", [(16, 4, 2), (32, 4, 2), (16, 4, 3), (32, 8, 2), (64, 8, 2)]),
-                       ("bwd", [(16, 4, 2), (32, 4, 2), (16, 4, 3), (32, 8, 2)])):
+    def t_fwd():
+        with torch.no_grad():
+            ours_mod.chunk_kda(*xs)
+            return med(lambda: ours_mod.chunk_kda(*xs), rep=50)
+
+    def t_fb():
+        def fb():
+            ours_mod.chunk_kda(*xs)[0].backward(do)
+        fb()
+        return med(fb, rep=30, grad_to_none=xs)
+    space = [("fwd_state", ("bv", "warps", "stages"), [(16, 4, 3), (16, 4, 2), (32, 4, 3), (16, 8, 3)], t_fwd),
+             ("intra", ("warps",), [(4,), (8,)], t_fwd),
+             ("bwd_state", ("bv", "warps", "stages"), [(16, 4, 2), (16, 4, 3), (32, 4, 3)], t_fb),
+             ("bwd_intra", ("warps",), [(8,), (4,)], t_fb)]
+    for stage, keys, cands, timer in space:
         best = None
-        for bv, w, st in cands:
-            ours_mod.CONFIG.update({f"{key}_state_bv": bv, f"{key}_state_warps": w, f"{key}_state_stages": st})
-            if key == "fwd":
-                with torch.no_grad():
-                    ours_mod.chunk_kda(*xs)
-                    t = med(lambda: ours_mod.chunk_kda(*xs), rep=50)
-            else:
-                def fb():
-                    ours_mod.chunk_kda(*xs)[0].backward(do)
-                fb()
-                t = med(fb, rep=30, grad_to_none=xs)
-            log.append(dict(stage=key, T=T, bv=bv, warps=w, stages=st, ms=t))
+        for cand in cands:
+            ours_mod.CONFIG.update({f"{stage}_{k}": x for k, x in zip(keys, cand)})
+            t = timer()
+            log.append(dict(stage=stage, T=T, **dict(zip(keys, cand)), ms=t))
             print("sweep", log[-1], flush=True)
             if best is None or t < best[0]:
-                best = (t, bv, w, st)
-        ours_mod.CONFIG.update({f"{key}_state_bv": best[1], f"{key}_state_warps": best[2],
-                                f"{key}_state_stages": best[3]})
+                best = (t, cand)
+        ours_mod.CONFIG.update({f"{stage}_{k}": x for k, x in zip(keys, best[1])})
     return log
 
 
@@ -157,6 +161,8 @@ def main() -> None:
     res["sweep"] = [] if quick else sweep(16384)
     res["config"] = dict(ours_mod.CONFIG)
     print("config", res["config"], f"sweep {time.time() - t0:.0f}s", flush=True)
+    res["breakdown_T16384_fwdbwd_ms"] = breakdown(16384)
+    print("breakdown", res["breakdown_T16384_fwdbwd_ms"], flush=True)
     rows = []
     Ts = [4096, 16384] if quick else [4096, 16384, 65536, 131072]
     for T in Ts:
@@ -179,9 +185,6 @@ def main() -> None:
     print("kda varlen", row, flush=True)
     rows.append(row)
     res["chunk_kda"] = rows
-    if not quick:
-        res["breakdown_T65536_fwdbwd_ms"] = breakdown(65536)
-        print("breakdown", res["breakdown_T65536_fwdbwd_ms"], flush=True)
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "kda.json"), "w") as f:

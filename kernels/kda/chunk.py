@@ -31,14 +31,14 @@ BT = 64  # chunk size
 BC = 16  # sub-block size inside a chunk
 
 # launch settings (no autotuning, so the interpreter and the GPU run the same configs)
-CONFIG = {"fwd_state_bv": 16, "fwd_state_warps": 4, "fwd_state_stages": 2,
+CONFIG = {"fwd_state_bv": 16, "fwd_state_warps": 4, "fwd_state_stages": 3,
           "bwd_state_bv": 16, "bwd_state_warps": 4, "bwd_state_stages": 2,
-          "intra_warps": 8, "bwd_intra_warps": 8, "bwd_intra_bv": 64}
+          "intra_warps": 4, "bwd_intra_warps": 8, "bwd_intra_bv": 32, "kc": 16, "ka": 32}
 
 
 @triton.jit
 def _fwd_intra(q, k, v, g, beta, A_log, dt_bias, Gc, Mc, Aqk, Wc, Uc, QGc, KDc, cu, cidx, scale, lower_bound,
-               H, HV, K, V, BK: tl.constexpr,
+               H, HV, K, V, BK: tl.constexpr, KC: tl.constexpr, KA: tl.constexpr,
                BVF: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
                PREC: tl.constexpr):
     c = tl.program_id(0).to(tl.int64)
@@ -50,103 +50,114 @@ def _fwd_intra(q, k, v, g, beta, A_log, dt_bias, Gc, Mc, Aqk, Wc, Uc, QGc, KDc, 
     base = c * HV + hv
     r = tl.arange(0, 64)
     rm = r < nv
-    ok = tl.arange(0, BK)
-    km = ok < K
     c16 = tl.arange(0, 16)
     # 1. gate activation (optional) and in-chunk cumulative sum, kept in fp32 in chunk layout
     tok = t0 + r
-    gx = tl.load(g + (tok * HV + hv)[:, None] * K + ok[None, :], mask=rm[:, None] & km[None, :],
-                 other=0.).to(tl.float32)
-    if GATE == 1:  # -exp(A_log) * softplus(g + dt_bias)
-        if HAS_DT:
-            gx = gx + tl.load(dt_bias + hv * K + ok, mask=km, other=0.).to(tl.float32)[None, :]
-        sp = tl.where(gx > 20., gx, tl.log(1. + tl.exp(tl.minimum(gx, 20.))))
-        gx = -tl.exp(tl.load(A_log + hv).to(tl.float32)) * sp
-    elif GATE == 2:  # lower_bound * sigmoid(exp(A_log) * (g + dt_bias))
-        if HAS_DT:
-            gx = gx + tl.load(dt_bias + hv * K + ok, mask=km, other=0.).to(tl.float32)[None, :]
-        if HAS_A:
-            gx = gx * tl.exp(tl.load(A_log + hv).to(tl.float32))
-        gx = lower_bound * tl.sigmoid(gx)
-    gx = tl.where(rm[:, None] & km[None, :], gx, 0.)
-    G = tl.cumsum(gx, 0)
     pG = Gc + base * 64 * BK
-    tl.store(pG + r[:, None] * BK + ok[None, :], G)
+    for kc in range(0, BK, KA):
+        oc = kc + tl.arange(0, KA)
+        mc = oc < K
+        gx = tl.load(g + (tok * HV + hv)[:, None] * K + oc[None, :], mask=rm[:, None] & mc[None, :],
+                     other=0.).to(tl.float32)
+        if GATE == 1:  # -exp(A_log) * softplus(g + dt_bias)
+            if HAS_DT:
+                gx = gx + tl.load(dt_bias + hv * K + oc, mask=mc, other=0.).to(tl.float32)[None, :]
+            sp = tl.where(gx > 20., gx, tl.log(1. + tl.exp(tl.minimum(gx, 20.))))
+            gx = -tl.exp(tl.load(A_log + hv).to(tl.float32)) * sp
+        elif GATE == 2:  # lower_bound * sigmoid(exp(A_log) * (g + dt_bias))
+            if HAS_DT:
+                gx = gx + tl.load(dt_bias + hv * K + oc, mask=mc, other=0.).to(tl.float32)[None, :]
+            if HAS_A:
+                gx = gx * tl.exp(tl.load(A_log + hv).to(tl.float32))
+            gx = lower_bound * tl.sigmoid(gx)
+        gx = tl.where(rm[:, None] & mc[None, :], gx, 0.)
+        tl.store(pG + r[:, None] * BK + oc[None, :], tl.cumsum(gx, 0))
     tl.debug_barrier()
     pM = Mc + base * 64 * 64
     pA = Aqk + base * 64 * 64
-    # 2. A and Aqk by 16-row blocks; M = (I + A)^-1 row block by row block:
-    #    M_I = D_I (E_I - sum_{J<I} A_IJ M_J), D_I = (I + A_II)^-1 by forward substitution.
+    # 2. A and Aqk by 16-row blocks, K in slices of KC; M = (I + A)^-1 row block by row block:
+    #    M_I = D_I (E_I - sum_{J<I} A_IJ M_J), D_I = (I + A_II)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8).
+    i3 = c16[:, None, None]
+    j3 = c16[None, :, None]
     for I in range(4):
         rI = I * 16 + c16
         mI = rI < nv
-        kI = tl.load(k + ((t0 + rI) * H + h)[:, None] * K + ok[None, :], mask=mI[:, None] & km[None, :],
-                     other=0.).to(tl.float32)
-        qI = tl.load(q + ((t0 + rI) * H + h)[:, None] * K + ok[None, :], mask=mI[:, None] & km[None, :],
-                     other=0.).to(tl.float32) * scale
-        GI = tl.load(pG + rI[:, None] * BK + ok[None, :])
         bI = tl.load(beta + (t0 + rI) * HV + hv, mask=mI, other=0.).to(tl.float32)
-        gref = tl.load(pG + (I * 16) * BK + ok)
-        eI = tl.exp(GI - gref[None, :])  # exponent <= 0
-        kIe = kI * eI
-        qIe = qI * eI
         Y = tl.zeros([16, 64], dtype=tl.float32)
         for J in range(I):
             rJ = J * 16 + c16
             mJ = rJ < nv
-            kJ = tl.load(k + ((t0 + rJ) * H + h)[:, None] * K + ok[None, :], mask=mJ[:, None] & km[None, :],
-                         other=0.).to(tl.float32)
-            GJ = tl.load(pG + rJ[:, None] * BK + ok[None, :])
-            kJe = kJ * tl.exp(gref[None, :] - GJ)  # exponent <= 0
-            a_kk = tl.dot(kIe, tl.trans(kJe), input_precision=PREC) * bI[:, None]
-            a_qk = tl.dot(qIe, tl.trans(kJe), input_precision=PREC)
+            a_kk = tl.zeros([16, 16], dtype=tl.float32)
+            a_qk = tl.zeros([16, 16], dtype=tl.float32)
+            for kc in range(0, BK, KC):
+                oc = kc + tl.arange(0, KC)
+                mc = oc < K
+                kI = tl.load(k + ((t0 + rI) * H + h)[:, None] * K + oc[None, :], mask=mI[:, None] & mc[None, :],
+                             other=0.).to(tl.float32)
+                qI = tl.load(q + ((t0 + rI) * H + h)[:, None] * K + oc[None, :], mask=mI[:, None] & mc[None, :],
+                             other=0.).to(tl.float32) * scale
+                kJ = tl.load(k + ((t0 + rJ) * H + h)[:, None] * K + oc[None, :], mask=mJ[:, None] & mc[None, :],
+                             other=0.).to(tl.float32)
+                GI = tl.load(pG + rI[:, None] * BK + oc[None, :])
+                GJ = tl.load(pG + rJ[:, None] * BK + oc[None, :])
+                gref = tl.load(pG + (I * 16) * BK + oc)
+                eI = tl.exp(GI - gref[None, :])  # exponent <= 0
+                kJe = kJ * tl.exp(gref[None, :] - GJ)  # exponent <= 0
+                a_kk += tl.dot(kI * eI, tl.trans(kJe), input_precision=PREC)
+                a_qk += tl.dot(qI * eI, tl.trans(kJe), input_precision=PREC)
             tl.store(pA + rI[:, None] * 64 + rJ[None, :], a_qk.to(Aqk.dtype.element_ty))
             MJ = tl.load(pM + rJ[:, None] * 64 + r[None, :])
-            Y += tl.dot(a_kk, MJ, input_precision=PREC)
+            Y += tl.dot(a_kk * bI[:, None], MJ, input_precision=PREC)
         akk = tl.zeros([16, 16], dtype=tl.float32)
         aqk = tl.zeros([16, 16], dtype=tl.float32)
-        for jj in range(16):  # diagonal block, exact per column
-            j = I * 16 + jj
-            kj = tl.load(k + ((t0 + j) * H + h) * K + ok, mask=km & ((ok * 0 + j) < nv), other=0.).to(tl.float32)
-            Gj = tl.load(pG + j * BK + ok)
-            e = tl.exp(tl.where(c16[:, None] >= jj, GI - Gj[None, :], float("-inf")))
-            kje = kj[None, :] * e
-            akk = tl.where(c16[None, :] == jj, tl.sum(kI * kje, 1)[:, None], akk)
-            aqk = tl.where(c16[None, :] == jj, tl.sum(qI * kje, 1)[:, None], aqk)
+        for kc in range(0, BK, KC):  # diagonal block, exact: [i, j, KC] with exponents G_i - G_j <= 0
+            oc = kc + tl.arange(0, KC)
+            mc = oc < K
+            kI = tl.load(k + ((t0 + rI) * H + h)[:, None] * K + oc[None, :], mask=mI[:, None] & mc[None, :],
+                         other=0.).to(tl.float32)
+            qI = tl.load(q + ((t0 + rI) * H + h)[:, None] * K + oc[None, :], mask=mI[:, None] & mc[None, :],
+                         other=0.).to(tl.float32) * scale
+            GI = tl.load(pG + rI[:, None] * BK + oc[None, :])
+            e3 = tl.exp(tl.where(i3 >= j3, GI[:, None, :] - GI[None, :, :], float("-inf")))
+            kj3 = kI[None, :, :] * e3
+            akk += tl.sum(kI[:, None, :] * kj3, 2)
+            aqk += tl.sum(qI[:, None, :] * kj3, 2)
         akk = tl.where(c16[:, None] > c16[None, :], akk, 0.) * bI[:, None]
         tl.store(pA + rI[:, None] * 64 + rI[None, :], aqk.to(Aqk.dtype.element_ty))
         for J in range(I + 1, 4):
             tl.store(pA + rI[:, None] * 64 + (J * 16 + c16)[None, :],
                      tl.zeros([16, 16], dtype=tl.float32).to(Aqk.dtype.element_ty))
-        D = tl.where(c16[:, None] == c16[None, :], 1., 0.)
-        for i in range(1, 16):
-            a_i = tl.sum(tl.where(c16[:, None] == i, akk, 0.), 0)
-            D = tl.where(c16[:, None] == i, D - tl.sum(a_i[:, None] * D, 0)[None, :], D)
+        eye = tl.where(c16[:, None] == c16[None, :], 1., 0.)
+        X = -akk
+        D = eye + X
+        for _ in range(3):  # X <- X^2; D <- D (I + X); X^16 = 0 for a strictly lower 16 x 16
+            X = tl.dot(X, X, input_precision=PREC)
+            D = tl.dot(D, eye + X, input_precision=PREC)
         E = tl.where(r[None, :] == rI[:, None], 1., 0.)
         MI = tl.dot(D, E - Y, input_precision=PREC)
         tl.store(pM + rI[:, None] * 64 + r[None, :], MI)
         tl.debug_barrier()
-    # 3. W = M (beta k e^G), U = M (beta v), q e^G (scaled), k e^{G_C - G}
+    # 3. W = M (beta k e^G), U = M (beta v), q e^G (scaled), k e^{G_C - G}, by column slices
     M = tl.load(pM + r[:, None] * 64 + r[None, :])
-    G = tl.load(pG + r[:, None] * BK + ok[None, :])
-    gC = tl.load(pG + 63 * BK + ok)
-    kk = tl.load(k + ((t0 + r) * H + h)[:, None] * K + ok[None, :], mask=rm[:, None] & km[None, :],
-                 other=0.).to(tl.float32)
     bt = tl.load(beta + (t0 + r) * HV + hv, mask=rm, other=0.).to(tl.float32)
-    eG = tl.exp(G)
-    pK = base * 64 * BK + r[:, None] * BK + ok[None, :]
-    W = tl.dot(M, kk * eG * bt[:, None], input_precision=PREC)
-    tl.store(Wc + pK, W.to(Wc.dtype.element_ty))
-    tl.store(KDc + pK, (kk * tl.exp(gC[None, :] - G)).to(KDc.dtype.element_ty))
-    qq = tl.load(q + ((t0 + r) * H + h)[:, None] * K + ok[None, :], mask=rm[:, None] & km[None, :],
-                 other=0.).to(tl.float32)
-    tl.store(QGc + pK, (qq * scale * eG).to(QGc.dtype.element_ty))
-    ov = tl.arange(0, BVF)
-    vm = ov < V
-    vv = tl.load(v + ((t0 + r) * HV + hv)[:, None] * V + ov[None, :], mask=rm[:, None] & vm[None, :],
-                 other=0.).to(tl.float32)
-    U = tl.dot(M, vv * bt[:, None], input_precision=PREC)
-    tl.store(Uc + base * 64 * BVF + r[:, None] * BVF + ov[None, :], U.to(Uc.dtype.element_ty))
+    for kc in range(0, BK, KA):
+        oc = kc + tl.arange(0, KA)
+        mrc = rm[:, None] & (oc < K)[None, :]
+        G = tl.load(pG + r[:, None] * BK + oc[None, :])
+        gC = tl.load(pG + 63 * BK + oc)
+        kk = tl.load(k + ((t0 + r) * H + h)[:, None] * K + oc[None, :], mask=mrc, other=0.).to(tl.float32)
+        qq = tl.load(q + ((t0 + r) * H + h)[:, None] * K + oc[None, :], mask=mrc, other=0.).to(tl.float32)
+        eG = tl.exp(G)
+        pK = base * 64 * BK + r[:, None] * BK + oc[None, :]
+        tl.store(Wc + pK, tl.dot(M, kk * eG * bt[:, None], input_precision=PREC).to(Wc.dtype.element_ty))
+        tl.store(KDc + pK, (kk * tl.exp(gC[None, :] - G)).to(KDc.dtype.element_ty))
+        tl.store(QGc + pK, (qq * scale * eG).to(QGc.dtype.element_ty))
+    for vc in range(0, BVF, KA):
+        ov = vc + tl.arange(0, KA)
+        vv = tl.load(v + ((t0 + r) * HV + hv)[:, None] * V + ov[None, :], mask=rm[:, None] & (ov < V)[None, :],
+                     other=0.).to(tl.float32)
+        U = tl.dot(M, vv * bt[:, None], input_precision=PREC)
+        tl.store(Uc + base * 64 * BVF + r[:, None] * BVF + ov[None, :], U.to(Uc.dtype.element_ty))
 
 
 @triton.jit
@@ -244,7 +255,7 @@ def _bwd_state(QGc, Wc, KDc, Aqk, Gc, do, dht, dh0, DHc, DVNc, cu, coff,
 @triton.jit
 def _bwd_intra(q, k, v, beta, do, Gc, Mc, Hc, DHc, VNc, DVNc, dq, dk, dv, dbeta, dg,
                Rs, Ps, DQs, DKs, DGs, DBs, cu, cidx, scale,
-               H, HV, K, V, BK: tl.constexpr,
+               H, HV, K, V, BK: tl.constexpr, KC: tl.constexpr, KA: tl.constexpr,
                BVF: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1).to(tl.int64)
@@ -255,145 +266,148 @@ def _bwd_intra(q, k, v, beta, do, Gc, Mc, Hc, DHc, VNc, DVNc, dq, dk, dv, dbeta,
     base = c * HV + hv
     r = tl.arange(0, 64)
     rm = r < nv
-    ok = tl.arange(0, BK)
-    km = ok < K
     c16 = tl.arange(0, 16)
     pG = Gc + base * 64 * BK
     pR = Rs + base * 64 * 64
     pP = Ps + base * 64 * 64
-    pK = base * 64 * BK + r[:, None] * BK + ok[None, :]
-    # phase A: full-chunk products, looping over V blocks
+    # phase A1: products over V only (dAqk, dM's value part, dv, dbeta's value part)
     M = tl.load(Mc + base * 64 * 64 + r[:, None] * 64 + r[None, :])
     bt = tl.load(beta + (t0 + r) * HV + hv, mask=rm, other=0.).to(tl.float32)
-    dqg = tl.zeros([64, BK], dtype=tl.float32)
-    dW = tl.zeros([64, BK], dtype=tl.float32)
-    dkd = tl.zeros([64, BK], dtype=tl.float32)
-    dgc = tl.zeros([BK], dtype=tl.float32)
     dAqk = tl.zeros([64, 64], dtype=tl.float32)
     dM = tl.zeros([64, 64], dtype=tl.float32)
     db = tl.zeros([64], dtype=tl.float32)
     for iv in range(BVF // BV):
         ov = iv * BV + tl.arange(0, BV)
-        vm = ov < V
-        pS = base * BK * BVF + ok[:, None] * BVF + ov[None, :]
+        mrv = rm[:, None] & (ov < V)[None, :]
         pV = base * 64 * BVF + r[:, None] * BVF + ov[None, :]
-        S = tl.load(Hc + pS).to(tl.float32)
-        dS = tl.load(DHc + pS).to(tl.float32)
         vn = tl.load(VNc + pV).to(tl.float32)
         dvn = tl.load(DVNc + pV).to(tl.float32)
-        mrv = rm[:, None] & vm[None, :]
         dO = tl.load(do + ((t0 + r) * HV + hv)[:, None] * V + ov[None, :], mask=mrv, other=0.).to(tl.float32)
         vv = tl.load(v + ((t0 + r) * HV + hv)[:, None] * V + ov[None, :], mask=mrv, other=0.).to(tl.float32)
-        dqg += tl.dot(dO, tl.trans(S), input_precision=PREC)
-        dW -= tl.dot(dvn, tl.trans(S), input_precision=PREC)
-        dkd += tl.dot(vn, tl.trans(dS), input_precision=PREC)
-        dgc += tl.sum(S * dS, 1)
         dAqk += tl.dot(dO, tl.trans(vn), input_precision=PREC)
         dM += tl.dot(dvn, tl.trans(vv * bt[:, None]), input_precision=PREC)
         dbv = tl.dot(tl.trans(M), dvn, input_precision=PREC)
         tl.store(dv + ((t0 + r) * HV + hv)[:, None] * V + ov[None, :], (dbv * bt[:, None]).to(dv.dtype.element_ty),
                  mask=mrv)
         db += tl.sum(vv * dbv, 1)
-    G = tl.load(pG + r[:, None] * BK + ok[None, :])
-    gC = tl.load(pG + 63 * BK + ok)
-    mrk = rm[:, None] & km[None, :]
-    kk = tl.load(k + ((t0 + r) * H + h)[:, None] * K + ok[None, :], mask=mrk, other=0.).to(tl.float32)
-    eG = tl.exp(G)
-    kgw = kk * eG
-    dM += tl.dot(dW, tl.trans(kgw * bt[:, None]), input_precision=PREC)
-    dbkg = tl.dot(tl.trans(M), dW, input_precision=PREC)
-    db += tl.sum(kgw * dbkg, 1)
+    tl.store(pR + r[:, None] * 64 + r[None, :], tl.where(r[:, None] >= r[None, :], dAqk, 0.))
+    # phase A2: per K slice, products with the states (dqg = dO S^T, dW = -dv' S^T, dkd = v' dS^T)
+    for kc in range(0, BK, KA):
+        oc = kc + tl.arange(0, KA)
+        mrc = rm[:, None] & (oc < K)[None, :]
+        dqg = tl.zeros([64, KA], dtype=tl.float32)
+        dW = tl.zeros([64, KA], dtype=tl.float32)
+        dkd = tl.zeros([64, KA], dtype=tl.float32)
+        dgc = tl.zeros([KA], dtype=tl.float32)
+        for iv in range(BVF // BV):
+            ov = iv * BV + tl.arange(0, BV)
+            pS = base * BK * BVF + oc[:, None] * BVF + ov[None, :]
+            pV = base * 64 * BVF + r[:, None] * BVF + ov[None, :]
+            S = tl.load(Hc + pS).to(tl.float32)
+            dS = tl.load(DHc + pS).to(tl.float32)
+            vn = tl.load(VNc + pV).to(tl.float32)
+            dvn = tl.load(DVNc + pV).to(tl.float32)
+            dO = tl.load(do + ((t0 + r) * HV + hv)[:, None] * V + ov[None, :],
+                         mask=rm[:, None] & (ov < V)[None, :], other=0.).to(tl.float32)
+            dqg += tl.dot(dO, tl.trans(S), input_precision=PREC)
+            dW -= tl.dot(dvn, tl.trans(S), input_precision=PREC)
+            dkd += tl.dot(vn, tl.trans(dS), input_precision=PREC)
+            dgc += tl.sum(S * dS, 1)
+        G = tl.load(pG + r[:, None] * BK + oc[None, :])
+        gC = tl.load(pG + 63 * BK + oc)
+        kk = tl.load(k + ((t0 + r) * H + h)[:, None] * K + oc[None, :], mask=mrc, other=0.).to(tl.float32)
+        qq = tl.load(q + ((t0 + r) * H + h)[:, None] * K + oc[None, :], mask=mrc, other=0.).to(tl.float32) * scale
+        eG = tl.exp(G)
+        kgw = kk * eG
+        dM += tl.dot(dW, tl.trans(kgw * bt[:, None]), input_precision=PREC)
+        dbkg = tl.dot(tl.trans(M), dW, input_precision=PREC)
+        db += tl.sum(kgw * dbkg, 1)
+        eC = tl.exp(gC[None, :] - G)
+        kd = kk * eC
+        dgc = dgc * tl.exp(gC) + tl.sum(dkd * kd, 0)
+        pK = base * 64 * BK + r[:, None] * BK + oc[None, :]
+        tl.store(DQs + pK, dqg * eG)
+        tl.store(DKs + pK, dbkg * bt[:, None] * eG + dkd * eC)
+        dG = dqg * qq * eG + dbkg * bt[:, None] * kgw - dkd * kd + tl.where(r[:, None] == 63, dgc[None, :], 0.)
+        tl.store(DGs + pK, dG)
     dA = -tl.dot(tl.dot(tl.trans(M), dM, input_precision=PREC), tl.trans(M), input_precision=PREC)
     tl.store(pP + r[:, None] * 64 + r[None, :], tl.where(r[:, None] > r[None, :], dA, 0.))
-    tl.store(pR + r[:, None] * 64 + r[None, :], tl.where(r[:, None] >= r[None, :], dAqk, 0.))
-    eC = tl.exp(gC[None, :] - G)
-    kd = kk * eC
-    dgc = dgc * tl.exp(gC) + tl.sum(dkd * kd, 0)
-    qq = tl.load(q + ((t0 + r) * H + h)[:, None] * K + ok[None, :], mask=mrk, other=0.).to(tl.float32) * scale
-    tl.store(DQs + pK, dqg * eG)
-    tl.store(DKs + pK, dbkg * bt[:, None] * eG + dkd * eC)
-    dG = dqg * qq * eG + dbkg * bt[:, None] * kgw - dkd * kd + tl.where(r[:, None] == 63, dgc[None, :], 0.)
-    tl.store(DGs + pK, dG)
     tl.store(DBs + base * 64 + r, db)
     tl.debug_barrier()
-    # phase B: gradients through A (P = dA) and Aqk (R = dAqk), by 16-row blocks
+    # phase B: gradients through A (P = dA) and Aqk (R = dAqk), by 16-row blocks and K slices of KC
+    i3 = c16[:, None, None]
+    j3 = c16[None, :, None]
     for b in range(4):
         rb = b * 16 + c16
         mb = rb < nv
-        mbk = mb[:, None] & km[None, :]
-        qb = tl.load(q + ((t0 + rb) * H + h)[:, None] * K + ok[None, :], mask=mbk, other=0.).to(tl.float32) * scale
-        kb = tl.load(k + ((t0 + rb) * H + h)[:, None] * K + ok[None, :], mask=mbk, other=0.).to(tl.float32)
-        Gb = tl.load(pG + rb[:, None] * BK + ok[None, :])
         bb = tl.load(beta + (t0 + rb) * HV + hv, mask=mb, other=0.).to(tl.float32)
-        refb = tl.load(pG + (b * 16) * BK + ok)
-        eb = tl.exp(Gb - refb[None, :])
-        kbe = kb * eb
-        rowR = tl.zeros([16, BK], dtype=tl.float32)
-        rowP = tl.zeros([16, BK], dtype=tl.float32)
-        colX = tl.zeros([16, BK], dtype=tl.float32)
+        Rbb = tl.load(pR + rb[:, None] * 64 + rb[None, :])
+        Pbb = tl.load(pP + rb[:, None] * 64 + rb[None, :])
         dbb = tl.zeros([16], dtype=tl.float32)
-        for J in range(b):  # rows b, columns J < b
-            rJ = J * 16 + c16
-            kJ = tl.load(k + ((t0 + rJ) * H + h)[:, None] * K + ok[None, :], mask=(rJ < nv)[:, None] & km[None, :],
-                         other=0.).to(tl.float32)
-            GJ = tl.load(pG + rJ[:, None] * BK + ok[None, :])
-            kJe = kJ * tl.exp(refb[None, :] - GJ)
-            RbJ = tl.load(pR + rb[:, None] * 64 + rJ[None, :])
-            PbJ = tl.load(pP + rb[:, None] * 64 + rJ[None, :])
-            rowR += tl.dot(RbJ, kJe, input_precision=PREC)
-            rowP += tl.dot(PbJ, kJe, input_precision=PREC)
-            dbb += tl.sum(PbJ * tl.dot(kbe, tl.trans(kJe), input_precision=PREC), 1)
-        rowR *= eb
-        rowP *= eb
-        for jj in range(16):  # diagonal block, rows side
-            j = b * 16 + jj
-            kj = tl.load(k + ((t0 + j) * H + h) * K + ok, mask=km & ((ok * 0 + j) < nv), other=0.).to(tl.float32)
-            Gj = tl.load(pG + j * BK + ok)
-            kje = kj[None, :] * tl.exp(tl.where(c16[:, None] >= jj, Gb - Gj[None, :], float("-inf")))
-            Rc = tl.load(pR + rb * 64 + j)
-            Pc = tl.load(pP + rb * 64 + j)
-            rowR += Rc[:, None] * kje
-            rowP += Pc[:, None] * kje
-            dbb += Pc * tl.sum(kb * kje, 1)
-        rowP *= bb[:, None]
-        for I in range(b + 1, 4):  # rows I > b, columns b
-            rI = I * 16 + c16
-            mIk = (rI < nv)[:, None] & km[None, :]
-            qI = tl.load(q + ((t0 + rI) * H + h)[:, None] * K + ok[None, :], mask=mIk, other=0.).to(tl.float32)
-            kI = tl.load(k + ((t0 + rI) * H + h)[:, None] * K + ok[None, :], mask=mIk, other=0.).to(tl.float32)
-            GI = tl.load(pG + rI[:, None] * BK + ok[None, :])
-            bI = tl.load(beta + (t0 + rI) * HV + hv, mask=rI < nv, other=0.).to(tl.float32)
-            refI = tl.load(pG + (I * 16) * BK + ok)
-            eI = tl.exp(GI - refI[None, :])
-            RIb = tl.load(pR + rI[:, None] * 64 + rb[None, :])
-            PIb = tl.load(pP + rI[:, None] * 64 + rb[None, :]) * bI[:, None]
-            part = tl.dot(tl.trans(RIb), qI * scale * eI, input_precision=PREC) + \
-                tl.dot(tl.trans(PIb), kI * eI, input_precision=PREC)
-            colX += tl.exp(refI[None, :] - Gb) * part
-        for ii in range(16):  # diagonal block, columns side
-            i = b * 16 + ii
-            mi = km & ((ok * 0 + i) < nv)
-            qi = tl.load(q + ((t0 + i) * H + h) * K + ok, mask=mi, other=0.).to(tl.float32) * scale
-            ki = tl.load(k + ((t0 + i) * H + h) * K + ok, mask=mi, other=0.).to(tl.float32)
-            Gi = tl.load(pG + i * BK + ok)
-            bi = tl.sum(tl.where(c16 == ii, bb, 0.), 0)
-            e = tl.exp(tl.where(c16[:, None] <= ii, Gi[None, :] - Gb, float("-inf")))
-            Rr = tl.load(pR + i * 64 + rb)
-            Pr = tl.load(pP + i * 64 + rb) * bi
-            colX += (Rr[:, None] * qi[None, :] + Pr[:, None] * ki[None, :]) * e
-        pb = base * 64 * BK + rb[:, None] * BK + ok[None, :]
-        tl.store(DQs + pb, tl.load(DQs + pb) + rowR)
-        tl.store(DKs + pb, tl.load(DKs + pb) + rowP + colX)
-        tl.store(DGs + pb, tl.load(DGs + pb) + qb * rowR + kb * (rowP - colX))
+        for kc in range(0, BK, KC):
+            oc = kc + tl.arange(0, KC)
+            mbk = mb[:, None] & (oc < K)[None, :]
+            qb = tl.load(q + ((t0 + rb) * H + h)[:, None] * K + oc[None, :], mask=mbk, other=0.).to(tl.float32)
+            qb = qb * scale
+            kb = tl.load(k + ((t0 + rb) * H + h)[:, None] * K + oc[None, :], mask=mbk, other=0.).to(tl.float32)
+            Gb = tl.load(pG + rb[:, None] * BK + oc[None, :])
+            refb = tl.load(pG + (b * 16) * BK + oc)
+            eb = tl.exp(Gb - refb[None, :])
+            kbe = kb * eb
+            rowR = tl.zeros([16, KC], dtype=tl.float32)
+            rowP = tl.zeros([16, KC], dtype=tl.float32)
+            colX = tl.zeros([16, KC], dtype=tl.float32)
+            for J in range(b):  # rows b, columns J < b
+                rJ = J * 16 + c16
+                kJ = tl.load(k + ((t0 + rJ) * H + h)[:, None] * K + oc[None, :],
+                             mask=(rJ < nv)[:, None] & (oc < K)[None, :], other=0.).to(tl.float32)
+                GJ = tl.load(pG + rJ[:, None] * BK + oc[None, :])
+                kJe = kJ * tl.exp(refb[None, :] - GJ)
+                RbJ = tl.load(pR + rb[:, None] * 64 + rJ[None, :])
+                PbJ = tl.load(pP + rb[:, None] * 64 + rJ[None, :])
+                rowR += tl.dot(RbJ, kJe, input_precision=PREC)
+                rowP += tl.dot(PbJ, kJe, input_precision=PREC)
+                dbb += tl.sum(PbJ * tl.dot(kbe, tl.trans(kJe), input_precision=PREC), 1)
+            rowR *= eb
+            rowP *= eb
+            for I in range(b + 1, 4):  # rows I > b, columns b
+                rI = I * 16 + c16
+                mIk = (rI < nv)[:, None] & (oc < K)[None, :]
+                qI = tl.load(q + ((t0 + rI) * H + h)[:, None] * K + oc[None, :], mask=mIk, other=0.).to(tl.float32)
+                kI = tl.load(k + ((t0 + rI) * H + h)[:, None] * K + oc[None, :], mask=mIk, other=0.).to(tl.float32)
+                GI = tl.load(pG + rI[:, None] * BK + oc[None, :])
+                bI = tl.load(beta + (t0 + rI) * HV + hv, mask=rI < nv, other=0.).to(tl.float32)
+                refI = tl.load(pG + (I * 16) * BK + oc)
+                eI = tl.exp(GI - refI[None, :])
+                RIb = tl.load(pR + rI[:, None] * 64 + rb[None, :])
+                PIb = tl.load(pP + rI[:, None] * 64 + rb[None, :]) * bI[:, None]
+                part = tl.dot(tl.trans(RIb), qI * scale * eI, input_precision=PREC) + \
+                    tl.dot(tl.trans(PIb), kI * eI, input_precision=PREC)
+                colX += tl.exp(refI[None, :] - Gb) * part
+            # diagonal block, exact: e3[i, j, :] = e^{G_i - G_j} for i >= j
+            e3 = tl.exp(tl.where(i3 >= j3, Gb[:, None, :] - Gb[None, :, :], float("-inf")))
+            kj3 = kb[None, :, :] * e3
+            rowR += tl.sum(Rbb[:, :, None] * kj3, 1)
+            rowP += tl.sum(Pbb[:, :, None] * kj3, 1)
+            dbb += tl.sum(Pbb * tl.sum(kb[:, None, :] * kj3, 2), 1)
+            rowP *= bb[:, None]
+            colX += tl.sum((Rbb[:, :, None] * qb[:, None, :] + (Pbb * bb[:, None])[:, :, None] * kb[:, None, :]) * e3,
+                           0)
+            pb = base * 64 * BK + rb[:, None] * BK + oc[None, :]
+            tl.store(DQs + pb, tl.load(DQs + pb) + rowR)
+            tl.store(DKs + pb, tl.load(DKs + pb) + rowP + colX)
+            tl.store(DGs + pb, tl.load(DGs + pb) + qb * rowR + kb * (rowP - colX))
         tl.store(DBs + base * 64 + rb, tl.load(DBs + base * 64 + rb) + dbb)
     tl.debug_barrier()
     # phase C: reverse in-chunk cumsum for dg, write everything in the caller's layouts
-    dG = tl.load(DGs + pK)
-    dgl = tl.cumsum(dG, 0, reverse=True)
-    tl.store(dg + ((t0 + r) * HV + hv)[:, None] * K + ok[None, :], dgl.to(dg.dtype.element_ty), mask=mrk)
-    tl.store(dq + ((t0 + r) * HV + hv)[:, None] * K + ok[None, :], (tl.load(DQs + pK) * scale).to(dq.dtype.element_ty),
-             mask=mrk)
-    tl.store(dk + ((t0 + r) * HV + hv)[:, None] * K + ok[None, :], tl.load(DKs + pK).to(dk.dtype.element_ty), mask=mrk)
+    for kc in range(0, BK, KA):
+        oc = kc + tl.arange(0, KA)
+        mrc = rm[:, None] & (oc < K)[None, :]
+        pK = base * 64 * BK + r[:, None] * BK + oc[None, :]
+        po = ((t0 + r) * HV + hv)[:, None] * K + oc[None, :]
+        tl.store(dg + po, tl.cumsum(tl.load(DGs + pK), 0, reverse=True).to(dg.dtype.element_ty), mask=mrc)
+        tl.store(dq + po, (tl.load(DQs + pK) * scale).to(dq.dtype.element_ty), mask=mrc)
+        tl.store(dk + po, tl.load(DKs + pK).to(dk.dtype.element_ty), mask=mrc)
     tl.store(dbeta + (t0 + r) * HV + hv, tl.load(DBs + base * 64 + r).to(dbeta.dtype.element_ty), mask=rm)
 
 
@@ -449,8 +463,9 @@ def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound
     _fwd_intra[(NC, HV)](q, k, v, g, beta, A_log if A_log is not None else dummy,
                          dt_bias if dt_bias is not None else dummy, Gc, Mc, Aqk, Wc, Uc, QGc, KDc, cu, cidx,
                          scale, float(lower_bound) if lower_bound is not None else 0.,
-                         H=H, HV=HV, K=K, V=V, BK=BK, BVF=BVF, GATE=gate, HAS_A=A_log is not None,
-                         HAS_DT=dt_bias is not None, PREC=_prec(dt), num_warps=CONFIG["intra_warps"])
+                         H=H, HV=HV, K=K, V=V, BK=BK, BVF=BVF, KC=min(CONFIG["kc"], BK),
+                         KA=min(CONFIG["ka"], BK, BVF), GATE=gate, HAS_A=A_log is not None, HAS_DT=dt_bias is not None, PREC=_prec(dt),
+                         num_warps=CONFIG["intra_warps"], num_stages=1)
     o = torch.empty_like(v)
     ht = torch.empty(N, HV, K, V, device=dev, dtype=f32) if want_ht else None
     Hc = torch.empty(NC, HV, BK, BVF, device=dev, dtype=dt) if save else None
@@ -490,8 +505,10 @@ def _bwd(q, k, v, beta, do, dht, has_h0, scale, saved, plan):
     DQs, DKs, DGs = (torch.empty(NC, HV, BT, BK, device=dev, dtype=f32) for _ in range(3))
     DBs = torch.empty(NC, HV, BT, device=dev, dtype=f32)
     _bwd_intra[(NC, HV)](q, k, v, beta, do, Gc, Mc, Hc, DHc, VNc, DVNc, dq, dk, dv, dbeta, dg,
-                         Rs, Ps, DQs, DKs, DGs, DBs, cu, cidx, scale, H=H, HV=HV, K=K, V=V, BK=BK, BVF=BVF,
-                         BV=min(CONFIG["bwd_intra_bv"], BVF), PREC=_prec(dt), num_warps=CONFIG["bwd_intra_warps"])
+                         Rs, Ps, DQs, DKs, DGs, DBs, cu, cidx, scale, H=H, HV=HV, K=K, V=V, BK=BK,
+                         KC=min(CONFIG["kc"], BK), KA=min(CONFIG["ka"], BK), BVF=BVF,
+                         BV=min(CONFIG["bwd_intra_bv"], BVF), PREC=_prec(dt),
+                         num_warps=CONFIG["bwd_intra_warps"], num_stages=1)
     if HV != H:  # grouped value heads: sum the group's contributions in a fixed order
         dq = dq.view(B, T, H, HV // H, K).sum(3).to(q.dtype)
         dk = dk.view(B, T, H, HV // H, K).sum(3).to(k.dtype)
