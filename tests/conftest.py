@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run in Triton's interpreter on CPU; the variable must be set before triton is first imported
+    # (its standard-library functions are decorated at import), i.e. before any test module is collected.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -2,29 +2,18 @@
 
 On CPU the Triton kernels run under TRITON_INTERPRET=1 at small shapes; the GPU tests repeat the checks at
 K3's width on CUDA."""
-import importlib
 import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+if not torch.cuda.is_available():  # (tests/conftest.py sets it too, before anything imports triton)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from k3_kernels.attnres import naive_block_attnres  # noqa: E402
+import k3_kernels.attnres.fused as fz  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _fused():
-    """The kernel module, (re)loaded so its kernels are interpreted on CPU even if imported before the env var."""
-    mod = importlib.import_module("k3_kernels.attnres.fused")
-    if os.environ.get("TRITON_INTERPRET") == "1" and type(mod._attnres_fwd_kernel).__name__ != "InterpretedFunction":
-        mod = importlib.reload(mod)
-    return mod
-
-
-fz = _fused()
 
 
 def _inputs(R, N=(2, 3), D=48, dtype=torch.float32, out_norm=False, device=DEV, seed=0):
@@ -75,12 +64,10 @@ def test_block_attnres_bf16_rounds_mixture_before_norm():
         torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=2e-2)
 
 
-fla_naive = pytest.importorskip("fla.ops.attnres.naive")
-
-
 @pytest.mark.parametrize("L", [1, 4, 10])
 @pytest.mark.parametrize("out_norm", [False, True])
 def test_fused_attnres_matches_fla_naive(L, out_norm):
+    fla_naive = pytest.importorskip("fla.ops.attnres.naive")
     rows, partial, q, w, ow, do = _inputs(L - 1, out_norm=out_norm, seed=100 + L)
     res = [*rows, partial]
     o, p = fz.fused_attnres(q, res, w, ow, 1e-6, 0.7, return_weights=True)
@@ -218,6 +205,7 @@ def test_gpu_k3_width_matches_reference(out_norm):
 @pytest.mark.gpu
 def test_gpu_bf16_and_fla_fused_agree():
     fla_fused = pytest.importorskip("fla.ops.attnres")
+    fla_naive = pytest.importorskip("fla.ops.attnres.naive")
     rows, partial, q, w, _, do = _inputs(8, N=(1000,), D=7168, dtype=torch.bfloat16, device="cuda", seed=2)
     res = [*rows, partial]
     o = fz.fused_attnres(q, res, w)

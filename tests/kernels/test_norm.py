@@ -1,28 +1,16 @@
 """Batch-invariant RMSNorm / gated RMSNorm (k3_kernels.norm.fused) against the references; interpreter on CPU."""
-import importlib
 import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+if not torch.cuda.is_available():  # (tests/conftest.py sets it too, before anything imports triton)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from k3_kernels.norm import naive_gated_rms_norm, naive_rms_norm  # noqa: E402
+import k3_kernels.norm.fused as fz  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _fused():
-    """The kernel modules, (re)loaded so their kernels are interpreted on CPU even if imported earlier."""
-    mod = importlib.import_module("k3_kernels.norm.fused")
-    if os.environ.get("TRITON_INTERPRET") == "1" and type(mod._rms_fwd_kernel).__name__ != "InterpretedFunction":
-        importlib.reload(importlib.import_module("k3_kernels.attnres.fused"))
-        mod = importlib.reload(mod)
-    return mod
-
-
-fz = _fused()
 
 
 def _check(gated, D, has_w, dtype=torch.float32, shape=(3, 5), device=DEV, tol=1e-5):

@@ -1,26 +1,16 @@
 """Fused SiTU (k3_kernels.situ.fused) against the reference; interpreter on CPU."""
-import importlib
 import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+if not torch.cuda.is_available():  # (tests/conftest.py sets it too, before anything imports triton)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from k3_kernels.situ import naive_situ_and_mul  # noqa: E402
+import k3_kernels.situ.fused as fz  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _fused():
-    mod = importlib.import_module("k3_kernels.situ.fused")
-    if os.environ.get("TRITON_INTERPRET") == "1" and type(mod._situ_kernel).__name__ != "InterpretedFunction":
-        mod = importlib.reload(mod)
-    return mod
-
-
-fz = _fused()
 
 
 def _check(M, I, dtype=torch.float32, scale=3.0, device=DEV, tol=2e-6):
