@@ -23,7 +23,7 @@ import zstandard as zstd
 
 from .format import (END_MAGIC, FLAG_NEW_HASH, FLAG_SPARSE, FORMAT_VERSION, FRAME, FRAME_MAGIC, MAGIC, MAX_MANIFEST_BYTES,
                      TRAILER, U32, U64, CorruptPayloadError, Manifest, SyncError, TensorEntry, dtype_name, pack_header,
-                     parse_manifest, xxh3)
+                     parse_manifest, unpack_manifest_json, xxh3)
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 DEFAULT_LEVEL = 1
@@ -382,11 +382,11 @@ def read_manifest(src: _Source) -> Manifest:
     (n,) = U32.unpack(src.read(4, "manifest length"))
     if n > MAX_MANIFEST_BYTES:
         raise CorruptPayloadError(f"header: manifest length {n} exceeds {MAX_MANIFEST_BYTES}")
-    js = bytes(src.read(n, "manifest"))
+    comp = bytes(src.read(n, "manifest"))
     (h,) = U64.unpack(src.read(8, "manifest checksum"))
-    if xxh3(js) != h:
+    if xxh3(comp) != h:
         raise CorruptPayloadError("header: manifest checksum mismatch")
-    return parse_manifest(js)
+    return parse_manifest(unpack_manifest_json(comp))
 
 
 class FrameRecord(NamedTuple):

@@ -1,6 +1,6 @@
 """Wire format of a k3.sync payload (one self-describing, self-delimiting byte stream).
 
-    header   MAGIC(8) | u32 len | manifest JSON | u64 xxh3(JSON)
+    header   MAGIC(8) | u32 len | zstd(manifest JSON) | u64 xxh3(compressed manifest)
     frame*   FRAME header (fixed struct, below) | u64 xxh3(frame header + data) | zstd data
     trailer  b"K3EN" | u64 frame count | u64 xxh3(all frame checksums) | u64 xxh3(JSON)
 
@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import xxhash
+import zstandard as zstd
 
 MAGIC = b"K3SYNC\x00\x01"
 FORMAT_VERSION = 1
@@ -113,9 +114,19 @@ class Manifest:
 
 
 def pack_header(meta: dict) -> tuple[bytes, bytes]:
-    """Serialize the manifest dict; returns (header bytes, JSON bytes)."""
+    """Serialize the manifest dict; returns (header bytes, JSON bytes). The JSON is zstd-compressed (tensor
+    names repeat: a few hundred tensors' manifest would otherwise weigh more than a small model's delta)."""
     js = json.dumps(meta, separators=(",", ":"), sort_keys=True).encode()
-    return MAGIC + U32.pack(len(js)) + js + U64.pack(xxh3(js)), js
+    comp = zstd.ZstdCompressor(level=3).compress(js)
+    return MAGIC + U32.pack(len(comp)) + comp + U64.pack(xxh3(comp)), js
+
+
+def unpack_manifest_json(comp: bytes) -> bytes:
+    """Decompress a manifest whose checksum was verified."""
+    try:
+        return zstd.ZstdDecompressor().decompress(comp, max_output_size=MAX_MANIFEST_BYTES)
+    except zstd.ZstdError as e:
+        raise CorruptPayloadError(f"header: manifest does not decompress ({e})") from None
 
 
 def parse_manifest(js: bytes) -> Manifest:

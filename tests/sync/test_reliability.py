@@ -167,12 +167,13 @@ def test_forged_manifest_fields_refused(v012):
     """A well-checksummed manifest that is internally inconsistent is refused naming the field."""
     import json
 
+    from k3.sync.format import pack_header, unpack_manifest_json
+
     p = encode_delta(v012[1], v012[2], 1, 2)
     n = U32.unpack(p[len(MAGIC):len(MAGIC) + 4])[0]
-    meta = json.loads(p[len(MAGIC) + 4:len(MAGIC) + 4 + n])
+    meta = json.loads(unpack_manifest_json(p[len(MAGIC) + 4:len(MAGIC) + 4 + n]))
     meta["tensors"][1]["nbytes"] += 2
-    js = json.dumps(meta).encode()
-    forged = MAGIC + U32.pack(len(js)) + js + U64.pack(__import__("xxhash").xxh3_64_intdigest(js))
+    forged, _ = pack_header(meta)
     r = _receiver(v012, 1)
     with pytest.raises(CorruptPayloadError, match="tensor 'layers.0.w': manifest nbytes"):
         r.apply(forged + p[len(MAGIC) + 4 + n + 8:])
