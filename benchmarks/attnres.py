@@ -9,7 +9,9 @@ Layouts (9 sources = 8 stored block rows + the partial sum, D = 7168, bf16):
   shared/anchors/bench_fla.py): both sides allocate the 9 gradients.
 Medians of `triton.testing.do_bench`; peak extra = max allocated during one forward+backward minus allocated
 before it. Floor = bytes that must move / measured copy bandwidth. Writes benchmarks/results/attnres.json
-(or $OUT/attnres.json when OUT is set).
+(or $OUT/attnres.json when OUT is set). BENCH_PARTS picks parts (sweep, attnres, decode, norm); BENCH_FLA=0 skips
+fla-core (its first call autotunes for ~70 s). The committed results file gathers three H200 runs of this script
+under "same_process_v1" / "sweep_v2" / "final" (see its "note").
 """
 from __future__ import annotations
 

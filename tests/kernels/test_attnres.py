@@ -226,3 +226,26 @@ def test_gpu_batch_invariance_and_determinism():
     g1 = _grads(fz.fused_block_attnres(rows, partial, q, w, 1e-6, ow), ins, do)
     g2 = _grads(fz.fused_block_attnres(rows, partial, q, w, 1e-6, ow), ins, do)
     assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+
+def _ops_calls(device):
+    from k3.model import ops
+    g = torch.Generator().manual_seed(8)
+    rows = [torch.randn(4, 64, generator=g).to(device) for _ in range(3)]
+    partial = torch.randn(4, 64, generator=g).to(device)
+    q, w = (torch.randn(64, generator=g) * 0.3).to(device), torch.ones(64, device=device)
+    return ops, rows, partial, q, w
+
+
+def test_ops_use_references_on_cpu():
+    ops, rows, partial, q, w = _ops_calls("cpu")
+    assert torch.equal(ops.block_attnres(rows, partial, q, w, 1e-6), naive_block_attnres(rows, partial, q, w, 1e-6))
+    assert ops.attnres_bank_row(partial) is partial
+
+
+@pytest.mark.gpu
+def test_gpu_ops_dispatch_to_fused():
+    ops, rows, partial, q, w = _ops_calls("cuda")
+    assert torch.equal(ops.block_attnres(rows, partial, q, w, 1e-6), fz.fused_block_attnres(rows, partial, q, w, 1e-6))
+    x = partial.clone().requires_grad_()
+    assert ops.attnres_bank_row(x) is not x and ops.attnres_bank_row(partial) is partial
