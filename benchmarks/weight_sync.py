@@ -203,7 +203,6 @@ def gpu_bench(out_dir: Path) -> None:
         res[f"xor_{gib}GiB"] = {"triton_ms": t_tri, "torch_bitwise_xor_ms": t_torch,
                                 "triton_GBps_moved": moved / t_tri / 1e6, "torch_GBps_moved": moved / t_torch / 1e6,
                                 "triton_GBps_weights": n * 2 / t_tri / 1e6}
-        del a, b, out
     # end-to-end GPU path on a 2 GiB bf16 state with ~1% of values changed by one ulp (synthetic content)
     g = torch.Generator(device=dev).manual_seed(0)
     base = {f"w{i}": (torch.randn(2**26, device=dev, generator=g) * 0.02).to(torch.bfloat16) for i in range(16)}

@@ -485,10 +485,11 @@ def verify_record(rec: FrameRecord, delta: bool, base: np.ndarray | None) -> Cha
         raw = unshuffle_into(stored, width, np.empty(rec.raw_len, dtype=np.uint8)) if width > 1 else stored
         ch = Change(rec.entry.name, rec.offset, rec.raw_len, itemsize, delta, None, None, raw)
     if rec.new_hash is not None and (base is not None or not delta):
-        new = _SCRATCH.buf("new", rec.raw_len)
-        if base is not None:
+        new = ch.dense
+        if delta:
+            new = _SCRATCH.buf("new", rec.raw_len)
             new[...] = base
-        ch.apply_to(new)
+            ch.apply_to(new)
         if xxh3(new) != rec.new_hash:
             raise CorruptPayloadError(f"{where}: reconstructed-weights checksum mismatch (the receiver's base "
                                       f"bytes differ from the sender's base)")

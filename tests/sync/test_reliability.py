@@ -10,7 +10,7 @@ from _helpers import chain, clone
 from k3.sync import (CorruptPayloadError, ManifestMismatchError, SyncError, VersionError, WeightReceiver,
                      encode_delta, encode_full, states_equal)
 from k3.sync.codec import _Source, read_manifest
-from k3.sync.format import FRAME, MAGIC, TRAILER, U32, U64
+from k3.sync.format import FRAME, MAGIC, TRAILER, U32
 
 
 @pytest.fixture
