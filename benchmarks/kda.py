@@ -107,10 +107,12 @@ def sweep(T: int) -> list:
             ours_mod.chunk_kda(*xs)[0].backward(do)
         fb()
         return med(fb, rep=30, grad_to_none=xs)
-    space = [("fwd_state", ("bv", "warps", "stages"), [(16, 4, 3), (16, 4, 2), (32, 4, 3), (16, 8, 3)], t_fwd),
-             ("intra", ("warps",), [(4,), (8,)], t_fwd),
-             ("bwd_state", ("bv", "warps", "stages"), [(16, 4, 2), (16, 4, 3), (32, 4, 3)], t_fb),
-             ("bwd_intra", ("warps",), [(8,), (4,)], t_fb)]
+    space = [("fwd_state", ("bv", "warps", "stages"), [(16, 4, 3), (32, 4, 3)], t_fwd),
+             ("blocks", ("warps",), [(4,), (8,)], t_fwd),
+             ("solve", ("warps",), [(4,), (8,)], t_fwd),
+             ("bwd_state", ("bv", "warps", "stages"), [(16, 4, 3), (16, 4, 2)], t_fb),
+             ("bwd_prep", ("warps", "stages"), [(4, 1), (4, 2), (8, 2)], t_fb),
+             ("bwd_blocks", ("warps",), [(4,), (8,)], t_fb)]
     for stage, keys, cands, timer in space:
         best = None
         for cand in cands:
@@ -163,32 +165,29 @@ def main() -> None:
     print("config", res["config"], f"sweep {time.time() - t0:.0f}s", flush=True)
     res["breakdown_T16384_fwdbwd_ms"] = breakdown(16384)
     print("breakdown", res["breakdown_T16384_fwdbwd_ms"], flush=True)
-    rows = []
-    Ts = [4096, 16384] if quick else [4096, 16384, 65536, 131072]
-    for T in Ts:
-        xs = inputs(T)
-        do = torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16)
-        row = dict(T=T, **run_pair(fla_kda, xs, do, check=T <= 16384, rep=100 if T <= 16384 else 30),
-                   **floors(T, copy_Bps, mm_flops))
-        print("kda", row, flush=True)
-        rows.append(row)
-        del xs, do
-        torch.cuda.empty_cache()
-    # one packed varlen batch: 8 sequences, 32K tokens
-    gen = torch.Generator().manual_seed(1)
-    cuts = torch.sort(torch.randperm(32767, generator=gen)[:7] + 1).values
-    cu = torch.cat([torch.tensor([0]), cuts, torch.tensor([32768])]).to(dev)
-    xs = inputs(32768)
-    do = torch.randn(1, 32768, H, D, device=dev, dtype=torch.bfloat16)
-    row = dict(T=32768, varlen=cu.tolist(), **run_pair(fla_kda, xs, do, cu=cu, check=True),
-               **floors(32768, copy_Bps, mm_flops))
-    print("kda varlen", row, flush=True)
-    rows.append(row)
-    res["chunk_kda"] = rows
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "kda.json"), "w") as f:
-        json.dump(res, f, indent=1)
+
+    def save() -> None:  # after every row, so a run cut short still leaves its measured rows
+        with open(os.path.join(out_dir, "kda.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    rows = res["chunk_kda"] = []
+    gen = torch.Generator().manual_seed(1)  # one packed varlen batch: 8 sequences, 32K tokens
+    cuts = torch.sort(torch.randperm(32767, generator=gen)[:7] + 1).values
+    cu = torch.cat([torch.tensor([0]), cuts, torch.tensor([32768])]).to(dev)
+    for T in ([4096, 16384] if quick else [4096, 16384, "varlen", 65536, 131072]):
+        varlen = T == "varlen"
+        T = 32768 if varlen else T
+        xs = inputs(T)
+        do = torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16)
+        row = dict(T=T, **(dict(varlen=cu.tolist()) if varlen else {}),
+                   **run_pair(fla_kda, xs, do, cu=cu if varlen else None, check=T <= 32768,
+                              rep=100 if T <= 32768 else 30), **floors(T, copy_Bps, mm_flops))
+        print("kda", row, flush=True)
+        rows.append(row)
+        save()
+        del xs, do
+        torch.cuda.empty_cache()
     print(f"\n{'T':>7} {'fla fwd':>8} {'ours':>7} {'x':>5} | {'fla bwd':>8} {'ours':>7} {'x':>5} | "
           f"{'floor f/b ms':>13}")
     for r in rows:

@@ -6,16 +6,17 @@ Math (per head, chunk C = 64, G = in-chunk cumulative log-decay, q~ = scale * q)
   v' = U - W S,  o = (q~ e^G) S + Aqk v',  S <- e^{G_C} S + (k e^{G_C-G})^T v'
 
 Kernels (layout and staging ideas from fla-core 0.6.0 `fla/ops/kda/chunk_intra.py`, `fla/ops/common/chunk_delta_h.py`,
-`fla/ops/kda/chunk_bwd.py`; written independently, no code copied):
-  1. `_fwd_intra`  one program per (chunk, value head): fused gate + in-chunk cumsum, gated A/Aqk with 16-row
-     sub-blocks (off-diagonal blocks as two bounded exponentials around a reference row, diagonal blocks exactly,
-     column by column), the unit-lower-triangular inverse block row by block row, then W, U, q e^G, k e^{G_C-G}.
-  2. `_fwd_state`  one program per (sequence, head, V block): the serial pass over chunks. The columns of the
-     state evolve independently (v' = U - W S is column-wise), so splitting V gives B*HV*V/BV programs instead
-     of B*HV; the output is fused into the pass so the per-chunk states never reach memory in inference.
-  3. `_bwd_state`  the reverse pass for dS and dv' (same V split).
-  4. `_bwd_intra`  one program per (chunk, head): every other gradient, through the inverse
-     (dA = -M^T dM M^T) and the gated sub-block products, then the reverse in-chunk cumsum for dg.
+`fla/ops/kda/chunk_bwd.py`; written independently, no code copied). Forward:
+  `_fwd_cumsum` (chunk, head, K slice): fused gate activation + in-chunk cumsum G.
+  `_fwd_blocks` (chunk, head, 16x16 block pair): A and Aqk; off-diagonal blocks as two bounded exponentials
+     around a reference row (tensor-core dots), diagonal blocks exactly as [i, j, K slice] tensors.
+  `_fwd_solve` (chunk, head): M = (I + A)^-1 block row by block row, then W, U, q e^G, k e^{G_C-G}.
+  `_fwd_state` (sequence, head, V block): the serial pass over chunks. The columns of the state evolve
+     independently (v' = U - W S is column-wise), so splitting V gives B*HV*V/BV programs instead of B*HV;
+     the output is fused into the pass, so in inference the per-chunk states never reach memory.
+Backward: `_bwd_state` (reverse pass for dS and dv', same V split), `_bwd_prep` (chunk, head: dv, dAqk,
+dA = -M^T dM M^T and the direct parts of dq, dk, dG, dbeta), `_bwd_blocks` (chunk, head, 16-row block x
+K slice: the gated sub-block products' gradients), `_bwd_finish` (reverse in-chunk cumsum for dg, outputs).
 Every reduction has a fixed order and there are no atomics: results are bitwise reproducible.
 Intermediates live in a chunk-padded layout [chunks, HV, 64, D] so that later kernels need no row masks.
 """
@@ -32,114 +33,139 @@ BC = 16  # sub-block size inside a chunk
 
 # launch settings (no autotuning, so the interpreter and the GPU run the same configs)
 CONFIG = {"fwd_state_bv": 16, "fwd_state_warps": 4, "fwd_state_stages": 3,
-          "bwd_state_bv": 16, "bwd_state_warps": 4, "bwd_state_stages": 2,
-          "intra_warps": 4, "bwd_intra_warps": 8, "bwd_intra_bv": 32, "kc": 16, "ka": 32}
+          "bwd_state_bv": 16, "bwd_state_warps": 4, "bwd_state_stages": 3,
+          "blocks_warps": 4, "blocks_stages": 1, "solve_warps": 4,
+          "bwd_prep_bv": 32, "bwd_prep_warps": 4, "bwd_prep_stages": 1, "bwd_blocks_warps": 4,
+          "kc": 16, "ka": 32}
 
 
 @triton.jit
-def _fwd_intra(q, k, v, g, beta, A_log, dt_bias, Gc, Mc, Aqk, Wc, Uc, QGc, KDc, cu, cidx, scale, lower_bound,
-               H, HV, K, V, BK: tl.constexpr, KC: tl.constexpr, KA: tl.constexpr,
-               BVF: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
-               PREC: tl.constexpr):
-    c = tl.program_id(0).to(tl.int64)
-    hv = tl.program_id(1).to(tl.int64)
-    h = hv // (HV // H)
+def _chunk_rows(cu, cidx, c):
+    """(sequence, first token, valid rows from that token) of global chunk c."""
     n = tl.load(cidx + 2 * c).to(tl.int64)
     t0 = tl.load(cu + n).to(tl.int64) + tl.load(cidx + 2 * c + 1).to(tl.int64) * 64
-    nv = tl.load(cu + n + 1).to(tl.int64) - t0  # valid rows in this chunk (may exceed 64)
-    base = c * HV + hv
+    return n, t0, tl.load(cu + n + 1).to(tl.int64) - t0
+
+
+@triton.jit
+def _fwd_cumsum(g, A_log, dt_bias, Gc, cu, cidx, lower_bound, HV, K, BK: tl.constexpr, KA: tl.constexpr,
+                GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr):
+    """Gate activation (optional) and in-chunk cumulative sum of one K slice, fp32, chunk layout."""
+    c = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1).to(tl.int64)
+    oc = tl.program_id(2) * KA + tl.arange(0, KA)
+    _, t0, nv = _chunk_rows(cu, cidx, c)
     r = tl.arange(0, 64)
-    rm = r < nv
-    c16 = tl.arange(0, 16)
-    # 1. gate activation (optional) and in-chunk cumulative sum, kept in fp32 in chunk layout
-    tok = t0 + r
+    m = (r < nv)[:, None] & (oc < K)[None, :]
+    gx = tl.load(g + ((t0 + r) * HV + hv)[:, None] * K + oc[None, :], mask=m, other=0.).to(tl.float32)
+    if GATE == 1:  # -exp(A_log) * softplus(g + dt_bias)
+        if HAS_DT:
+            gx = gx + tl.load(dt_bias + hv * K + oc, mask=oc < K, other=0.).to(tl.float32)[None, :]
+        sp = tl.where(gx > 20., gx, tl.log(1. + tl.exp(tl.minimum(gx, 20.))))
+        gx = -tl.exp(tl.load(A_log + hv).to(tl.float32)) * sp
+    elif GATE == 2:  # lower_bound * sigmoid(exp(A_log) * (g + dt_bias))
+        if HAS_DT:
+            gx = gx + tl.load(dt_bias + hv * K + oc, mask=oc < K, other=0.).to(tl.float32)[None, :]
+        if HAS_A:
+            gx = gx * tl.exp(tl.load(A_log + hv).to(tl.float32))
+        gx = lower_bound * tl.sigmoid(gx)
+    gx = tl.where(m, gx, 0.)
+    tl.store(Gc + (c * HV + hv) * 64 * BK + r[:, None] * BK + oc[None, :], tl.cumsum(gx, 0))
+
+
+@triton.jit
+def _fwd_blocks(q, k, beta, Gc, Akk, Aqk, cu, cidx, scale, H, HV, K, BK: tl.constexpr, KC: tl.constexpr,
+                PREC: tl.constexpr):
+    """One 16 x 16 block (I, J <= I) of A (with beta, strictly lower) and Aqk (lower), over K slices.
+    Off-diagonal: two bounded exponentials around the first row of block I; diagonal: exact, as [i, j, KC]."""
+    c = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1).to(tl.int64)
+    p = tl.program_id(2)  # block pairs (0,0) (1,0) (1,1) (2,0) ... (3,3)
+    I = (p >= 1).to(tl.int32) + (p >= 3).to(tl.int32) + (p >= 6).to(tl.int32)
+    J = p - I * (I + 1) // 2
+    h = hv // (HV // H)
+    _, t0, nv = _chunk_rows(cu, cidx, c)
+    base = c * HV + hv
     pG = Gc + base * 64 * BK
-    for kc in range(0, BK, KA):
-        oc = kc + tl.arange(0, KA)
-        mc = oc < K
-        gx = tl.load(g + (tok * HV + hv)[:, None] * K + oc[None, :], mask=rm[:, None] & mc[None, :],
-                     other=0.).to(tl.float32)
-        if GATE == 1:  # -exp(A_log) * softplus(g + dt_bias)
-            if HAS_DT:
-                gx = gx + tl.load(dt_bias + hv * K + oc, mask=mc, other=0.).to(tl.float32)[None, :]
-            sp = tl.where(gx > 20., gx, tl.log(1. + tl.exp(tl.minimum(gx, 20.))))
-            gx = -tl.exp(tl.load(A_log + hv).to(tl.float32)) * sp
-        elif GATE == 2:  # lower_bound * sigmoid(exp(A_log) * (g + dt_bias))
-            if HAS_DT:
-                gx = gx + tl.load(dt_bias + hv * K + oc, mask=mc, other=0.).to(tl.float32)[None, :]
-            if HAS_A:
-                gx = gx * tl.exp(tl.load(A_log + hv).to(tl.float32))
-            gx = lower_bound * tl.sigmoid(gx)
-        gx = tl.where(rm[:, None] & mc[None, :], gx, 0.)
-        tl.store(pG + r[:, None] * BK + oc[None, :], tl.cumsum(gx, 0))
-    tl.debug_barrier()
-    pM = Mc + base * 64 * 64
-    pA = Aqk + base * 64 * 64
-    # 2. A and Aqk by 16-row blocks, K in slices of KC; M = (I + A)^-1 row block by row block:
-    #    M_I = D_I (E_I - sum_{J<I} A_IJ M_J), D_I = (I + A_II)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8).
-    i3 = c16[:, None, None]
-    j3 = c16[None, :, None]
-    for I in range(4):
-        rI = I * 16 + c16
-        mI = rI < nv
-        bI = tl.load(beta + (t0 + rI) * HV + hv, mask=mI, other=0.).to(tl.float32)
-        Y = tl.zeros([16, 64], dtype=tl.float32)
-        for J in range(I):
-            rJ = J * 16 + c16
-            mJ = rJ < nv
-            a_kk = tl.zeros([16, 16], dtype=tl.float32)
-            a_qk = tl.zeros([16, 16], dtype=tl.float32)
-            for kc in range(0, BK, KC):
-                oc = kc + tl.arange(0, KC)
-                mc = oc < K
-                kI = tl.load(k + ((t0 + rI) * H + h)[:, None] * K + oc[None, :], mask=mI[:, None] & mc[None, :],
-                             other=0.).to(tl.float32)
-                qI = tl.load(q + ((t0 + rI) * H + h)[:, None] * K + oc[None, :], mask=mI[:, None] & mc[None, :],
-                             other=0.).to(tl.float32) * scale
-                kJ = tl.load(k + ((t0 + rJ) * H + h)[:, None] * K + oc[None, :], mask=mJ[:, None] & mc[None, :],
-                             other=0.).to(tl.float32)
-                GI = tl.load(pG + rI[:, None] * BK + oc[None, :])
-                GJ = tl.load(pG + rJ[:, None] * BK + oc[None, :])
-                gref = tl.load(pG + (I * 16) * BK + oc)
-                eI = tl.exp(GI - gref[None, :])  # exponent <= 0
-                kJe = kJ * tl.exp(gref[None, :] - GJ)  # exponent <= 0
-                a_kk += tl.dot(kI * eI, tl.trans(kJe), input_precision=PREC)
-                a_qk += tl.dot(qI * eI, tl.trans(kJe), input_precision=PREC)
-            tl.store(pA + rI[:, None] * 64 + rJ[None, :], a_qk.to(Aqk.dtype.element_ty))
-            MJ = tl.load(pM + rJ[:, None] * 64 + r[None, :])
-            Y += tl.dot(a_kk * bI[:, None], MJ, input_precision=PREC)
-        akk = tl.zeros([16, 16], dtype=tl.float32)
-        aqk = tl.zeros([16, 16], dtype=tl.float32)
-        for kc in range(0, BK, KC):  # diagonal block, exact: [i, j, KC] with exponents G_i - G_j <= 0
+    c16 = tl.arange(0, 16)
+    rI = I * 16 + c16
+    rJ = J * 16 + c16
+    mI = rI < nv
+    mJ = rJ < nv
+    a_kk = tl.zeros([16, 16], dtype=tl.float32)
+    a_qk = tl.zeros([16, 16], dtype=tl.float32)
+    if I == J:
+        for kc in range(0, BK, KC):
+            oc = kc + tl.arange(0, KC)
+            mc = mI[:, None] & (oc < K)[None, :]
+            kI = tl.load(k + ((t0 + rI) * H + h)[:, None] * K + oc[None, :], mask=mc, other=0.).to(tl.float32)
+            qI = tl.load(q + ((t0 + rI) * H + h)[:, None] * K + oc[None, :], mask=mc, other=0.).to(tl.float32)
+            GI = tl.load(pG + rI[:, None] * BK + oc[None, :])
+            e3 = tl.exp(tl.where(c16[:, None, None] >= c16[None, :, None], GI[:, None, :] - GI[None, :, :],
+                                 float("-inf")))
+            kj3 = kI[None, :, :] * e3
+            a_kk += tl.sum(kI[:, None, :] * kj3, 2)
+            a_qk += tl.sum(qI[:, None, :] * kj3, 2)
+        a_kk = tl.where(c16[:, None] > c16[None, :], a_kk, 0.)
+        for J2 in range(I + 1, 4):  # Aqk is stored whole: zero its upper blocks
+            tl.store(Aqk + base * 4096 + rI[:, None] * 64 + (J2 * 16 + c16)[None, :],
+                     tl.zeros([16, 16], dtype=tl.float32).to(Aqk.dtype.element_ty))
+    else:
+        for kc in range(0, BK, KC):
             oc = kc + tl.arange(0, KC)
             mc = oc < K
             kI = tl.load(k + ((t0 + rI) * H + h)[:, None] * K + oc[None, :], mask=mI[:, None] & mc[None, :],
                          other=0.).to(tl.float32)
             qI = tl.load(q + ((t0 + rI) * H + h)[:, None] * K + oc[None, :], mask=mI[:, None] & mc[None, :],
-                         other=0.).to(tl.float32) * scale
+                         other=0.).to(tl.float32)
+            kJ = tl.load(k + ((t0 + rJ) * H + h)[:, None] * K + oc[None, :], mask=mJ[:, None] & mc[None, :],
+                         other=0.).to(tl.float32)
             GI = tl.load(pG + rI[:, None] * BK + oc[None, :])
-            e3 = tl.exp(tl.where(i3 >= j3, GI[:, None, :] - GI[None, :, :], float("-inf")))
-            kj3 = kI[None, :, :] * e3
-            akk += tl.sum(kI[:, None, :] * kj3, 2)
-            aqk += tl.sum(qI[:, None, :] * kj3, 2)
-        akk = tl.where(c16[:, None] > c16[None, :], akk, 0.) * bI[:, None]
-        tl.store(pA + rI[:, None] * 64 + rI[None, :], aqk.to(Aqk.dtype.element_ty))
-        for J in range(I + 1, 4):
-            tl.store(pA + rI[:, None] * 64 + (J * 16 + c16)[None, :],
-                     tl.zeros([16, 16], dtype=tl.float32).to(Aqk.dtype.element_ty))
-        eye = tl.where(c16[:, None] == c16[None, :], 1., 0.)
-        X = -akk
+            GJ = tl.load(pG + rJ[:, None] * BK + oc[None, :])
+            gref = tl.load(pG + (I * 16) * BK + oc)
+            eI = tl.exp(GI - gref[None, :])  # exponent <= 0
+            kJe = kJ * tl.exp(gref[None, :] - GJ)  # exponent <= 0
+            a_kk += tl.dot(kI * eI, tl.trans(kJe), input_precision=PREC)
+            a_qk += tl.dot(qI * eI, tl.trans(kJe), input_precision=PREC)
+    bI = tl.load(beta + (t0 + rI) * HV + hv, mask=mI, other=0.).to(tl.float32)
+    tl.store(Akk + base * 4096 + rI[:, None] * 64 + rJ[None, :], a_kk * bI[:, None])
+    tl.store(Aqk + base * 4096 + rI[:, None] * 64 + rJ[None, :], (a_qk * scale).to(Aqk.dtype.element_ty))
+
+
+@triton.jit
+def _fwd_solve(q, k, v, beta, Gc, Akk, Mc, Wc, Uc, QGc, KDc, cu, cidx, scale, H, HV, K, V, BK: tl.constexpr,
+               KA: tl.constexpr, BVF: tl.constexpr, PREC: tl.constexpr):
+    """M = (I + A)^-1 block row by block row: M_I = D_I (E_I - sum_{J<I} A_IJ M_J),
+    D_I = (I + A_II)^-1 = (I - A_II)(I + A_II^2)(I + A_II^4)(I + A_II^8); then W = M (beta k e^G),
+    U = M (beta v), q e^G (scaled) and k e^{G_C - G}, by column slices."""
+    c = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1).to(tl.int64)
+    h = hv // (HV // H)
+    _, t0, nv = _chunk_rows(cu, cidx, c)
+    base = c * HV + hv
+    r = tl.arange(0, 64)
+    rm = r < nv
+    c16 = tl.arange(0, 16)
+    pA = Akk + base * 4096
+    pM = Mc + base * 4096
+    eye = tl.where(c16[:, None] == c16[None, :], 1., 0.)
+    for I in range(4):
+        rI = I * 16 + c16
+        X = -tl.load(pA + rI[:, None] * 64 + rI[None, :])
         D = eye + X
-        for _ in range(3):  # X <- X^2; D <- D (I + X); X^16 = 0 for a strictly lower 16 x 16
+        for sq in range(3):  # X^16 = 0 for a strictly lower 16 x 16
             X = tl.dot(X, X, input_precision=PREC)
             D = tl.dot(D, eye + X, input_precision=PREC)
-        E = tl.where(r[None, :] == rI[:, None], 1., 0.)
-        MI = tl.dot(D, E - Y, input_precision=PREC)
-        tl.store(pM + rI[:, None] * 64 + r[None, :], MI)
+        Y = tl.where(r[None, :] == rI[:, None], 1., 0.)
+        for J in range(I):
+            rJ = J * 16 + c16
+            Y -= tl.dot(tl.load(pA + rI[:, None] * 64 + rJ[None, :]), tl.load(pM + rJ[:, None] * 64 + r[None, :]),
+                        input_precision=PREC)
+        tl.store(pM + rI[:, None] * 64 + r[None, :], tl.dot(D, Y, input_precision=PREC))
         tl.debug_barrier()
-    # 3. W = M (beta k e^G), U = M (beta v), q e^G (scaled), k e^{G_C - G}, by column slices
     M = tl.load(pM + r[:, None] * 64 + r[None, :])
     bt = tl.load(beta + (t0 + r) * HV + hv, mask=rm, other=0.).to(tl.float32)
+    pG = Gc + base * 64 * BK
     for kc in range(0, BK, KA):
         oc = kc + tl.arange(0, KA)
         mrc = rm[:, None] & (oc < K)[None, :]
@@ -253,24 +279,21 @@ def _bwd_state(QGc, Wc, KDc, Aqk, Gc, do, dht, dh0, DHc, DVNc, cu, coff,
 
 
 @triton.jit
-def _bwd_intra(q, k, v, beta, do, Gc, Mc, Hc, DHc, VNc, DVNc, dq, dk, dv, dbeta, dg,
-               Rs, Ps, DQs, DKs, DGs, DBs, cu, cidx, scale,
-               H, HV, K, V, BK: tl.constexpr, KC: tl.constexpr, KA: tl.constexpr,
-               BVF: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+def _bwd_prep(q, k, v, beta, do, Gc, Mc, Hc, DHc, VNc, DVNc, dv, Rs, Ps, DQs, DKs, DGs, DBs, cu, cidx, scale,
+              H, HV, K, V, BK: tl.constexpr, KA: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr,
+              PREC: tl.constexpr):
+    """Full-chunk products: dv, R = dAqk, P = dA = -M^T dM M^T, and the direct parts of dq, dk, dG, dbeta."""
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1).to(tl.int64)
     h = hv // (HV // H)
-    n = tl.load(cidx + 2 * c).to(tl.int64)
-    t0 = tl.load(cu + n).to(tl.int64) + tl.load(cidx + 2 * c + 1).to(tl.int64) * 64
-    nv = tl.load(cu + n + 1).to(tl.int64) - t0
+    _, t0, nv = _chunk_rows(cu, cidx, c)
     base = c * HV + hv
     r = tl.arange(0, 64)
     rm = r < nv
-    c16 = tl.arange(0, 16)
     pG = Gc + base * 64 * BK
     pR = Rs + base * 64 * 64
     pP = Ps + base * 64 * 64
-    # phase A1: products over V only (dAqk, dM's value part, dv, dbeta's value part)
+    # V only: products over V only (dAqk, dM's value part, dv, dbeta's value part)
     M = tl.load(Mc + base * 64 * 64 + r[:, None] * 64 + r[None, :])
     bt = tl.load(beta + (t0 + r) * HV + hv, mask=rm, other=0.).to(tl.float32)
     dAqk = tl.zeros([64, 64], dtype=tl.float32)
@@ -291,7 +314,7 @@ def _bwd_intra(q, k, v, beta, do, Gc, Mc, Hc, DHc, VNc, DVNc, dq, dk, dv, dbeta,
                  mask=mrv)
         db += tl.sum(vv * dbv, 1)
     tl.store(pR + r[:, None] * 64 + r[None, :], tl.where(r[:, None] >= r[None, :], dAqk, 0.))
-    # phase A2: per K slice, products with the states (dqg = dO S^T, dW = -dv' S^T, dkd = v' dS^T)
+    # per K slice, per K slice, products with the states (dqg = dO S^T, dW = -dv' S^T, dkd = v' dS^T)
     for kc in range(0, BK, KA):
         oc = kc + tl.arange(0, KA)
         mrc = rm[:, None] & (oc < K)[None, :]
@@ -333,73 +356,97 @@ def _bwd_intra(q, k, v, beta, do, Gc, Mc, Hc, DHc, VNc, DVNc, dq, dk, dv, dbeta,
     dA = -tl.dot(tl.dot(tl.trans(M), dM, input_precision=PREC), tl.trans(M), input_precision=PREC)
     tl.store(pP + r[:, None] * 64 + r[None, :], tl.where(r[:, None] > r[None, :], dA, 0.))
     tl.store(DBs + base * 64 + r, db)
-    tl.debug_barrier()
-    # phase B: gradients through A (P = dA) and Aqk (R = dAqk), by 16-row blocks and K slices of KC
+
+
+@triton.jit
+def _bwd_blocks(q, k, beta, Gc, Rs, Ps, DQs, DKs, DGs, DBp, cu, cidx, scale, H, HV, K, BK: tl.constexpr,
+                KC: tl.constexpr, NKC: tl.constexpr, PREC: tl.constexpr):
+    """Gradients through A (P = dA) and Aqk (R = dAqk) for one 16-row block b and one K slice (program axis 2):
+    row side sum_j X_ij y_j e^{G_i-G_j}, column side sum_i X_ij x_i e^{G_i-G_j}, added to this block's rows."""
+    c = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1).to(tl.int64)
+    h = hv // (HV // H)
+    _, t0, nv = _chunk_rows(cu, cidx, c)
+    base = c * HV + hv
+    c16 = tl.arange(0, 16)
+    pG = Gc + base * 64 * BK
+    pR = Rs + base * 64 * 64
+    pP = Ps + base * 64 * 64
+    b = tl.program_id(2) // NKC
+    kc = (tl.program_id(2) % NKC) * KC
     i3 = c16[:, None, None]
     j3 = c16[None, :, None]
-    for b in range(4):
-        rb = b * 16 + c16
-        mb = rb < nv
-        bb = tl.load(beta + (t0 + rb) * HV + hv, mask=mb, other=0.).to(tl.float32)
-        Rbb = tl.load(pR + rb[:, None] * 64 + rb[None, :])
-        Pbb = tl.load(pP + rb[:, None] * 64 + rb[None, :])
-        dbb = tl.zeros([16], dtype=tl.float32)
-        for kc in range(0, BK, KC):
-            oc = kc + tl.arange(0, KC)
-            mbk = mb[:, None] & (oc < K)[None, :]
-            qb = tl.load(q + ((t0 + rb) * H + h)[:, None] * K + oc[None, :], mask=mbk, other=0.).to(tl.float32)
-            qb = qb * scale
-            kb = tl.load(k + ((t0 + rb) * H + h)[:, None] * K + oc[None, :], mask=mbk, other=0.).to(tl.float32)
-            Gb = tl.load(pG + rb[:, None] * BK + oc[None, :])
-            refb = tl.load(pG + (b * 16) * BK + oc)
-            eb = tl.exp(Gb - refb[None, :])
-            kbe = kb * eb
-            rowR = tl.zeros([16, KC], dtype=tl.float32)
-            rowP = tl.zeros([16, KC], dtype=tl.float32)
-            colX = tl.zeros([16, KC], dtype=tl.float32)
-            for J in range(b):  # rows b, columns J < b
-                rJ = J * 16 + c16
-                kJ = tl.load(k + ((t0 + rJ) * H + h)[:, None] * K + oc[None, :],
-                             mask=(rJ < nv)[:, None] & (oc < K)[None, :], other=0.).to(tl.float32)
-                GJ = tl.load(pG + rJ[:, None] * BK + oc[None, :])
-                kJe = kJ * tl.exp(refb[None, :] - GJ)
-                RbJ = tl.load(pR + rb[:, None] * 64 + rJ[None, :])
-                PbJ = tl.load(pP + rb[:, None] * 64 + rJ[None, :])
-                rowR += tl.dot(RbJ, kJe, input_precision=PREC)
-                rowP += tl.dot(PbJ, kJe, input_precision=PREC)
-                dbb += tl.sum(PbJ * tl.dot(kbe, tl.trans(kJe), input_precision=PREC), 1)
-            rowR *= eb
-            rowP *= eb
-            for I in range(b + 1, 4):  # rows I > b, columns b
-                rI = I * 16 + c16
-                mIk = (rI < nv)[:, None] & (oc < K)[None, :]
-                qI = tl.load(q + ((t0 + rI) * H + h)[:, None] * K + oc[None, :], mask=mIk, other=0.).to(tl.float32)
-                kI = tl.load(k + ((t0 + rI) * H + h)[:, None] * K + oc[None, :], mask=mIk, other=0.).to(tl.float32)
-                GI = tl.load(pG + rI[:, None] * BK + oc[None, :])
-                bI = tl.load(beta + (t0 + rI) * HV + hv, mask=rI < nv, other=0.).to(tl.float32)
-                refI = tl.load(pG + (I * 16) * BK + oc)
-                eI = tl.exp(GI - refI[None, :])
-                RIb = tl.load(pR + rI[:, None] * 64 + rb[None, :])
-                PIb = tl.load(pP + rI[:, None] * 64 + rb[None, :]) * bI[:, None]
-                part = tl.dot(tl.trans(RIb), qI * scale * eI, input_precision=PREC) + \
-                    tl.dot(tl.trans(PIb), kI * eI, input_precision=PREC)
-                colX += tl.exp(refI[None, :] - Gb) * part
-            # diagonal block, exact: e3[i, j, :] = e^{G_i - G_j} for i >= j
-            e3 = tl.exp(tl.where(i3 >= j3, Gb[:, None, :] - Gb[None, :, :], float("-inf")))
-            kj3 = kb[None, :, :] * e3
-            rowR += tl.sum(Rbb[:, :, None] * kj3, 1)
-            rowP += tl.sum(Pbb[:, :, None] * kj3, 1)
-            dbb += tl.sum(Pbb * tl.sum(kb[:, None, :] * kj3, 2), 1)
-            rowP *= bb[:, None]
-            colX += tl.sum((Rbb[:, :, None] * qb[:, None, :] + (Pbb * bb[:, None])[:, :, None] * kb[:, None, :]) * e3,
-                           0)
-            pb = base * 64 * BK + rb[:, None] * BK + oc[None, :]
-            tl.store(DQs + pb, tl.load(DQs + pb) + rowR)
-            tl.store(DKs + pb, tl.load(DKs + pb) + rowP + colX)
-            tl.store(DGs + pb, tl.load(DGs + pb) + qb * rowR + kb * (rowP - colX))
-        tl.store(DBs + base * 64 + rb, tl.load(DBs + base * 64 + rb) + dbb)
-    tl.debug_barrier()
-    # phase C: reverse in-chunk cumsum for dg, write everything in the caller's layouts
+    rb = b * 16 + c16
+    mb = rb < nv
+    bb = tl.load(beta + (t0 + rb) * HV + hv, mask=mb, other=0.).to(tl.float32)
+    Rbb = tl.load(pR + rb[:, None] * 64 + rb[None, :])
+    Pbb = tl.load(pP + rb[:, None] * 64 + rb[None, :])
+    dbb = tl.zeros([16], dtype=tl.float32)
+    oc = kc + tl.arange(0, KC)
+    mbk = mb[:, None] & (oc < K)[None, :]
+    qb = tl.load(q + ((t0 + rb) * H + h)[:, None] * K + oc[None, :], mask=mbk, other=0.).to(tl.float32)
+    qb = qb * scale
+    kb = tl.load(k + ((t0 + rb) * H + h)[:, None] * K + oc[None, :], mask=mbk, other=0.).to(tl.float32)
+    Gb = tl.load(pG + rb[:, None] * BK + oc[None, :])
+    refb = tl.load(pG + (b * 16) * BK + oc)
+    eb = tl.exp(Gb - refb[None, :])
+    kbe = kb * eb
+    rowR = tl.zeros([16, KC], dtype=tl.float32)
+    rowP = tl.zeros([16, KC], dtype=tl.float32)
+    colX = tl.zeros([16, KC], dtype=tl.float32)
+    for J in range(b):  # rows b, columns J < b
+        rJ = J * 16 + c16
+        kJ = tl.load(k + ((t0 + rJ) * H + h)[:, None] * K + oc[None, :],
+                     mask=(rJ < nv)[:, None] & (oc < K)[None, :], other=0.).to(tl.float32)
+        GJ = tl.load(pG + rJ[:, None] * BK + oc[None, :])
+        kJe = kJ * tl.exp(refb[None, :] - GJ)
+        RbJ = tl.load(pR + rb[:, None] * 64 + rJ[None, :])
+        PbJ = tl.load(pP + rb[:, None] * 64 + rJ[None, :])
+        rowR += tl.dot(RbJ, kJe, input_precision=PREC)
+        rowP += tl.dot(PbJ, kJe, input_precision=PREC)
+        dbb += tl.sum(PbJ * tl.dot(kbe, tl.trans(kJe), input_precision=PREC), 1)
+    rowR *= eb
+    rowP *= eb
+    for I in range(b + 1, 4):  # rows I > b, columns b
+        rI = I * 16 + c16
+        mIk = (rI < nv)[:, None] & (oc < K)[None, :]
+        qI = tl.load(q + ((t0 + rI) * H + h)[:, None] * K + oc[None, :], mask=mIk, other=0.).to(tl.float32)
+        kI = tl.load(k + ((t0 + rI) * H + h)[:, None] * K + oc[None, :], mask=mIk, other=0.).to(tl.float32)
+        GI = tl.load(pG + rI[:, None] * BK + oc[None, :])
+        bI = tl.load(beta + (t0 + rI) * HV + hv, mask=rI < nv, other=0.).to(tl.float32)
+        refI = tl.load(pG + (I * 16) * BK + oc)
+        eI = tl.exp(GI - refI[None, :])
+        RIb = tl.load(pR + rI[:, None] * 64 + rb[None, :])
+        PIb = tl.load(pP + rI[:, None] * 64 + rb[None, :]) * bI[:, None]
+        part = tl.dot(tl.trans(RIb), qI * scale * eI, input_precision=PREC) + \
+            tl.dot(tl.trans(PIb), kI * eI, input_precision=PREC)
+        colX += tl.exp(refI[None, :] - Gb) * part
+    # diagonal block, exact: e3[i, j, :] = e^{G_i - G_j} for i >= j
+    e3 = tl.exp(tl.where(i3 >= j3, Gb[:, None, :] - Gb[None, :, :], float("-inf")))
+    kj3 = kb[None, :, :] * e3
+    rowR += tl.sum(Rbb[:, :, None] * kj3, 1)
+    rowP += tl.sum(Pbb[:, :, None] * kj3, 1)
+    dbb += tl.sum(Pbb * tl.sum(kb[:, None, :] * kj3, 2), 1)
+    rowP *= bb[:, None]
+    colX += tl.sum((Rbb[:, :, None] * qb[:, None, :] + (Pbb * bb[:, None])[:, :, None] * kb[:, None, :]) * e3,
+                   0)
+    pb = base * 64 * BK + rb[:, None] * BK + oc[None, :]
+    tl.store(DQs + pb, tl.load(DQs + pb) + rowR)
+    tl.store(DKs + pb, tl.load(DKs + pb) + rowP + colX)
+    tl.store(DGs + pb, tl.load(DGs + pb) + qb * rowR + kb * (rowP - colX))
+    tl.store(DBp + (base * NKC + tl.program_id(2) % NKC) * 64 + rb, dbb)
+
+
+@triton.jit
+def _bwd_finish(DQs, DKs, DGs, DBs, DBp, dq, dk, dg, dbeta, cu, cidx, scale, HV, K, BK: tl.constexpr,
+                KA: tl.constexpr, NKC: tl.constexpr):
+    """Reverse in-chunk cumsum for dg; dq, dk, dg, dbeta written in the caller's layouts."""
+    c = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1).to(tl.int64)
+    _, t0, nv = _chunk_rows(cu, cidx, c)
+    base = c * HV + hv
+    r = tl.arange(0, 64)
+    rm = r < nv
     for kc in range(0, BK, KA):
         oc = kc + tl.arange(0, KA)
         mrc = rm[:, None] & (oc < K)[None, :]
@@ -408,7 +455,10 @@ def _bwd_intra(q, k, v, beta, do, Gc, Mc, Hc, DHc, VNc, DVNc, dq, dk, dv, dbeta,
         tl.store(dg + po, tl.cumsum(tl.load(DGs + pK), 0, reverse=True).to(dg.dtype.element_ty), mask=mrc)
         tl.store(dq + po, (tl.load(DQs + pK) * scale).to(dq.dtype.element_ty), mask=mrc)
         tl.store(dk + po, tl.load(DKs + pK).to(dk.dtype.element_ty), mask=mrc)
-    tl.store(dbeta + (t0 + r) * HV + hv, tl.load(DBs + base * 64 + r).to(dbeta.dtype.element_ty), mask=rm)
+    db = tl.load(DBs + base * 64 + r)
+    for i in range(NKC):  # fixed order
+        db += tl.load(DBp + (base * NKC + i) * 64 + r)
+    tl.store(dbeta + (t0 + r) * HV + hv, db.to(dbeta.dtype.element_ty), mask=rm)
 
 
 def _p2(x: int) -> int:
@@ -448,24 +498,26 @@ def _chunk_plan(cu: list[int] | None, B: int, T: int, device: torch.device
 
 def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound, plan, save):
     cu, cidx, coff = plan
-    T_all, H, K = q.shape[1] * q.shape[0], q.shape[2], q.shape[3]
+    H, K = q.shape[2], q.shape[3]
     HV, V = v.shape[2], v.shape[3]
     N, NC = coff.numel() - 1, cidx.shape[0]
     BK, BVF = _p2(K), _p2(V)
-    dev, dt = q.device, k.dtype
-    f32 = torch.float32
+    KC, KA = min(CONFIG["kc"], BK), min(CONFIG["ka"], BK, BVF)
+    dev, dt, f32, prec = q.device, k.dtype, torch.float32, _prec(k.dtype)
     Gc = torch.empty(NC, HV, BT, BK, device=dev, dtype=f32)
+    Akk = torch.empty(NC, HV, BT, BT, device=dev, dtype=f32)
     Mc = torch.empty(NC, HV, BT, BT, device=dev, dtype=f32)
     Aqk = torch.empty(NC, HV, BT, BT, device=dev, dtype=dt)
     Wc, QGc, KDc = (torch.empty(NC, HV, BT, BK, device=dev, dtype=dt) for _ in range(3))
     Uc = torch.empty(NC, HV, BT, BVF, device=dev, dtype=dt)
     dummy = Gc
-    _fwd_intra[(NC, HV)](q, k, v, g, beta, A_log if A_log is not None else dummy,
-                         dt_bias if dt_bias is not None else dummy, Gc, Mc, Aqk, Wc, Uc, QGc, KDc, cu, cidx,
-                         scale, float(lower_bound) if lower_bound is not None else 0.,
-                         H=H, HV=HV, K=K, V=V, BK=BK, BVF=BVF, KC=min(CONFIG["kc"], BK),
-                         KA=min(CONFIG["ka"], BK, BVF), GATE=gate, HAS_A=A_log is not None, HAS_DT=dt_bias is not None, PREC=_prec(dt),
-                         num_warps=CONFIG["intra_warps"], num_stages=1)
+    _fwd_cumsum[(NC, HV, BK // KA)](g, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
+                                    Gc, cu, cidx, float(lower_bound) if lower_bound is not None else 0., HV, K, BK=BK,
+                                    KA=KA, GATE=gate, HAS_A=A_log is not None, HAS_DT=dt_bias is not None, num_warps=4)
+    _fwd_blocks[(NC, HV, 10)](q, k, beta, Gc, Akk, Aqk, cu, cidx, scale, H, HV, K, BK=BK, KC=KC, PREC=prec,
+                              num_warps=CONFIG["blocks_warps"], num_stages=CONFIG["blocks_stages"])
+    _fwd_solve[(NC, HV)](q, k, v, beta, Gc, Akk, Mc, Wc, Uc, QGc, KDc, cu, cidx, scale, H, HV, K, V, BK=BK, KA=KA,
+                         BVF=BVF, PREC=prec, num_warps=CONFIG["solve_warps"], num_stages=1)
     o = torch.empty_like(v)
     ht = torch.empty(N, HV, K, V, device=dev, dtype=f32) if want_ht else None
     Hc = torch.empty(NC, HV, BK, BVF, device=dev, dtype=dt) if save else None
@@ -474,7 +526,7 @@ def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound
     _fwd_state[(N, HV, triton.cdiv(V, BV))](
         Wc, Uc, QGc, KDc, Aqk, Gc, o, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
         Hc if save else dummy, VNc if save else dummy, cu, coff, HV=HV, K=K, V=V, BK=BK, BVF=BVF, BV=BV,
-        HAS_H0=h0 is not None, STORE_HT=want_ht, SAVE=save, NUM_STAGES=CONFIG["fwd_state_stages"], PREC=_prec(dt),
+        HAS_H0=h0 is not None, STORE_HT=want_ht, SAVE=save, NUM_STAGES=CONFIG["fwd_state_stages"], PREC=prec,
         num_warps=CONFIG["fwd_state_warps"])
     return o, ht, (Gc, Mc, Aqk, Wc, QGc, KDc, Hc, VNc)
 
@@ -486,7 +538,9 @@ def _bwd(q, k, v, beta, do, dht, has_h0, scale, saved, plan):
     HV, V = v.shape[2], v.shape[3]
     N, NC = coff.numel() - 1, cidx.shape[0]
     BK, BVF = _p2(K), _p2(V)
-    dev, dt, f32 = q.device, k.dtype, torch.float32
+    KC, KA = min(CONFIG["kc"], BK), min(CONFIG["ka"], BK)
+    NKC = BK // KC
+    dev, dt, f32, prec = q.device, k.dtype, torch.float32, _prec(k.dtype)
     DHc = torch.empty(NC, HV, BK, BVF, device=dev, dtype=dt)
     DVNc = torch.empty(NC, HV, BT, BVF, device=dev, dtype=dt)
     dh0 = torch.empty(N, HV, K, V, device=dev, dtype=f32) if has_h0 else None
@@ -494,7 +548,7 @@ def _bwd(q, k, v, beta, do, dht, has_h0, scale, saved, plan):
     _bwd_state[(N, HV, triton.cdiv(V, BV))](
         QGc, Wc, KDc, Aqk, Gc, do, dht if dht is not None else Gc, dh0 if has_h0 else Gc, DHc, DVNc, cu, coff,
         HV=HV, K=K, V=V, BK=BK, BVF=BVF, BV=BV, HAS_DHT=dht is not None, HAS_H0=has_h0,
-        NUM_STAGES=CONFIG["bwd_state_stages"], PREC=_prec(dt), num_warps=CONFIG["bwd_state_warps"])
+        NUM_STAGES=CONFIG["bwd_state_stages"], PREC=prec, num_warps=CONFIG["bwd_state_warps"])
     dq = torch.empty(B, T, HV, K, device=dev, dtype=f32 if HV != H else q.dtype)
     dk = torch.empty(B, T, HV, K, device=dev, dtype=f32 if HV != H else k.dtype)
     dv = torch.empty_like(v)
@@ -504,11 +558,14 @@ def _bwd(q, k, v, beta, do, dht, has_h0, scale, saved, plan):
     Ps = torch.empty_like(Rs)
     DQs, DKs, DGs = (torch.empty(NC, HV, BT, BK, device=dev, dtype=f32) for _ in range(3))
     DBs = torch.empty(NC, HV, BT, device=dev, dtype=f32)
-    _bwd_intra[(NC, HV)](q, k, v, beta, do, Gc, Mc, Hc, DHc, VNc, DVNc, dq, dk, dv, dbeta, dg,
-                         Rs, Ps, DQs, DKs, DGs, DBs, cu, cidx, scale, H=H, HV=HV, K=K, V=V, BK=BK,
-                         KC=min(CONFIG["kc"], BK), KA=min(CONFIG["ka"], BK), BVF=BVF,
-                         BV=min(CONFIG["bwd_intra_bv"], BVF), PREC=_prec(dt),
-                         num_warps=CONFIG["bwd_intra_warps"], num_stages=1)
+    DBp = torch.empty(NC, HV, NKC, BT, device=dev, dtype=f32)
+    _bwd_prep[(NC, HV)](q, k, v, beta, do, Gc, Mc, Hc, DHc, VNc, DVNc, dv, Rs, Ps, DQs, DKs, DGs, DBs, cu, cidx,
+                        scale, H, HV, K, V, BK=BK, KA=KA, BVF=BVF, BV=min(CONFIG["bwd_prep_bv"], BVF), PREC=prec,
+                        num_warps=CONFIG["bwd_prep_warps"], num_stages=CONFIG["bwd_prep_stages"])
+    _bwd_blocks[(NC, HV, 4 * NKC)](q, k, beta, Gc, Rs, Ps, DQs, DKs, DGs, DBp, cu, cidx, scale, H, HV, K, BK=BK,
+                                   KC=KC, NKC=NKC, PREC=prec, num_warps=CONFIG["bwd_blocks_warps"], num_stages=1)
+    _bwd_finish[(NC, HV)](DQs, DKs, DGs, DBs, DBp, dq, dk, dg, dbeta, cu, cidx, scale, HV, K, BK=BK, KA=KA, NKC=NKC,
+                          num_warps=4)
     if HV != H:  # grouped value heads: sum the group's contributions in a fixed order
         dq = dq.view(B, T, H, HV // H, K).sum(3).to(q.dtype)
         dk = dk.view(B, T, H, HV // H, K).sum(3).to(k.dtype)
