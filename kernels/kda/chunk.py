@@ -8,7 +8,7 @@ Math (per head, chunk C = 64, G = in-chunk cumulative log-decay, q~ = scale * q)
 Kernels (layout and staging ideas from fla-core 0.6.0 `fla/ops/kda/chunk_intra.py`, `fla/ops/common/chunk_delta_h.py`,
 `fla/ops/kda/chunk_bwd.py`; written independently, no code copied). Forward:
   `_fwd_cumsum` (chunk, head, K slice): fused gate activation + in-chunk cumsum G.
-  `_fwd_blocks` (chunk, head, 16x16 block pair): A and Aqk; off-diagonal blocks as two bounded exponentials
+  `_fwd_blocks` (chunk, head, 16x16 block): A and Aqk; off-diagonal blocks as two bounded exponentials
      around a reference row (tensor-core dots), diagonal blocks exactly as [i, j, K slice] tensors.
   `_fwd_solve` (chunk, head): M = (I + A)^-1 block row by block row, then W, U, q e^G, k e^{G_C-G}.
   `_fwd_state` (sequence, head, V block): the serial pass over chunks. The columns of the state evolve
@@ -76,13 +76,12 @@ def _fwd_cumsum(g, A_log, dt_bias, Gc, cu, cidx, lower_bound, HV, K, BK: tl.cons
 @triton.jit
 def _fwd_blocks(q, k, beta, Gc, Akk, Aqk, cu, cidx, scale, H, HV, K, BK: tl.constexpr, KC: tl.constexpr,
                 PREC: tl.constexpr):
-    """One 16 x 16 block (I, J <= I) of A (with beta, strictly lower) and Aqk (lower), over K slices.
+    """One 16 x 16 block (I, J) of A (with beta, strictly lower) and Aqk (lower; zeros above), over K slices.
     Off-diagonal: two bounded exponentials around the first row of block I; diagonal: exact, as [i, j, KC]."""
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1).to(tl.int64)
-    p = tl.program_id(2)  # block pairs (0,0) (1,0) (1,1) (2,0) ... (3,3)
-    I = (p >= 1).to(tl.int32) + (p >= 3).to(tl.int32) + (p >= 6).to(tl.int32)
-    J = p - I * (I + 1) // 2
+    I = tl.program_id(2) // 4
+    J = tl.program_id(2) % 4
     h = hv // (HV // H)
     _, t0, nv = _chunk_rows(cu, cidx, c)
     base = c * HV + hv
@@ -107,10 +106,7 @@ def _fwd_blocks(q, k, beta, Gc, Akk, Aqk, cu, cidx, scale, H, HV, K, BK: tl.cons
             a_kk += tl.sum(kI[:, None, :] * kj3, 2)
             a_qk += tl.sum(qI[:, None, :] * kj3, 2)
         a_kk = tl.where(c16[:, None] > c16[None, :], a_kk, 0.)
-        for J2 in range(I + 1, 4):  # Aqk is stored whole: zero its upper blocks
-            tl.store(Aqk + base * 4096 + rI[:, None] * 64 + (J2 * 16 + c16)[None, :],
-                     tl.zeros([16, 16], dtype=tl.float32).to(Aqk.dtype.element_ty))
-    else:
+    elif J < I:
         for kc in range(0, BK, KC):
             oc = kc + tl.arange(0, KC)
             mc = oc < K
@@ -127,6 +123,7 @@ def _fwd_blocks(q, k, beta, Gc, Akk, Aqk, cu, cidx, scale, H, HV, K, BK: tl.cons
             kJe = kJ * tl.exp(gref[None, :] - GJ)  # exponent <= 0
             a_kk += tl.dot(kI * eI, tl.trans(kJe), input_precision=PREC)
             a_qk += tl.dot(qI * eI, tl.trans(kJe), input_precision=PREC)
+    # blocks above the diagonal stay zero (Aqk is read whole; A's upper blocks are never read)
     bI = tl.load(beta + (t0 + rI) * HV + hv, mask=mI, other=0.).to(tl.float32)
     tl.store(Akk + base * 4096 + rI[:, None] * 64 + rJ[None, :], a_kk * bI[:, None])
     tl.store(Aqk + base * 4096 + rI[:, None] * 64 + rJ[None, :], (a_qk * scale).to(Aqk.dtype.element_ty))
@@ -514,7 +511,7 @@ def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound
     _fwd_cumsum[(NC, HV, BK // KA)](g, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
                                     Gc, cu, cidx, float(lower_bound) if lower_bound is not None else 0., HV, K, BK=BK,
                                     KA=KA, GATE=gate, HAS_A=A_log is not None, HAS_DT=dt_bias is not None, num_warps=4)
-    _fwd_blocks[(NC, HV, 10)](q, k, beta, Gc, Akk, Aqk, cu, cidx, scale, H, HV, K, BK=BK, KC=KC, PREC=prec,
+    _fwd_blocks[(NC, HV, 16)](q, k, beta, Gc, Akk, Aqk, cu, cidx, scale, H, HV, K, BK=BK, KC=KC, PREC=prec,
                               num_warps=CONFIG["blocks_warps"], num_stages=CONFIG["blocks_stages"])
     _fwd_solve[(NC, HV)](q, k, v, beta, Gc, Akk, Mc, Wc, Uc, QGc, KDc, cu, cidx, scale, H, HV, K, V, BK=BK, KA=KA,
                          BVF=BVF, PREC=prec, num_warps=CONFIG["solve_warps"], num_stages=1)

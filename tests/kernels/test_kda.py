@@ -21,6 +21,18 @@ from k3_kernels.kda import (l2norm, naive_chunk_kda, naive_kda_gate, naive_kda_l
 if not CUDA:  # the modules may have been imported (compiled mode) by an earlier test module
     chunk_mod = importlib.reload(chunk_mod)
     recurrent_mod = importlib.reload(recurrent_mod)
+    from triton.runtime import interpreter as _interp
+
+    if not getattr(_interp._patch_lang_tensor, "k3_index_fix", False):
+        # triton 3.6's interpreter turns a scalar tensor into an index with int() of a size-1 array, which
+        # numpy >= 2.4 refuses (loop bounds such as a sequence's chunk count); later triton squeezes first.
+        _orig_patch = _interp._patch_lang_tensor
+
+        def _patch_lang_tensor(tensor, scope):
+            _orig_patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+        _patch_lang_tensor.k3_index_fix = True
+        _interp._patch_lang_tensor = _patch_lang_tensor
 
 DEV = "cuda" if CUDA else "cpu"
 chunk_kda = chunk_mod.chunk_kda
