@@ -5,9 +5,10 @@ g = 0.5 * logsigmoid(randn), unit-norm k; T in {4K, 16K, 64K, 128K} plus one pac
 Forward medians under no_grad, forward+backward medians (`triton.testing.do_bench`, grads reset each call);
 backward = difference. Floors: bytes that must move / measured copy bandwidth, and the report's FLOP count
 (Kimi Linear Eq. 13, per head 6 T d^2 + 3 T C d + T C^2, backward taken as 2x) / measured bf16 matmul rate.
-Before timing, a short sweep picks the state-pass launch settings (recorded in the JSON), and each size checks
-ours against fla-core (relative RMS of o and every gradient).
-Writes benchmarks/results/kda.json (or $OUT/kda.json when OUT is set). `--quick` runs 4K/16K only.
+Before timing, a short sweep at T=16K picks launch settings (warps, stages, V block; recorded in the JSON with
+its timings), a profiler pass records device time per kernel, and each size up to 32K checks ours against
+fla-core (relative RMS of o and every gradient). Writes benchmarks/results/kda.json (or $OUT/kda.json when OUT
+is set) after every row. `--quick`: no sweep, 4K and 16K only.
 """
 from __future__ import annotations
 
@@ -59,11 +60,10 @@ def floors(T: int, copy_Bps: float, mm_flops: float) -> dict:
 def run_pair(fla_kda, xs, do, cu=None, check=False, rep=100):
     """(fla fwd, ours fwd, fla fwd+bwd, ours fwd+bwd) medians in ms, plus errors of ours vs fla if check."""
     q, k, v, g, beta = xs
-    kw = {} if cu is None else dict(cu_seqlens=cu)
-    kw_fla = {} if cu is None else dict(cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
+    kw = {} if cu is None else dict(cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())  # both sides skip the host sync
     res, errs = {}, {}
     outs = {}
-    for name, fn, extra in (("fla", fla_kda, kw_fla), ("ours", ours_mod.chunk_kda, kw)):
+    for name, fn, extra in (("fla", fla_kda, kw), ("ours", ours_mod.chunk_kda, kw)):
         with torch.no_grad():
             fn(q, k, v, g, beta, **extra)
             res[name + "_fwd_ms"] = med(lambda: fn(q, k, v, g, beta, **extra), rep=rep)
