@@ -112,17 +112,18 @@ def sweep(T: int) -> list:
              ("solve", ("warps",), [(4,), (8,)], t_fwd),
              ("bwd_state", ("bv", "warps", "stages"), [(16, 4, 3), (16, 4, 2)], t_fb),
              ("bwd_prep", ("warps", "stages"), [(4, 1), (4, 2), (8, 2)], t_fb),
-             ("bwd_blocks", ("warps",), [(4,), (8,)], t_fb)]
+             ("bwd_blocks", ("warps",), [(4,), (8,)], t_fb),
+             ("", ("kc",), [(16,), (32,)], t_fb)]
     for stage, keys, cands, timer in space:
         best = None
         for cand in cands:
-            ours_mod.CONFIG.update({f"{stage}_{k}": x for k, x in zip(keys, cand)})
+            ours_mod.CONFIG.update({"_".join(filter(None, (stage, k))): x for k, x in zip(keys, cand)})
             t = timer()
             log.append(dict(stage=stage, T=T, **dict(zip(keys, cand)), ms=t))
             print("sweep", log[-1], flush=True)
             if best is None or t < best[0]:
                 best = (t, cand)
-        ours_mod.CONFIG.update({f"{stage}_{k}": x for k, x in zip(keys, best[1])})
+        ours_mod.CONFIG.update({"_".join(filter(None, (stage, k))): x for k, x in zip(keys, best[1])})
     return log
 
 
