@@ -11,8 +11,13 @@ from k3.model import ops
 from k3.model.norm import RMSNorm
 
 
-def attn_res(rows: list[torch.Tensor], partial: torch.Tensor, proj: nn.Linear, norm: RMSNorm) -> torch.Tensor:
-    return ops.block_attnres(rows, partial, proj.weight.view(-1), norm.weight, norm.eps)
+def attn_res(rows: list[torch.Tensor], partial: torch.Tensor, proj: nn.Linear, norm: RMSNorm,
+             prenorm: RMSNorm | None = None) -> torch.Tensor:
+    """The mixture; with `prenorm`, that RMSNorm applied to the (rounded) mixture, fused into the same op."""
+    if prenorm is not None and prenorm.eps != norm.eps:
+        raise ValueError(f"prenorm.eps {prenorm.eps} must equal the AttnRes norm's eps {norm.eps} to fuse them")
+    return ops.block_attnres(rows, partial, proj.weight.view(-1), norm.weight, norm.eps,
+                             None if prenorm is None else prenorm.weight)
 
 
 def pseudo_query(d: int) -> nn.Linear:

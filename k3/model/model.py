@@ -58,14 +58,18 @@ class K3DecoderLayer(nn.Module):
             h = prefix + self.self_attn(self.input_layernorm(prefix), cache, self.layer_idx)
             m, idx = self._ffn(self.post_attention_layernorm(h), forced)
             return h + m, bank, idx
-        h = attn_res(bank, prefix, self.self_attention_res_proj, self.self_attention_res_norm) if bank else prefix
+        if bank:  # the mixture and the input norm in one op
+            x = attn_res(bank, prefix, self.self_attention_res_proj, self.self_attention_res_norm,
+                         self.input_layernorm)
+        else:
+            x = self.input_layernorm(prefix)
         starts_block = self.layer_idx % self.block == 0
         if starts_block:
-            bank = [*bank, prefix]
-        a = self.self_attn(self.input_layernorm(h), cache, self.layer_idx)
+            bank = [*bank, ops.attnres_bank_row(prefix)]
+        a = self.self_attn(x, cache, self.layer_idx)
         prefix = a if starts_block else prefix + a
-        h = attn_res(bank, prefix, self.mlp_res_proj, self.mlp_res_norm)
-        m, idx = self._ffn(self.post_attention_layernorm(h), forced)
+        x = attn_res(bank, prefix, self.mlp_res_proj, self.mlp_res_norm, self.post_attention_layernorm)
+        m, idx = self._ffn(x, forced)
         return prefix + m, bank, idx
 
     def _ffn(self, x: torch.Tensor, forced: torch.Tensor | None):
@@ -148,8 +152,10 @@ class K3ForCausalLM(nn.Module):
             if idx is not None:
                 routed.append(idx)
         if bank:
-            h = attn_res(bank, h, self.model.output_attn_res_proj, self.model.output_attn_res_norm)
-        logits = self.lm_head(self.model.norm(h))
+            h = attn_res(bank, h, self.model.output_attn_res_proj, self.model.output_attn_res_norm, self.model.norm)
+        else:
+            h = self.model.norm(h)
+        logits = self.lm_head(h)
         new_state = cache.result(T) if dense and use_cache else None
         routed_t = torch.stack(routed, dim=2) if (return_routed_experts and routed) else None
         return K3Output(logits, new_state, routed_t)

@@ -1,0 +1,86 @@
+"""Warm start (`k3 sft`): train the tiny K3 on synthetic calculator demonstrations that contain deliberate mistakes,
+to a base policy that sometimes uses the tool well and often does not (held-out reward around 0.3). The result is
+cached under `cache_dir/sft-<key>/` (config.json + model.safetensors + meta.json) and reused by later runs."""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from k3.config import K3Config
+from k3.envs import CalculatorEnv, train_tasks
+from k3.jobs.config import JobConfig
+from k3.model import K3ForCausalLM
+
+
+def pack(sequences: list[list[int]], masks: list[list[bool]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token lists into ids [B, L] and a bool mask [B, L]."""
+    L = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), L), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(sequences), L, dtype=torch.bool)
+    for i, (s, m) in enumerate(zip(sequences, masks)):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(m)] = torch.tensor(m)
+    return ids, mask
+
+
+def masked_next_token_loss(model: K3ForCausalLM, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the tokens where mask is set (the model's own turns), predicted from the prefix."""
+    logits = model(ids[:, :-1], use_cache=False).logits
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1), reduction="none")
+    m = mask[:, 1:].reshape(-1).float()
+    return (ce * m).sum() / m.sum().clamp(min=1.0)
+
+
+def sft_key(cfg: JobConfig) -> str:
+    blob = json.dumps({"model": asdict(cfg.model), "sft": {k: v for k, v in asdict(cfg.sft).items()
+                                                            if k != "cache_dir"}}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def train_sft(cfg: JobConfig, progress: bool = True) -> K3ForCausalLM:
+    torch.manual_seed(cfg.model.seed)
+    model = K3ForCausalLM(K3Config.preset(cfg.model.preset))
+    env = CalculatorEnv()
+    if len(env.tok) > model.config.vocab_size:
+        raise ValueError(f"model.preset: vocabulary {model.config.vocab_size} is smaller than the tokenizer's "
+                         f"{len(env.tok)}")
+    rng = random.Random(cfg.sft.seed)
+    tasks = train_tasks(cfg.sft.seed, 4096)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / cfg.sft.steps))
+    bar = tqdm(range(cfg.sft.steps), desc="sft", disable=not progress)
+    for _ in bar:
+        eps = [env.demonstration(tasks[rng.randrange(len(tasks))], rng, p_tool=cfg.sft.p_tool)
+               for _ in range(cfg.sft.batch_size)]
+        ids, mask = pack([e.tokens for e in eps], [e.model_mask for e in eps])
+        loss = masked_next_token_loss(model, ids, mask)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+    return model.eval()
+
+
+def ensure_base(cfg: JobConfig, progress: bool = True) -> tuple[Path, bool]:
+    """The cached SFT base for this config: (directory, whether it was trained now)."""
+    out = Path(cfg.sft.cache_dir) / f"sft-{sft_key(cfg)}"
+    if (out / "model.safetensors").exists() and (out / "config.json").exists():
+        return out, False
+    model = train_sft(cfg, progress)
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    (tmp / "meta.json").write_text(json.dumps({"sft": asdict(cfg.sft), "model": asdict(cfg.model)}, indent=2))
+    if out.exists():
+        import shutil
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out, True
