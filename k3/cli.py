@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import tomllib
 
 import torch
 
@@ -37,6 +38,42 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _overrides(args: argparse.Namespace) -> dict:
+    """`--set section.field=value` pairs; values parse as TOML (numbers, booleans, quoted strings) or bare strings."""
+    out = {}
+    for item in args.set or []:
+        key, _, value = item.partition("=")
+        try:
+            out[key] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key] = value
+    return out
+
+
+def _sft(args: argparse.Namespace) -> int:
+    from k3.jobs.config import load_config
+    from k3.jobs.sft import ensure_base
+
+    cfg = load_config(args.config, _overrides(args))
+    path, trained = ensure_base(cfg)
+    print(f"SFT base {'trained and saved' if trained else 'found (cached)'}: {path}")
+    return 0
+
+
+def _rl(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from k3.jobs.config import load_config
+    from k3.jobs.rl import run_rl
+
+    overrides = _overrides(args)
+    if args.updates is not None:
+        overrides["updates"] = args.updates
+    cfg = load_config(args.config, overrides)
+    run_rl(cfg, Path(args.out))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="k3", description="Kimi K3 RL system")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -45,8 +82,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=_demo)
+    for name, fn, text in (("sft", _sft, "warm start: train (or find cached) the SFT base of the calculator task"),
+                           ("rl", _rl, "GSPO (LoRA or full) on the multi-turn calculator task, end to end")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--config", default=None, help="TOML job config (defaults if omitted)")
+        p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="override a config field")
+        if name == "rl":
+            p.add_argument("--updates", type=int, default=None)
+            p.add_argument("--out", default="runs/rl")
+        p.set_defaults(fn=fn)
     args = parser.parse_args(argv)
-    return args.fn(args)
+    from k3.jobs.config import JobConfigError
+    try:
+        return args.fn(args)
+    except JobConfigError as e:
+        print(f"k3 {args.cmd}: bad config: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
