@@ -94,7 +94,7 @@ def _fwd_blocks(q, k, beta, Gc, Akk, Aqk, cu, cidx, scale, H, HV, K, BK: tl.cons
     a_kk = tl.zeros([16, 16], dtype=tl.float32)
     a_qk = tl.zeros([16, 16], dtype=tl.float32)
     if I == J:
-        for kc in range(0, BK, KC):
+        for kc in tl.static_range(0, BK, KC):
             oc = kc + tl.arange(0, KC)
             mc = mI[:, None] & (oc < K)[None, :]
             kI = tl.load(k + ((t0 + rI) * H + h)[:, None] * K + oc[None, :], mask=mc, other=0.).to(tl.float32)
@@ -107,7 +107,7 @@ def _fwd_blocks(q, k, beta, Gc, Akk, Aqk, cu, cidx, scale, H, HV, K, BK: tl.cons
             a_qk += tl.sum(qI[:, None, :] * kj3, 2)
         a_kk = tl.where(c16[:, None] > c16[None, :], a_kk, 0.)
     elif J < I:
-        for kc in range(0, BK, KC):
+        for kc in tl.static_range(0, BK, KC):
             oc = kc + tl.arange(0, KC)
             mc = oc < K
             kI = tl.load(k + ((t0 + rI) * H + h)[:, None] * K + oc[None, :], mask=mI[:, None] & mc[None, :],
@@ -146,15 +146,15 @@ def _fwd_solve(q, k, v, beta, Gc, Akk, Mc, Wc, Uc, QGc, KDc, cu, cidx, scale, H,
     pA = Akk + base * 4096
     pM = Mc + base * 4096
     eye = tl.where(c16[:, None] == c16[None, :], 1., 0.)
-    for I in range(4):
+    for I in tl.static_range(4):
         rI = I * 16 + c16
         X = -tl.load(pA + rI[:, None] * 64 + rI[None, :])
         D = eye + X
-        for sq in range(3):  # X^16 = 0 for a strictly lower 16 x 16
+        for sq in tl.static_range(3):  # X^16 = 0 for a strictly lower 16 x 16
             X = tl.dot(X, X, input_precision=PREC)
             D = tl.dot(D, eye + X, input_precision=PREC)
         Y = tl.where(r[None, :] == rI[:, None], 1., 0.)
-        for J in range(I):
+        for J in tl.static_range(I):
             rJ = J * 16 + c16
             Y -= tl.dot(tl.load(pA + rI[:, None] * 64 + rJ[None, :]), tl.load(pM + rJ[:, None] * 64 + r[None, :]),
                         input_precision=PREC)
@@ -163,7 +163,7 @@ def _fwd_solve(q, k, v, beta, Gc, Akk, Mc, Wc, Uc, QGc, KDc, cu, cidx, scale, H,
     M = tl.load(pM + r[:, None] * 64 + r[None, :])
     bt = tl.load(beta + (t0 + r) * HV + hv, mask=rm, other=0.).to(tl.float32)
     pG = Gc + base * 64 * BK
-    for kc in range(0, BK, KA):
+    for kc in tl.static_range(0, BK, KA):
         oc = kc + tl.arange(0, KA)
         mrc = rm[:, None] & (oc < K)[None, :]
         G = tl.load(pG + r[:, None] * BK + oc[None, :])
@@ -175,7 +175,7 @@ def _fwd_solve(q, k, v, beta, Gc, Akk, Mc, Wc, Uc, QGc, KDc, cu, cidx, scale, H,
         tl.store(Wc + pK, tl.dot(M, kk * eG * bt[:, None], input_precision=PREC).to(Wc.dtype.element_ty))
         tl.store(KDc + pK, (kk * tl.exp(gC[None, :] - G)).to(KDc.dtype.element_ty))
         tl.store(QGc + pK, (qq * scale * eG).to(QGc.dtype.element_ty))
-    for vc in range(0, BVF, KA):
+    for vc in tl.static_range(0, BVF, KA):
         ov = vc + tl.arange(0, KA)
         vv = tl.load(v + ((t0 + r) * HV + hv)[:, None] * V + ov[None, :], mask=rm[:, None] & (ov < V)[None, :],
                      other=0.).to(tl.float32)
@@ -391,20 +391,23 @@ def _bwd_blocks(q, k, beta, Gc, Rs, Ps, DQs, DKs, DGs, DBp, cu, cidx, scale, H, 
     rowR = tl.zeros([16, KC], dtype=tl.float32)
     rowP = tl.zeros([16, KC], dtype=tl.float32)
     colX = tl.zeros([16, KC], dtype=tl.float32)
-    for J in range(b):  # rows b, columns J < b
+    # unrolled over every other block with the inactive ones zeroed (no branches: all loads can be issued early)
+    for J in tl.static_range(3):  # rows b, columns J < b
+        live = J < b
         rJ = J * 16 + c16
         kJ = tl.load(k + ((t0 + rJ) * H + h)[:, None] * K + oc[None, :],
                      mask=(rJ < nv)[:, None] & (oc < K)[None, :], other=0.).to(tl.float32)
         GJ = tl.load(pG + rJ[:, None] * BK + oc[None, :])
-        kJe = kJ * tl.exp(refb[None, :] - GJ)
-        RbJ = tl.load(pR + rb[:, None] * 64 + rJ[None, :])
-        PbJ = tl.load(pP + rb[:, None] * 64 + rJ[None, :])
+        kJe = kJ * tl.exp(tl.where(live, refb[None, :] - GJ, 0.))
+        RbJ = tl.where(live, tl.load(pR + rb[:, None] * 64 + rJ[None, :]), 0.)
+        PbJ = tl.where(live, tl.load(pP + rb[:, None] * 64 + rJ[None, :]), 0.)
         rowR += tl.dot(RbJ, kJe, input_precision=PREC)
         rowP += tl.dot(PbJ, kJe, input_precision=PREC)
         dbb += tl.sum(PbJ * tl.dot(kbe, tl.trans(kJe), input_precision=PREC), 1)
     rowR *= eb
     rowP *= eb
-    for I in range(b + 1, 4):  # rows I > b, columns b
+    for I in tl.static_range(1, 4):  # rows I > b, columns b
+        live = I > b
         rI = I * 16 + c16
         mIk = (rI < nv)[:, None] & (oc < K)[None, :]
         qI = tl.load(q + ((t0 + rI) * H + h)[:, None] * K + oc[None, :], mask=mIk, other=0.).to(tl.float32)
@@ -413,11 +416,11 @@ def _bwd_blocks(q, k, beta, Gc, Rs, Ps, DQs, DKs, DGs, DBp, cu, cidx, scale, H, 
         bI = tl.load(beta + (t0 + rI) * HV + hv, mask=rI < nv, other=0.).to(tl.float32)
         refI = tl.load(pG + (I * 16) * BK + oc)
         eI = tl.exp(GI - refI[None, :])
-        RIb = tl.load(pR + rI[:, None] * 64 + rb[None, :])
-        PIb = tl.load(pP + rI[:, None] * 64 + rb[None, :]) * bI[:, None]
+        RIb = tl.where(live, tl.load(pR + rI[:, None] * 64 + rb[None, :]), 0.)
+        PIb = tl.where(live, tl.load(pP + rI[:, None] * 64 + rb[None, :]) * bI[:, None], 0.)
         part = tl.dot(tl.trans(RIb), qI * scale * eI, input_precision=PREC) + \
             tl.dot(tl.trans(PIb), kI * eI, input_precision=PREC)
-        colX += tl.exp(refI[None, :] - Gb) * part
+        colX += tl.exp(tl.where(live, refI[None, :] - Gb, 0.)) * part
     # diagonal block, exact: e3[i, j, :] = e^{G_i - G_j} for i >= j
     e3 = tl.exp(tl.where(i3 >= j3, Gb[:, None, :] - Gb[None, :, :], float("-inf")))
     kj3 = kb[None, :, :] * e3
@@ -444,7 +447,7 @@ def _bwd_finish(DQs, DKs, DGs, DBs, DBp, dq, dk, dg, dbeta, cu, cidx, scale, HV,
     base = c * HV + hv
     r = tl.arange(0, 64)
     rm = r < nv
-    for kc in range(0, BK, KA):
+    for kc in tl.static_range(0, BK, KA):
         oc = kc + tl.arange(0, KA)
         mrc = rm[:, None] & (oc < K)[None, :]
         pK = base * 64 * BK + r[:, None] * BK + oc[None, :]
@@ -453,7 +456,7 @@ def _bwd_finish(DQs, DKs, DGs, DBs, DBp, dq, dk, dg, dbeta, cu, cidx, scale, HV,
         tl.store(dq + po, (tl.load(DQs + pK) * scale).to(dq.dtype.element_ty), mask=mrc)
         tl.store(dk + po, tl.load(DKs + pK).to(dk.dtype.element_ty), mask=mrc)
     db = tl.load(DBs + base * 64 + r)
-    for i in range(NKC):  # fixed order
+    for i in tl.static_range(NKC):  # fixed order
         db += tl.load(DBp + (base * NKC + i) * 64 + r)
     tl.store(dbeta + (t0 + r) * HV + hv, db.to(dbeta.dtype.element_ty), mask=rm)
 
