@@ -6,7 +6,7 @@ SPECIALS = ["<pad>", "<bos>", "<eos>"]
 MARKERS = ["<call>", "</call>", "<result>", "</result>", "<answer>", "</answer>"]
 WORDS = ["Q:", "compute", "error", "the", "is", "what"]
 SYMBOLS = list("0123456789") + ["+", "-", "*", "/", "(", ")", "="]
-_SYMBOL_SET = frozenset(SYMBOLS)
+_JOINED = frozenset("0123456789+-*/()")  # written without spaces between them ("=" stands alone)
 
 
 class TokenizerError(ValueError):
@@ -46,7 +46,7 @@ class CalcTokenizer:
             if not 0 <= i < len(self.vocab):
                 raise TokenizerError(f"ids: {i} is outside the vocabulary (size {len(self.vocab)})")
             tok = self.vocab[i]
-            symbol = tok in _SYMBOL_SET
+            symbol = tok in _JOINED
             if symbol and prev_symbol:
                 parts[-1] += tok
             else:
