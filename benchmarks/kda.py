@@ -20,6 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 import triton
+from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
 import k3_kernels.kda.chunk as ours_mod
@@ -118,7 +119,12 @@ def sweep(T: int) -> list:
         best = None
         for cand in cands:
             ours_mod.CONFIG.update({"_".join(filter(None, (stage, k))): x for k, x in zip(keys, cand)})
-            t = timer()
+            try:
+                t = timer()
+            except OutOfResources as e:  # e.g. shared memory at this config: skip it
+                log.append(dict(stage=stage, T=T, **dict(zip(keys, cand)), error=str(e)))
+                print("sweep", log[-1], flush=True)
+                continue
             log.append(dict(stage=stage, T=T, **dict(zip(keys, cand)), ms=t))
             print("sweep", log[-1], flush=True)
             if best is None or t < best[0]:

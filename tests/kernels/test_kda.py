@@ -299,3 +299,22 @@ def test_gpu_bf16_against_reference_and_fla(safe):
     again, dagain = _run(chunk_kda, inp, grads, output_final_state=True, **kw)
     assert all(torch.equal(ours[n], again[n]) for n in ours)
     assert all(torch.equal(dours[n], dagain[n]) for n in dours)
+
+
+@pytest.mark.gpu
+def test_gpu_recurrent_pool_against_reference():
+    """Decode on the GPU: pool slots read and written in place, K = V = 128, bf16 inputs."""
+    N, HV, K, V, P = 4, 4, 128, 128, 8
+    pool = torch.randn(P, HV, K, V, device=DEV)
+    before = pool.clone()
+    idx = torch.tensor([5, 0, -1, 2], device=DEV)
+    inp = make_inputs(N, 3, 2, HV, K, V, dtype=torch.bfloat16)
+    o, _ = fused_recurrent_kda(**inp, initial_state=pool, ssm_state_indices=idx)
+    h0 = torch.stack([before[5], before[0], torch.zeros_like(before[0]), before[2]])
+    ref_o, ref_h = naive_recurrent_kda(**{n: x.double() for n, x in inp.items()}, initial_state=h0.double(),
+                                       output_final_state=True)
+    assert_close("o", ref_o, o, 5e-3)
+    for n, s in ((0, 5), (1, 0), (3, 2)):
+        assert_close(f"slot{s}", ref_h[n], pool[s], 5e-3)
+    for s in (1, 3, 4, 6, 7):
+        assert torch.equal(pool[s], before[s]), s
