@@ -82,14 +82,15 @@ def full_bytes(state: dict[str, torch.Tensor]) -> bytes:
 
 # ------------------------------------------------------------------------------------------ one run
 def run(preset: str, lr: float, steps: int, batch: int, seq: int, budget_s: float, detail_every: int,
-        seed: int = 0) -> dict:
+        fused: bool = True, seed: int = 0) -> dict:
     from k3.config import K3Config
     from k3.model import K3ForCausalLM
 
     torch.manual_seed(seed)
     cfg = K3Config.preset(preset)
     model = K3ForCausalLM(cfg).float()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.01)
+    # fused: one pass over the fp32 master weights, no per-step temporaries (same AdamW update rule)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.01, fused=fused)
     data = torch.from_numpy(token_stream(cfg.vocab_size, steps * batch * (seq + 1) + 1, seed))
     threads = default_threads()
     zfull = zstd.ZstdCompressor(level=1, threads=threads)
@@ -111,7 +112,7 @@ def run(preset: str, lr: float, steps: int, batch: int, seq: int, budget_s: floa
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
         loss.backward()
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=False)
         t_train = time.perf_counter() - t0
         cur = publish()
 
@@ -134,6 +135,7 @@ def run(preset: str, lr: float, steps: int, batch: int, seq: int, budget_s: floa
             row["full_encode_s"] = time.perf_counter() - t0
         if step == 1 or step % detail_every == 0:
             row["xor_zstd_noshuffle_bytes"] = len(encode_delta(prev, cur, step - 1, step, shuffle=False))
+            row["xor_zstd_dense_bytes"] = len(encode_delta(prev, cur, step - 1, step, sparse=False))
             row["xor_zstd_l3_bytes"] = len(encode_delta(prev, cur, step - 1, step, level=3))
             t0 = time.perf_counter()
             row["plain_zstd_full_bytes"] = len(zfull.compress(full_bytes(cur)))
@@ -144,7 +146,9 @@ def run(preset: str, lr: float, steps: int, batch: int, seq: int, budget_s: floa
               f"{changed / (raw_full / 2):7.3%} xor+zstd {len(payload) / raw_full:7.3%} posval "
               f"{pv_raw / raw_full:7.3%} enc {raw_full / t_enc / 1e9:5.2f} GB/s dec {raw_full / t_dec / 1e9:5.2f} GB/s "
               f"(train {t_train:.1f}s)", flush=True)
-    return summarize(preset, lr, rows, raw_full, len(full_payload0), steps, batch, seq, time.time() - t_start)
+    out = summarize(preset, lr, rows, raw_full, len(full_payload0), steps, batch, seq, time.time() - t_start)
+    out["adamw_impl"] = "fused" if fused else "foreach"
+    return out
 
 
 def summarize(preset, lr, rows, raw_full, full0, steps_asked, batch, seq, wall) -> dict:
@@ -166,6 +170,7 @@ def summarize(preset, lr, rows, raw_full, full0, steps_asked, batch, seq, wall) 
         "posval_ratio_median": med([r["posval_bytes"] / raw_full for r in deltas]),
         "posval_zstd_ratio_median": med([r["posval_zstd_bytes"] / raw_full for r in deltas]),
         "xor_noshuffle_ratio_median": med([r["xor_zstd_noshuffle_bytes"] / raw_full for r in detail]),
+        "xor_dense_ratio_median": med([r["xor_zstd_dense_bytes"] / raw_full for r in detail if "xor_zstd_dense_bytes" in r]),
         "xor_l3_ratio_median": med([r["xor_zstd_l3_bytes"] / raw_full for r in detail]),
         "plain_zstd_full_ratio": pz / raw_full if pz else None,
         "full_payload_ratio": full_payload / raw_full,
@@ -249,6 +254,7 @@ def main() -> None:
     ap.add_argument("--small-budget-s", type=float, default=180.0, help="wall budget per small run")
     ap.add_argument("--gpu", action="store_true", help="GPU stage benchmark (H200)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--merge", action="store_true", help="keep the runs of other presets already in --out")
     args = ap.parse_args()
     if args.gpu:
         gpu_bench(Path(os.environ.get("OUT", RESULTS)))
@@ -274,6 +280,11 @@ def main() -> None:
         res["gpu"] = json.loads(gpu.read_text())
     out = Path(args.out) if args.out else RESULTS / "weight_sync.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.merge and out.exists():
+        done = {r["preset"] for r in runs}
+        old = json.loads(out.read_text())
+        res["runs"] = [r for r in old["runs"] if r["preset"] not in done] + runs
+        res["loadavg_earlier_runs"] = [old.get("loadavg_start"), old.get("loadavg_end")]
     out.write_text(json.dumps(res, indent=1))
     print_table(res)
 

@@ -155,10 +155,11 @@ SPARSE_MAX_DENSITY = 0.25  # above this fraction of changed elements a chunk is 
 _SPARSE_HDR = np.dtype("<u4")
 
 
-def _sparse_bytes(idx: np.ndarray, vals: np.ndarray, itemsize: int) -> np.ndarray:
+def _sparse_bytes(idx: np.ndarray, vals: np.ndarray, itemsize: int, width: int) -> np.ndarray:
     """Sparse chunk layout (uint8): u32 count | u32 big-gap count | count gap bytes (elements skipped since
     the previous change; 255 = the gap is the next entry of the big-gap list) | big gaps (u32) | the changed
-    XOR words, byte-plane split. After zstd a change costs ~6 bits of position plus ~3 bits of bf16 XOR."""
+    XOR words, byte-plane split when `width` > 1. After zstd a change costs ~6-7 bits of position plus a
+    few bits of bf16 XOR."""
     nnz = idx.size
     gaps = np.diff(idx, prepend=-1) - 1
     big = gaps >= 255
@@ -172,23 +173,24 @@ def _sparse_bytes(idx: np.ndarray, vals: np.ndarray, itemsize: int) -> np.ndarra
     out[pos:pos + 4 * bigs.size] = bigs.view(np.uint8)
     pos += 4 * bigs.size
     vb = np.ascontiguousarray(vals).view(np.uint8)
-    if itemsize > 1:
-        shuffle_into(vb, itemsize, out[pos:])
+    if width > 1:
+        shuffle_into(vb, width, out[pos:])
     else:
         out[pos:] = vb
     return out
 
 
-def pack_sparse(xor: np.ndarray, itemsize: int) -> np.ndarray | None:
+def pack_sparse(xor: np.ndarray, itemsize: int, width: int) -> np.ndarray | None:
     """Sparse form of an XOR chunk, or None when more than SPARSE_MAX_DENSITY of its elements changed."""
     words = xor.view(_WORD[itemsize])
     idx = np.flatnonzero(words != 0)
     if idx.size > SPARSE_MAX_DENSITY * words.size:
         return None
-    return _sparse_bytes(idx, words[idx], itemsize)
+    return _sparse_bytes(idx, words[idx], itemsize, width)
 
 
-def unpack_sparse(stored: np.ndarray, itemsize: int, n_words: int, where: str) -> tuple[np.ndarray, np.ndarray]:
+def unpack_sparse(stored: np.ndarray, itemsize: int, width: int, n_words: int,
+                  where: str) -> tuple[np.ndarray, np.ndarray]:
     """(element indices, XOR words) of a sparse chunk of `n_words` elements; validates the layout."""
     if stored.size < 8:
         raise CorruptPayloadError(f"{where}: sparse frame shorter than its header")
@@ -207,30 +209,32 @@ def unpack_sparse(stored: np.ndarray, itemsize: int, n_words: int, where: str) -
     if nnz and idx[-1] >= n_words:
         raise CorruptPayloadError(f"{where}: sparse frame position {int(idx[-1])} beyond the chunk")
     vals = np.empty(nnz * itemsize, dtype=np.uint8)
-    if itemsize > 1:
-        unshuffle_into(stored[pos:], itemsize, vals)
+    if width > 1:
+        unshuffle_into(stored[pos:], width, vals)
     else:
         vals[:] = stored[pos:]
     return idx, vals.view(_WORD[itemsize])
 
 
-def pack_chunk(raw: np.ndarray, width: int, itemsize: int, delta: bool) -> tuple[np.ndarray, bool]:
+def pack_chunk(raw: np.ndarray, width: int, itemsize: int, delta: bool, sparse: bool = True
+               ) -> tuple[np.ndarray, bool]:
     """The bytes to compress for one chunk given its XOR (delta) or new bytes (full): sparse for a sparse
-    delta, else byte-plane shuffled."""
-    if delta and itemsize in _WORD:
-        sp = pack_sparse(raw, itemsize)
+    delta (when `sparse`), else byte-plane shuffled (when `width` > 1)."""
+    if delta and sparse and itemsize in _WORD:
+        sp = pack_sparse(raw, itemsize, width)
         if sp is not None:
             return sp, True
     return (shuffle_into(raw, width, _SCRATCH.buf("shuf", raw.size)) if width > 1 else raw), False
 
 
-def pack_delta_chunk(new: np.ndarray, base: np.ndarray, width: int, itemsize: int) -> tuple[np.ndarray, bool]:
+def pack_delta_chunk(new: np.ndarray, base: np.ndarray, width: int, itemsize: int, sparse: bool = True
+                     ) -> tuple[np.ndarray, bool]:
     """`pack_chunk` of new XOR base, without materializing the XOR when the chunk is sparse."""
-    if itemsize in _WORD:
+    if sparse and itemsize in _WORD:
         nw, bw = new.view(_WORD[itemsize]), base.view(_WORD[itemsize])
         idx = np.flatnonzero(nw != bw)
         if idx.size <= SPARSE_MAX_DENSITY * nw.size:
-            return _sparse_bytes(idx, nw[idx] ^ bw[idx], itemsize), True
+            return _sparse_bytes(idx, nw[idx] ^ bw[idx], itemsize, width), True
     raw = xor_into(new, base, _SCRATCH.buf("xor", new.size))
     return (shuffle_into(raw, width, _SCRATCH.buf("shuf", raw.size)) if width > 1 else raw), False
 
@@ -244,22 +248,24 @@ def xxh3_parts(*parts: Piece) -> int:
 
 
 def _cpu_task(ti: int, ci: int, off: int, n: int, new: np.ndarray, base: np.ndarray | None, width: int,
-              itemsize: int, level: int) -> Callable[[], list[Piece]]:
+              itemsize: int, level: int, sparse: bool) -> Callable[[], list[Piece]]:
     def run() -> list[Piece]:
         chunk = new[off:off + n]
         if base is None:
-            stored, sparse = pack_chunk(chunk, width, itemsize, False)
+            stored, is_sparse = pack_chunk(chunk, width, itemsize, False)
         else:
-            stored, sparse = pack_delta_chunk(chunk, base[off:off + n], width, itemsize)
-        return _frame_record(ti, ci, off, n, stored, xxh3(chunk), level, sparse)
+            stored, is_sparse = pack_delta_chunk(chunk, base[off:off + n], width, itemsize, sparse)
+        return _frame_record(ti, ci, off, n, stored, xxh3(chunk), level, is_sparse)
     return run
 
 
 def iter_encode(new: StateDict, base: StateDict | None, base_version: int | None, new_version: int, *,
                 level: int = DEFAULT_LEVEL, chunk_bytes: int = DEFAULT_CHUNK_BYTES, threads: int | None = None,
-                shuffle: bool = True, chain: str | None = None) -> Iterator[Piece]:
+                shuffle: bool = True, sparse: bool = True, chain: str | None = None) -> Iterator[Piece]:
     """Encode a full snapshot (`base is None`) or an XOR delta as a stream of byte pieces (the payload is
-    their concatenation). Compression of later chunks overlaps with the consumer of earlier pieces."""
+    their concatenation). Compression of later chunks overlaps with the consumer of earlier pieces.
+    `shuffle`: byte-plane split multi-byte elements; `sparse`: store sparse delta chunks as positions +
+    XOR words (both on by default; off only to measure their effect)."""
     _check_state(new, "new state")
     if not isinstance(new_version, int) or new_version < 0:
         raise SyncError(f"new_version: {new_version!r} is not a version number")
@@ -299,9 +305,9 @@ def iter_encode(new: StateDict, base: StateDict | None, base_version: int | None
     if on_cuda:
         from .gpu import cuda_tasks
 
-        tasks = cuda_tasks(plan, chunk_bytes, level, depth=2 * threads)
+        tasks = cuda_tasks(plan, chunk_bytes, level, 2 * threads, sparse)
     else:
-        tasks = _cpu_tasks(plan, chunk_bytes, level)
+        tasks = _cpu_tasks(plan, chunk_bytes, level, sparse)
     all_hashes = xxhash.xxh3_64()
     count = 0
     for pieces in pipeline(tasks, threads):
@@ -311,21 +317,22 @@ def iter_encode(new: StateDict, base: StateDict | None, base_version: int | None
     yield TRAILER.pack(END_MAGIC, count, all_hashes.intdigest(), xxh3(js))
 
 
-def _cpu_tasks(plan, chunk_bytes: int, level: int) -> Iterator[Callable[[], list[Piece]]]:
+def _cpu_tasks(plan, chunk_bytes: int, level: int, sparse: bool) -> Iterator[Callable[[], list[Piece]]]:
     for ti, (t, b, width, nbytes, frames) in enumerate(plan):
         if t.device.type != "cpu":
             raise SyncError(f"tensor {t.device} mixes devices: put all tensors on one device")
         nb, bb = host_bytes(t), (host_bytes(b) if b is not None else None)
         for ci in range(frames):
             off = ci * chunk_bytes
-            yield _cpu_task(ti, ci, off, min(chunk_bytes, nbytes - off), nb, bb, width, t.element_size(), level)
+            yield _cpu_task(ti, ci, off, min(chunk_bytes, nbytes - off), nb, bb, width, t.element_size(), level,
+                            sparse)
 
 
 def encode_delta(base: StateDict, new: StateDict, base_version: int, new_version: int, **kw) -> bytes:
     """One self-describing payload taking `base` (at `base_version`) to `new` (at `new_version`).
 
-    Keyword options: level (zstd, default 1), chunk_bytes (default 4 MiB), threads, shuffle (default True),
-    chain (an id tying the payload to one publisher's version chain)."""
+    Keyword options: level (zstd, default 1), chunk_bytes (default 4 MiB), threads, shuffle and sparse
+    (default True), chain (an id tying the payload to one publisher's version chain)."""
     return b"".join(iter_encode(new, base, base_version, new_version, **kw))
 
 
@@ -476,7 +483,7 @@ def verify_record(rec: FrameRecord, delta: bool, base: np.ndarray | None) -> Cha
     if rec.sparse:
         if itemsize not in _WORD:
             raise CorruptPayloadError(f"{where}: sparse frame for a {itemsize}-byte dtype")
-        idx, vals = unpack_sparse(stored, itemsize, rec.raw_len // itemsize, where)
+        idx, vals = unpack_sparse(stored, itemsize, rec.entry.shuffle, rec.raw_len // itemsize, where)
         ch = Change(rec.entry.name, rec.offset, rec.raw_len, itemsize, True, idx, vals, None)
     else:
         if len(dec) != rec.raw_len:

@@ -31,7 +31,7 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
 
-def cuda_tasks(plan, chunk_bytes: int, level: int, depth: int) -> Iterator[Callable[[], list[Piece]]]:
+def cuda_tasks(plan, chunk_bytes: int, level: int, depth: int, sparse: bool) -> Iterator[Callable[[], list[Piece]]]:
     """Encoding tasks for CUDA tensors (plan entries: tensor, base or None, shuffle width, nbytes, frames)."""
     xor_bytes = _xor_bytes()
     device = plan[0][0].device
@@ -57,14 +57,14 @@ def cuda_tasks(plan, chunk_bytes: int, level: int, depth: int) -> Iterator[Calla
                 ev = torch.cuda.Event()
                 ev.record(stream)
             yield partial(_host_compress, ev, host[slot][:n].numpy(), ti, ci, off, width, t.element_size(),
-                          bb is not None, level)
+                          bb is not None, level, sparse)
 
 
 def _host_compress(ev: torch.cuda.Event, raw: np.ndarray, ti: int, ci: int, off: int, width: int, itemsize: int,
-                   delta: bool, level: int) -> list[Piece]:
+                   delta: bool, level: int, sparse: bool) -> list[Piece]:
     ev.synchronize()
-    stored, sparse = pack_chunk(raw, width, itemsize, delta)
-    return _frame_record(ti, ci, off, raw.size, stored, None, level, sparse)
+    stored, is_sparse = pack_chunk(raw, width, itemsize, delta, sparse)
+    return _frame_record(ti, ci, off, raw.size, stored, None, level, is_sparse)
 
 
 def _host_decode(rec: FrameRecord, delta: bool, ev: torch.cuda.Event | None, dst: np.ndarray) -> FrameRecord:

@@ -11,10 +11,13 @@ from k3.sync.codec import _Source, host_bytes, read_manifest, shuffle_into, unsh
 
 
 @pytest.mark.parametrize("chunk_bytes", [16, 64, 4096, 4 << 20])
-@pytest.mark.parametrize("shuffle", [True, False])
-def test_delta_roundtrip_bit_exact(chunk_bytes, shuffle):
+@pytest.mark.parametrize("shuffle,sparse", [(True, True), (False, True), (True, False), (False, False)])
+def test_delta_roundtrip_bit_exact(chunk_bytes, shuffle, sparse):
     base, new = chain(2)
-    payload = encode_delta(base, new, 0, 1, chunk_bytes=chunk_bytes, shuffle=shuffle)
+    for k in list(new)[:3]:  # a few tensors with sparse changes, the rest dense
+        new[k] = base[k].clone()
+        new[k].view(torch.uint8)[::37] ^= 4
+    payload = encode_delta(base, new, 0, 1, chunk_bytes=chunk_bytes, shuffle=shuffle, sparse=sparse)
     r = WeightReceiver(clone(base), 0)
     assert r.apply(payload) == 1 and r.version == 1
     assert states_equal(r.state_dict(), new)
@@ -172,13 +175,13 @@ def test_sparse_unpack_refuses_inconsistent_frames():
 
     xor = np.zeros(4000, dtype=np.uint8)
     xor[[3, 900, 3999]] = 1
-    sp = pack_sparse(xor, 2)
-    idx, vals = unpack_sparse(sp, 2, 2000, "t")
+    sp = pack_sparse(xor, 2, 2)
+    idx, vals = unpack_sparse(sp, 2, 2, 2000, "t")
     out = np.zeros_like(xor)
     out.view(np.uint16)[idx] ^= vals
     assert np.array_equal(out, xor)
     with pytest.raises(CorruptPayloadError, match="length does not match"):
-        unpack_sparse(sp[:-1], 2, 2000, "t")
+        unpack_sparse(sp[:-1], 2, 2, 2000, "t")
     with pytest.raises(CorruptPayloadError, match="beyond the chunk"):
-        unpack_sparse(sp, 2, 500, "t")
+        unpack_sparse(sp, 2, 2, 500, "t")
 
