@@ -2,30 +2,22 @@
 On CPU the kernels run under TRITON_INTERPRET=1 at small shapes; GPU tests also compare with fla-core's chunk_kda."""
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from k3_kernels.kda import (chunk_kda, fused_recurrent_kda, l2norm, naive_chunk_kda, naive_kda_gate,
+                            naive_kda_lowerbound_gate, naive_recurrent_kda)
+
 CUDA = torch.cuda.is_available()
-if not CUDA:  # run the Triton kernels on CPU through the interpreter (set before the kernels are decorated)
-    os.environ["TRITON_INTERPRET"] = "1"
+DEV = "cuda" if CUDA else "cpu"  # on CPU, tests/conftest.py has set TRITON_INTERPRET=1 before triton's import
 
-import k3_kernels.kda.chunk as chunk_mod  # noqa: E402
-import k3_kernels.kda.fused_recurrent as recurrent_mod  # noqa: E402
-from k3_kernels.kda import (l2norm, naive_chunk_kda, naive_kda_gate, naive_kda_lowerbound_gate,  # noqa: E402
-                            naive_recurrent_kda)
-
-if not CUDA:  # the modules may have been imported (compiled mode) by an earlier test module
-    chunk_mod = importlib.reload(chunk_mod)
-    recurrent_mod = importlib.reload(recurrent_mod)
+if not CUDA:
     from triton.runtime import interpreter as _interp
 
     if not getattr(_interp._patch_lang_tensor, "k3_index_fix", False):
         # triton 3.6's interpreter turns a scalar tensor into an index with int() of a size-1 array, which
-        # numpy >= 2.4 refuses (loop bounds such as a sequence's chunk count); later triton squeezes first.
+        # numpy >= 2.3 refuses (loop bounds such as a sequence's chunk count); later triton squeezes first.
         _orig_patch = _interp._patch_lang_tensor
 
         def _patch_lang_tensor(tensor, scope):
@@ -33,10 +25,6 @@ if not CUDA:  # the modules may have been imported (compiled mode) by an earlier
             scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
         _patch_lang_tensor.k3_index_fix = True
         _interp._patch_lang_tensor = _patch_lang_tensor
-
-DEV = "cuda" if CUDA else "cpu"
-chunk_kda = chunk_mod.chunk_kda
-fused_recurrent_kda = recurrent_mod.fused_recurrent_kda
 
 
 def assert_close(name: str, ref: torch.Tensor, tri: torch.Tensor, ratio: float) -> None:
