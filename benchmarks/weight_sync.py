@@ -170,7 +170,8 @@ def summarize(preset, lr, rows, raw_full, full0, steps_asked, batch, seq, wall) 
         "posval_ratio_median": med([r["posval_bytes"] / raw_full for r in deltas]),
         "posval_zstd_ratio_median": med([r["posval_zstd_bytes"] / raw_full for r in deltas]),
         "xor_noshuffle_ratio_median": med([r["xor_zstd_noshuffle_bytes"] / raw_full for r in detail]),
-        "xor_dense_ratio_median": med([r["xor_zstd_dense_bytes"] / raw_full for r in detail if "xor_zstd_dense_bytes" in r]),
+        "xor_dense_ratio_median": med([r["xor_zstd_dense_bytes"] / raw_full for r in detail
+                                       if "xor_zstd_dense_bytes" in r]),
         "xor_l3_ratio_median": med([r["xor_zstd_l3_bytes"] / raw_full for r in detail]),
         "plain_zstd_full_ratio": pz / raw_full if pz else None,
         "full_payload_ratio": full_payload / raw_full,

@@ -21,9 +21,9 @@ import torch
 import xxhash
 import zstandard as zstd
 
-from .format import (END_MAGIC, FLAG_NEW_HASH, FLAG_SPARSE, FORMAT_VERSION, FRAME, FRAME_MAGIC, MAGIC, MAX_MANIFEST_BYTES,
-                     TRAILER, U32, U64, CorruptPayloadError, Manifest, SyncError, TensorEntry, dtype_name, pack_header,
-                     parse_manifest, unpack_manifest_json, xxh3)
+from .format import (END_MAGIC, FLAG_NEW_HASH, FLAG_SPARSE, FORMAT_VERSION, FRAME, FRAME_MAGIC, MAGIC,
+                     MAX_MANIFEST_BYTES, TRAILER, U32, U64, CorruptPayloadError, Manifest, SyncError, TensorEntry,
+                     dtype_name, pack_header, parse_manifest, unpack_manifest_json, xxh3)
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 DEFAULT_LEVEL = 1

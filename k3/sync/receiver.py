@@ -18,10 +18,10 @@ class WeightReceiver:
 
     The tensors passed in are updated in place on success (so a model built on them sees the new weights).
     A payload is decoded completely into staging (sparse changes or dense chunks) and verified (manifest,
-    every frame checksum, the trailer, the reconstructed bytes) before anything is written: a refused payload leaves the receiver at
-    its previous version with its previous bytes. With `persist_dir`, every applied version is also written
-    there atomically (temp file + fsync + rename) so a killed receiver restarts at a known version
-    (`WeightReceiver.restore`)."""
+    every frame checksum, the trailer, the reconstructed bytes) before anything is written: a refused
+    payload leaves the receiver at its previous version with its previous bytes. With `persist_dir`, every
+    applied version is also written there atomically (temp file + fsync + rename) so a killed receiver
+    restarts at a known version (`WeightReceiver.restore`)."""
 
     def __init__(self, state_dict: StateDict, version: int, *, chain: str | None = None,
                  threads: int | None = None, persist_dir: str | os.PathLike | None = None) -> None:
