@@ -1,6 +1,6 @@
 """Multi-turn arithmetic with a calculator tool.
 
-Prompt:   <bos> Q: 37*52+18 =
+Prompt:   <bos> [system prompt: worked examples] Q: 37*52+18 =
 Model:    <call> 37*52+18 </call>           (stops at </call>)
 Env:      <result> 1942 </result>           (sandboxed evaluation, appended as tokens)
 Model:    <answer> 1942 </answer> <eos>
@@ -18,6 +18,8 @@ from k3.envs.tokenizer import CalcTokenizer
 MAX_TURNS = 3
 HELDOUT_SEED = 20261130
 HELDOUT_SIZE = 50
+SYSTEM_SEED = 7
+SYSTEM_EXAMPLES = 10  # ~260 tokens shared by every prompt (what a prefix cache serves across an RL run)
 
 
 @dataclass(frozen=True)
@@ -41,9 +43,14 @@ def heldout_tasks() -> list[Task]:
     return [make_task(rng) for _ in range(HELDOUT_SIZE)]
 
 
+def system_tasks() -> list[Task]:
+    rng = random.Random(SYSTEM_SEED)
+    return [make_task(rng) for _ in range(SYSTEM_EXAMPLES)]
+
+
 def train_tasks(seed: int, n: int) -> list[Task]:
-    """n training tasks from the stream `seed`, never one of the held-out expressions."""
-    held = {t.expression for t in heldout_tasks()}
+    """n training tasks from the stream `seed`, never one of the held-out (or system-prompt) expressions."""
+    held = {t.expression for t in heldout_tasks()} | {t.expression for t in system_tasks()}
     rng = random.Random(seed)
     out: list[Task] = []
     while len(out) < n:
@@ -72,9 +79,13 @@ class CalculatorEnv:
         self.tok = tokenizer or CalcTokenizer()
         t = self.tok
         self.stop_ids = [t["</call>"], t["</answer>"], t.eos_id]
+        self.system = [t.bos_id] + [i for ex in system_tasks() for i in t.encode(
+            f"Q: {ex.expression} = <call> {ex.expression} </call> <result> {ex.answer} </result> "
+            f"<answer> {ex.answer} </answer>")]
 
     def prompt(self, task: Task) -> list[int]:
-        return [self.tok.bos_id, *self.tok.encode(f"Q: {task.expression} =")]
+        """The shared system prompt (worked examples of tool use) then the question."""
+        return [*self.system, *self.tok.encode(f"Q: {task.expression} =")]
 
     def start(self, task: Task) -> Episode:
         p = self.prompt(task)
@@ -86,6 +97,9 @@ class CalculatorEnv:
         ep.tokens += generated
         ep.model_mask += [True] * len(generated)
         ep.turns += 1
+        if not generated or any(not 0 <= i < len(t) for i in generated):  # outside the task's vocabulary
+            ep.malformed, ep.done = True, True
+            return []
         text = t.decode(generated).split()
         if "<call>" in text:
             if text[0] != "<call>" or text[-1] != "</call>" or len(text) != 3:

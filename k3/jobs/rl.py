@@ -77,7 +77,7 @@ class RLJob:
         self.receiver = WeightReceiver.from_payload(first)
         self._load_serving(self.receiver.state_dict())
         self.engine = Engine(serving, prefix_cache=cfg.rollout.prefix_cache,
-                             checkpoint_every=cfg.rollout.checkpoint_every)
+                             checkpoint_interval=cfg.rollout.checkpoint_every)
         self.model_bytes = sum(v.numel() * 2 for v in trainer.state_dict().values())  # bf16 full checkpoint
 
     # ------------------------------------------------------------------ weights
@@ -103,7 +103,7 @@ class RLJob:
         payload = self.publisher.publish(state, version)
         self.receiver.apply(payload)
         self._load_serving(self.receiver.state_dict())
-        self.engine.set_policy_version(version)
+        self.engine.update_weights(None, version)  # the receiver already wrote the weights; new cache scope
         if not states_equal(self._serving_state(), state):
             raise RuntimeError(f"sync: engine weights differ from the learner's after version {version}")
         return len(payload), sum(v.numel() * v.element_size() for v in state.values())
@@ -140,11 +140,11 @@ class RLJob:
             m |= self.learner.optim_step()
             delta_bytes, full_bytes = self.sync(u)
             hit = _hit_rate(stats0, stats1)
-            row = {"update": u, "reward": float(rewards.mean()), "kl_k3": float(m.get("mismatch/kl_k3", 0.0)),
-                   "max_abs_dlogp": float(m.get("mismatch/max_abs_dlogp", 0.0)),
+            row = {"update": u, "reward": float(rewards.mean()), "kl_k3": float(m["mismatch_k3_kl"]),
+                   "max_abs_dlogp": float(m["max_abs_dlogp"]),
                    "cache_hit_rate": hit, "delta_bytes": delta_bytes, "full_bytes": full_bytes,
                    "model_bytes": self.model_bytes, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
-                   "clip_frac": float(m.get("clip_frac", 0.0)), "masked_frac": float(m.get("masked_frac", 0.0)),
+                   "clip_frac": float(m["clip_frac"]), "masked_frac": float(m["masked_frac"]),
                    "elapsed_s": time.perf_counter() - t0}
             if u % cfg.eval.every == 0 or u == updates:
                 row["heldout_reward"] = self.evaluate(u)

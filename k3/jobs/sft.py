@@ -16,7 +16,7 @@ from tqdm import tqdm
 from k3.config import K3Config
 from k3.envs import CalculatorEnv, train_tasks
 from k3.jobs.config import JobConfig
-from k3.model import K3ForCausalLM
+from k3.model import K3ForCausalLM, K3State
 
 
 def pack(sequences: list[list[int]], masks: list[list[bool]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,9 +30,11 @@ def pack(sequences: list[list[int]], masks: list[list[bool]], pad_id: int = 0) -
     return ids, mask
 
 
-def masked_next_token_loss(model: K3ForCausalLM, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of the tokens where mask is set (the model's own turns), predicted from the prefix."""
-    logits = model(ids[:, :-1], use_cache=False).logits
+def masked_next_token_loss(model: K3ForCausalLM, ids: torch.Tensor, mask: torch.Tensor,
+                           prefix: K3State | None = None) -> torch.Tensor:
+    """Mean cross-entropy of the tokens where mask is set (the model's own turns), predicted from the prefix.
+    `prefix` is a decode state the rows continue from (the shared system prompt, computed without gradient)."""
+    logits = model(ids[:, :-1], prefix, use_cache=False).logits
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1), reduction="none")
     m = mask[:, 1:].reshape(-1).float()
     return (ce * m).sum() / m.sum().clamp(min=1.0)
@@ -55,12 +57,18 @@ def train_sft(cfg: JobConfig, progress: bool = True) -> K3ForCausalLM:
     tasks = train_tasks(cfg.sft.seed, 4096)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / cfg.sft.steps))
+    system = torch.tensor([env.system])
+    S = len(env.system)
     bar = tqdm(range(cfg.sft.steps), desc="sft", disable=not progress)
     for _ in bar:
         eps = [env.demonstration(tasks[rng.randrange(len(tasks))], rng, p_tool=cfg.sft.p_tool)
                for _ in range(cfg.sft.batch_size)]
-        ids, mask = pack([e.tokens for e in eps], [e.model_mask for e in eps])
-        loss = masked_next_token_loss(model, ids, mask)
+        # every demonstration starts with the same system prompt: compute its state once per step (no gradient
+        # through it) and train on the rest of each episode from there
+        with torch.no_grad():
+            _, prefix = model.extend(system)
+        ids, mask = pack([e.tokens[S:] for e in eps], [e.model_mask[S:] for e in eps])
+        loss = masked_next_token_loss(model, ids, mask, K3State.concat([prefix] * len(eps)))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

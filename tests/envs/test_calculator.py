@@ -65,6 +65,9 @@ def test_rubric():
     assert endless.done and endless.answer is None and env.reward(endless) == 0.0  # MAX_TURNS reached
     failed = _play(env, task, ["<call> 1/0 </call>", f"<answer> {a} </answer>"])
     assert env.reward(failed) == pytest.approx(0.8)  # correct, but a failing call: not well-formed
+    outside = env.start(task)
+    env.step(outside, [len(env.tok) + 5])
+    assert outside.done and outside.malformed and env.reward(outside) == 0.0
     malformed = _play(env, task, ["<call> </call>"])
     assert malformed.malformed and env.reward(malformed) == 0.0
     # tool output is not the model's: masked out
