@@ -22,8 +22,9 @@ $(VENV_VERL)/.installed: pyproject.toml setup.py
 	$(VENV_VERL)/bin/pip install $(PIP_FLAGS) -e '.[verl]' pytest
 	touch $@
 
+# The main job: SFT warm start (cached in .cache/k3), then 20 GSPO updates with LoRA; outputs in runs/demo.
 demo: $(VENV)/.installed
-	$(VENV)/bin/k3 demo
+	$(VENV)/bin/k3 rl --config examples/calculator_gspo.toml --out runs/demo
 
 test: test-core test-verl
 
