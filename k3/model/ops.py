@@ -45,6 +45,9 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
+CPU_KDA_CHUNK = 16
+
+
 def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               initial_state: torch.Tensor | None = None, output_final_state: bool = False
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -53,7 +56,9 @@ def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
         from k3_kernels.kda.chunk import chunk_kda
         h0 = initial_state.float() if initial_state is not None else None  # the kernels keep the state in fp32
         return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=output_final_state)
-    return naive_chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state)
+    # 16-token chunks: K3's safe gate (>= -5 per token) keeps the reference on its two-matmul path
+    return naive_chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
+                           chunk_size=CPU_KDA_CHUNK)
 
 
 def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
