@@ -26,7 +26,7 @@ class SFTSection:
     steps: int = 300
     batch_size: int = 32
     lr: float = 3e-3
-    p_tool: float = 0.35
+    p_tool: float = 0.5
     seed: int = 1
 
 

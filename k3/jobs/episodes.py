@@ -40,8 +40,12 @@ def run_episodes(engine, env: CalculatorEnv, tasks: list[Task], group_size: int,
         return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_turn_tokens,
                               stop_token_ids=tuple(env.stop_ids), n=n, seed=req_seed, adapter_id=adapter_id)
 
-    # turn 0: one request per task with n = G samples sharing the prompt
-    prompts = [Prompt(rollouts[gi * group_size].episode.tokens) for gi in range(len(tasks))]
+    # turn 0: one request per task with n = G samples sharing the prompt; the system prompt is its own prefill
+    # span, so the engine keeps a state exactly at its end that every task's prompt resumes from
+    S = len(env.system)
+    prompts = [Prompt(rollouts[gi * group_size].episode.tokens, [(S, "prefill"), (len(rollouts[gi * group_size]
+                                                                                      .episode.tokens) - S, "prefill")])
+               for gi in range(len(tasks))]
     comps = engine.generate(prompts, [params(group_size, _seed(seed, gi, 0)) for gi in range(len(tasks))])
     active = list(range(len(rollouts)))
     turn = 0
