@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import tomllib
@@ -50,11 +51,20 @@ def _overrides(args: argparse.Namespace) -> dict:
     return out
 
 
+def _cpu_threads() -> None:
+    """One intra-op thread on CPU unless K3_CPU_THREADS says otherwise: the tiny model's many small ops run
+    faster without a thread pool (measured: ~3.5x per SFT step on 2 busy cores), and results do not depend on
+    how a reduction was split across threads."""
+    if not torch.cuda.is_available():
+        torch.set_num_threads(int(os.environ.get("K3_CPU_THREADS", "1")))
+
+
 def _sft(args: argparse.Namespace) -> int:
     from k3.jobs.config import load_config
     from k3.jobs.sft import ensure_base
 
     cfg = load_config(args.config, _overrides(args))
+    _cpu_threads()
     path, trained = ensure_base(cfg)
     print(f"SFT base {'trained and saved' if trained else 'found (cached)'}: {path}")
     return 0
@@ -70,6 +80,7 @@ def _rl(args: argparse.Namespace) -> int:
     if args.updates is not None:
         overrides["updates"] = args.updates
     cfg = load_config(args.config, overrides)
+    _cpu_threads()
     run_rl(cfg, Path(args.out))
     return 0
 
