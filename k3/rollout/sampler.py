@@ -1,0 +1,40 @@
+"""Per-request sampling: temperature, top-k, top-p with a request-owned torch.Generator, so a sample depends only
+on its own logits and seed (never on what else is in the batch)."""
+from __future__ import annotations
+
+import torch
+
+from k3.rollout.types import SamplingParams
+
+_MIX = 0x9E3779B97F4A7C15
+
+
+def sample_generator(seed: int, index: int) -> torch.Generator:
+    """Generator of sample `index` of a request seeded with `seed` (CPU: draws are device independent)."""
+    g = torch.Generator(device="cpu")
+    g.manual_seed((seed * _MIX + index * 0xBF58476D1CE4E5B9 + 1) % (1 << 63))
+    return g
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[int, float, float]:
+    """logits [vocab] -> (token, log p(token) under the full softmax at temperature 1, log p(token) under the
+    distribution sampled from: tempered and truncated; 0.0 for greedy)."""
+    x = logits.detach().float().cpu()
+    full = torch.log_softmax(x, dim=-1)
+    if params.temperature == 0.0:
+        tok = int(torch.argmax(x))
+        return tok, float(full[tok]), 0.0
+    z = x / params.temperature
+    if params.top_k and params.top_k < z.numel():
+        kth = torch.topk(z, params.top_k).values[-1]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if params.top_p < 1.0:
+        order = torch.argsort(z, descending=True, stable=True)
+        probs = torch.softmax(z[order], dim=-1)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        z = z.clone()
+        z[order[drop]] = float("-inf")
+    logp = torch.log_softmax(z, dim=-1)
+    tok = int(torch.multinomial(logp.exp(), 1, generator=gen))
+    return tok, float(full[tok]), float(logp[tok])
