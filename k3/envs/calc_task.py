@@ -1,6 +1,6 @@
 """Multi-turn arithmetic with a calculator tool.
 
-Prompt:   <bos> [system prompt: worked examples] Q: 37*52+18 =
+Prompt:   <bos> [fixed preamble of words] Q: 37*52+18 =
 Model:    <call> 37*52+18 </call>           (stops at </call>)
 Env:      <result> 1942 </result>           (sandboxed evaluation, appended as tokens)
 Model:    <answer> 1942 </answer> <eos>
@@ -19,7 +19,7 @@ MAX_TURNS = 3
 HELDOUT_SEED = 20261130
 HELDOUT_SIZE = 50
 SYSTEM_SEED = 7
-SYSTEM_EXAMPLES = 10  # ~260 tokens shared by every prompt (what a prefix cache serves across an RL run)
+SYSTEM_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -43,14 +43,18 @@ def heldout_tasks() -> list[Task]:
     return [make_task(rng) for _ in range(HELDOUT_SIZE)]
 
 
-def system_tasks() -> list[Task]:
+def system_prompt(tok: CalcTokenizer) -> list[int]:
+    """A fixed preamble of plain words shared by every prompt (what a prefix cache serves across an RL run). It
+    holds no question, expression or tool marker: the model's MLA layers have no positions (NoPE), so worked
+    examples in the preamble would compete with the live question for every copy the model must make."""
     rng = random.Random(SYSTEM_SEED)
-    return [make_task(rng) for _ in range(SYSTEM_EXAMPLES)]
+    words = ["compute", "the", "is", "what", "error"]
+    return [tok.bos_id] + tok.encode(" ".join(rng.choice(words) for _ in range(SYSTEM_TOKENS)))
 
 
 def train_tasks(seed: int, n: int) -> list[Task]:
-    """n training tasks from the stream `seed`, never one of the held-out (or system-prompt) expressions."""
-    held = {t.expression for t in heldout_tasks()} | {t.expression for t in system_tasks()}
+    """n training tasks from the stream `seed`, never one of the held-out expressions."""
+    held = {t.expression for t in heldout_tasks()}
     rng = random.Random(seed)
     out: list[Task] = []
     while len(out) < n:
@@ -79,9 +83,7 @@ class CalculatorEnv:
         self.tok = tokenizer or CalcTokenizer()
         t = self.tok
         self.stop_ids = [t["</call>"], t["</answer>"], t.eos_id]
-        self.system = [t.bos_id] + [i for ex in system_tasks() for i in t.encode(
-            f"Q: {ex.expression} = <call> {ex.expression} </call> <result> {ex.answer} </result> "
-            f"<answer> {ex.answer} </answer>")]
+        self.system = system_prompt(t)
 
     def prompt(self, task: Task) -> list[int]:
         """The shared system prompt (worked examples of tool use) then the question."""

@@ -40,6 +40,8 @@ class RolloutSection:
     top_k: int = 0
     prefix_cache: bool = True
     checkpoint_every: int = 64
+    state_slots: int = 512       # KDA state slots (device tier; as many again on the host tier)
+    kv_pages: int = 8192         # MLA latent pages of 16 tokens (device tier; as many again on the host tier)
 
 
 @dataclass
@@ -87,7 +89,7 @@ class JobConfig:
         need(self.model.preset in PRESETS, "model.preset", f"unknown preset {self.model.preset!r}")
         need(self.updates >= 1, "updates", "must be >= 1")
         for sec, names in (("sft", ("steps", "batch_size")), ("rollout", ("tasks_per_update", "group_size",
-                           "max_turn_tokens", "checkpoint_every")), ("rl", ("lora_rank",)),
+                           "max_turn_tokens", "checkpoint_every", "state_slots", "kv_pages")), ("rl", ("lora_rank",)),
                            ("sync", ("full_every",)), ("eval", ("every", "heldout"))):
             for n in names:
                 need(getattr(getattr(self, sec), n) >= 1, f"{sec}.{n}", "must be >= 1")

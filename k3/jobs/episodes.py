@@ -46,7 +46,12 @@ def run_episodes(engine, env: CalculatorEnv, tasks: list[Task], group_size: int,
     prompts = [Prompt(rollouts[gi * group_size].episode.tokens, [(S, "prefill"), (len(rollouts[gi * group_size]
                                                                                       .episode.tokens) - S, "prefill")])
                for gi in range(len(tasks))]
-    comps = engine.generate(prompts, [params(group_size, _seed(seed, gi, 0)) for gi in range(len(tasks))])
+    reqs = [params(group_size, _seed(seed, gi, 0)) for gi in range(len(tasks))]
+    # the first task alone, then the rest: after a weight update the cache is empty, and requests admitted
+    # together could not share the system prompt's state that the first one leaves behind
+    comps = engine.generate(prompts[:1], reqs[:1])
+    if len(prompts) > 1:
+        comps += engine.generate(prompts[1:], reqs[1:])
     active = list(range(len(rollouts)))
     turn = 0
     while True:

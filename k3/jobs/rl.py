@@ -28,6 +28,8 @@ from k3.rl.learner import POLICY_ADAPTER
 from k3.rollout import Engine
 from k3.sync import WeightPublisher, WeightReceiver, states_equal
 
+PUBLISH_DTYPE = torch.bfloat16
+
 
 def build_batch(rollouts: list[Rollout], advantages: torch.Tensor, n_moe: int, top_k: int) -> Batch:
     """Right-padded learner batch; routed experts recorded by the engine for the model's tokens, -1 elsewhere."""
@@ -77,25 +79,28 @@ class RLJob:
         self.receiver = WeightReceiver.from_payload(first)
         self._load_serving(self.receiver.state_dict())
         self.engine = Engine(serving, prefix_cache=cfg.rollout.prefix_cache,
-                             checkpoint_interval=cfg.rollout.checkpoint_every)
+                             checkpoint_interval=cfg.rollout.checkpoint_every, device_states=cfg.rollout.state_slots,
+                             host_states=cfg.rollout.state_slots, device_pages=cfg.rollout.kv_pages,
+                             host_pages=cfg.rollout.kv_pages)
         self.model_bytes = sum(v.numel() * 2 for v in trainer.state_dict().values())  # bf16 full checkpoint
 
     # ------------------------------------------------------------------ weights
     def _published(self) -> dict[str, torch.Tensor]:
-        if self.lora_cfg is not None:
-            return {k: v.detach().clone() for k, v in self.learner.adapter_state_dict().items()}
-        return {k: v.detach().clone() for k, v in self.learner.model.state_dict().items()}
+        """The policy as published to rollout: bf16 copies of the learner's fp32 master weights (the adapter in
+        LoRA mode, every weight in full mode). Small updates leave most bf16 values unchanged: small XOR deltas."""
+        src = self.learner.adapter_state_dict() if self.lora_cfg is not None else self.learner.model.state_dict()
+        return {k: v.detach().to(PUBLISH_DTYPE if v.is_floating_point() else v.dtype) for k, v in src.items()}
 
     def _load_serving(self, state: dict[str, torch.Tensor]) -> None:
         if self.lora_cfg is not None:
-            self.serving_adapter.load_tensors(state)
+            self.serving_adapter.load_tensors({k: v.float() for k, v in state.items()})
         else:
             self.serving.load_state_dict(state)
 
     def _serving_state(self) -> dict[str, torch.Tensor]:
-        if self.lora_cfg is not None:
-            return self.serving_adapter.tensors()
-        return self.serving.state_dict()
+        """The engine's weights in the published dtype (exact: they were loaded from those values)."""
+        src = self.serving_adapter.tensors() if self.lora_cfg is not None else self.serving.state_dict()
+        return {k: v.detach().to(PUBLISH_DTYPE if v.is_floating_point() else v.dtype) for k, v in src.items()}
 
     def sync(self, version: int) -> tuple[int, int]:
         """Publish the learner's weights as version `version`, apply on the engine side; (payload, full) bytes."""
@@ -105,7 +110,7 @@ class RLJob:
         self._load_serving(self.receiver.state_dict())
         self.engine.update_weights(None, version)  # the receiver already wrote the weights; new cache scope
         if not states_equal(self._serving_state(), state):
-            raise RuntimeError(f"sync: engine weights differ from the learner's after version {version}")
+            raise RuntimeError(f"sync: engine weights differ from the published ones after version {version}")
         return len(payload), sum(v.numel() * v.element_size() for v in state.values())
 
     # ------------------------------------------------------------------ loop
