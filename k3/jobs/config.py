@@ -23,7 +23,7 @@ class ModelSection:
 class SFTSection:
     """Warm start on synthetic demonstrations with deliberate mistakes (see k3.envs.calc_task)."""
     cache_dir: str = ".cache/k3"
-    steps: int = 300
+    steps: int = 400
     batch_size: int = 32
     lr: float = 3e-3
     p_tool: float = 0.5
