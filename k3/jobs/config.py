@@ -68,6 +68,7 @@ class SyncSection:
 class EvalSection:
     every: int = 5
     heldout: int = 50
+    samples: int = 4             # sampled episodes per held-out task (the mean estimates the expected reward)
 
 
 @dataclass
@@ -90,7 +91,7 @@ class JobConfig:
         need(self.updates >= 1, "updates", "must be >= 1")
         for sec, names in (("sft", ("steps", "batch_size")), ("rollout", ("tasks_per_update", "group_size",
                            "max_turn_tokens", "checkpoint_every", "state_slots", "kv_pages")), ("rl", ("lora_rank",)),
-                           ("sync", ("full_every",)), ("eval", ("every", "heldout"))):
+                           ("sync", ("full_every",)), ("eval", ("every", "heldout", "samples"))):
             for n in names:
                 need(getattr(getattr(self, sec), n) >= 1, f"{sec}.{n}", "must be >= 1")
         need(self.rollout.group_size >= 2, "rollout.group_size", "GSPO needs >= 2 samples per task")

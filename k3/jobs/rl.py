@@ -117,7 +117,7 @@ class RLJob:
     def evaluate(self, version: int) -> float:
         r = self.cfg.rollout
         tasks = heldout_tasks()[: self.cfg.eval.heldout]
-        outs = run_episodes(self.engine, self.env, tasks, 1, temperature=r.temperature,
+        outs = run_episodes(self.engine, self.env, tasks, self.cfg.eval.samples, temperature=r.temperature,
                             top_p=r.top_p, top_k=r.top_k, max_turn_tokens=r.max_turn_tokens, seed=99991,
                             adapter_id=self.adapter_id)
         return sum(o.reward for o in outs) / len(outs)
