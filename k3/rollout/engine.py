@@ -305,12 +305,16 @@ class Engine:
                              f"{self.cfg.device_states}")
 
     def _can_admit(self, req: _Request) -> bool:
+        """Room for all n samples at full length beside the running ones (one spare slot for checkpoint copies);
+        a request that fits the budgets alone is always admitted into an idle engine."""
+        if not self.running:
+            return True
         pages, states = self._need(req)
         used_pages = sum(self._pages_for(len(s.key) + s.req.params.max_tokens - len(s.out_tokens))
                          for s in self.running)
-        return (len(self.running) + req.params.n <= max(self.cfg.max_running, req.params.n)
+        return (len(self.running) + req.params.n <= self.cfg.max_running
                 and used_pages + pages + 1 <= self.cfg.device_pages
-                and len(self.running) + states + 1 <= self.cfg.device_states) or not self.running
+                and len(self.running) + states + 1 <= self.cfg.device_states)
 
     def _admit(self, req: _Request) -> None:
         key, L = req.key, len(req.key)
@@ -416,7 +420,7 @@ class Engine:
         real = [r for r in rows if r is not None]
         for s in real:
             self._prepare_pages(s, T)
-        for s in real:  # copies above may have spilled nothing pinned; touch for LRU
+        for s in real:  # recency for the LRU eviction
             for p in s.bt:
                 self.pages.touch(p)
             self.states.touch(s.state)
@@ -436,7 +440,6 @@ class Engine:
             self._after_segment(s, logits, routing)
 
     def _after_segment(self, s: _Seq, logits: torch.Tensor, routing: torch.Tensor) -> None:
-        req = s.req
         last_kind = key_kind(s.key[s.pos - 1])
         if self.prefix_cache:
             prompt_end = last_kind == KIND_PREFILL_END

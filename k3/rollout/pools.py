@@ -94,12 +94,10 @@ class TieredPool:
 
     def decref(self, i: int) -> None:
         it = self.items[i]
+        if it.ref == 1 and it.pin:
+            raise RuntimeError(f"{self.name}: item {i} would be freed while pinned")
         it.ref -= 1
-        if it.ref < 0:
-            raise RuntimeError(f"{self.name}: item {i} released more often than held")
         if it.ref == 0:
-            if it.pin:
-                raise RuntimeError(f"{self.name}: item {i} freed while pinned")
             self.free[it.tier].append(it.slot)
             del self.items[i]
 

@@ -9,7 +9,7 @@ bitwise-equal caches over that prefix, and they diverge at a segment start at th
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -125,8 +125,7 @@ class Completion:
     adapter_id: str | None
     index: int = 0
     request_id: int = 0
-    hit_tokens: int = 0
-    extra: dict = field(default_factory=dict)
+    hit_tokens: int = 0          # prompt tokens served from the prefix cache
 
     def extend(self, tokens: list[int]) -> Prompt:
         """The next turn's prompt: this turn's prompt, the generated tokens, then `tokens` (e.g. tool output).
