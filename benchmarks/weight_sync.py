@@ -255,7 +255,7 @@ def main() -> None:
     ap.add_argument("--small-budget-s", type=float, default=180.0, help="wall budget per small run")
     ap.add_argument("--gpu", action="store_true", help="GPU stage benchmark (H200)")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--merge", action="store_true", help="keep the runs of other presets already in --out")
+    ap.add_argument("--merge", action="store_true", help="keep the runs (preset, lr) not redone that are already in --out")
     args = ap.parse_args()
     if args.gpu:
         gpu_bench(Path(os.environ.get("OUT", RESULTS)))
@@ -282,9 +282,10 @@ def main() -> None:
     out = Path(args.out) if args.out else RESULTS / "weight_sync.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.merge and out.exists():
-        done = {r["preset"] for r in runs}
+        done = {(r["preset"], r["lr"]) for r in runs}
         old = json.loads(out.read_text())
-        res["runs"] = [r for r in old["runs"] if r["preset"] not in done] + runs
+        res["runs"] = [r for r in old["runs"] if (r["preset"], r["lr"]) not in done] + runs
+        res["runs"].sort(key=lambda r: (r["preset"] != "tiny", r["lr"]))
         res["loadavg_earlier_runs"] = [old.get("loadavg_start"), old.get("loadavg_end")]
     out.write_text(json.dumps(res, indent=1))
     print_table(res)
