@@ -26,7 +26,8 @@ class SFTSection:
     steps: int = 400
     batch_size: int = 32
     lr: float = 3e-3
-    p_tool: float = 0.5
+    p_tool: float = 0.3
+    p_slip: float = 0.1          # share of tool-using demonstrations with a garbled call or copied result
     seed: int = 1
 
 
@@ -47,7 +48,7 @@ class RolloutSection:
 @dataclass
 class RLSection:
     mode: str = "lora"           # "lora" or "full"
-    lr: float = 2e-3
+    lr: float = 3e-3
     lora_rank: int = 8
     lora_alpha: float = 16.0
     eps_low: float = 3e-4
@@ -97,6 +98,7 @@ class JobConfig:
         need(self.rollout.group_size >= 2, "rollout.group_size", "GSPO needs >= 2 samples per task")
         need(self.sft.lr > 0 and self.rl.lr > 0, "rl.lr" if self.rl.lr <= 0 else "sft.lr", "must be positive")
         need(0.0 <= self.sft.p_tool <= 1.0, "sft.p_tool", "must be in [0, 1]")
+        need(0.0 <= self.sft.p_slip <= 1.0, "sft.p_slip", "must be in [0, 1]")
         need(self.rollout.temperature > 0, "rollout.temperature", "must be positive")
         need(0.0 < self.rollout.top_p <= 1.0, "rollout.top_p", "must be in (0, 1]")
         need(self.rollout.top_k >= 0, "rollout.top_k", "must be >= 0 (0 = off)")

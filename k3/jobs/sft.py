@@ -61,7 +61,8 @@ def train_sft(cfg: JobConfig, progress: bool = True) -> K3ForCausalLM:
     S = len(env.system)
     bar = tqdm(range(cfg.sft.steps), desc="sft", disable=not progress)
     for _ in bar:
-        eps = [env.demonstration(tasks[rng.randrange(len(tasks))], rng, p_tool=cfg.sft.p_tool)
+        eps = [env.demonstration(tasks[rng.randrange(len(tasks))], rng, p_tool=cfg.sft.p_tool,
+                                 p_slip=cfg.sft.p_slip)
                for _ in range(cfg.sft.batch_size)]
         # every demonstration starts with the same system prompt: compute its state once per step (no gradient
         # through it) and train on the rest of each episode from there
