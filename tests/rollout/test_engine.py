@@ -45,11 +45,12 @@ def test_cache_on_equals_cache_off_bitwise(model, greedy):
     assert st["hit_tokens"] > 0 and st["resume_recomputed_tokens"] == 0
     if greedy:
         return
-    tiny = Engine(model, prefix_cache=True, device_pages=30, host_pages=6, device_states=6, host_states=2, **SMALL)
+    tiny = Engine(model, prefix_cache=True, device_pages=24, host_pages=40, device_states=5, host_states=3, **SMALL)
     tiny.check_each_step = True
     assert same(workload(tiny, greedy), off)
     st = tiny.cache_stats()
     assert st["mla_pages_spills"] > 0 and st["kda_states_spills"] > 0 and st["tree_state_drops"] > 0
+    assert st["mla_pages_restores"] > 0 and st["kda_states_restores"] > 0 and st["tree_node_evictions"] > 0
 
 
 def test_turn_resume_recomputes_nothing(model):
