@@ -150,3 +150,23 @@ def test_bad_input(model):
     with pytest.raises(ValueError, match="spans"):
         eng.generate([Prompt([1, 2, 3], [(2, "prefill"), (1, "decode")])], SamplingParams())
     assert eng.version == 0
+
+
+def test_weight_payload_through_k3_sync_receiver(model):
+    from k3.model import K3ForCausalLM
+    from k3.sync import WeightReceiver, encode_delta
+    serving = K3ForCausalLM(model.config, init=False).eval()
+    serving.load_state_dict(model.state_dict())
+    eng = Engine(serving, prefix_cache=True, **SMALL)
+    p = rand_tokens(20, 12)
+    sp = SamplingParams(temperature=0.0, max_tokens=3)
+    eng.generate([p], sp)
+    base = {k: v.detach().clone() for k, v in serving.state_dict().items()}
+    new = dict(base, **{"lm_head.weight": base["lm_head.weight"] * 1.5})
+    receiver = WeightReceiver(serving.state_dict(), 0)
+    assert eng.apply_weight_payload(receiver, encode_delta(base, new, 0, 1)) == 1
+    c = eng.generate([p], sp)[0]
+    assert c.policy_version == 1 and c.hit_tokens == 0
+    fresh = K3ForCausalLM(model.config, init=False).eval()
+    fresh.load_state_dict(new)
+    assert Engine(fresh, prefix_cache=False, **SMALL).generate([p], sp)[0].logprobs == c.logprobs
