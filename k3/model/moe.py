@@ -84,12 +84,15 @@ class RoutedExperts(nn.Module):
         N, k = idx.shape
         out = z.new_zeros(N, k, z.shape[-1])
         flat = idx.reshape(-1)
+        # unbind once: its backward writes one [E, ...] gradient, where indexing `w[e]` per expert would
+        # allocate and add a zero-filled [E, ...] gradient for every expert used
+        w1, w2, w3 = self.w1.unbind(0), self.w2.unbind(0), self.w3.unbind(0)
         for e in torch.unique(flat).tolist():
             pos = (flat == e).nonzero(as_tuple=True)[0]
             tok = pos // k
             ze = z[tok]
-            h = ops.situ_and_mul(ops.linear(ze, self.w1[e]), ops.linear(ze, self.w3[e]), self.beta, self.linear_beta)
-            out = out.index_put((tok, pos % k), ops.linear(h, self.w2[e]))
+            h = ops.situ_and_mul(ops.linear(ze, w1[e]), ops.linear(ze, w3[e]), self.beta, self.linear_beta)
+            out = out.index_put((tok, pos % k), ops.linear(h, w2[e]))
         return (out.float() * w[..., None]).sum(1).to(z.dtype)
 
 
