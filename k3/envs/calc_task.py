@@ -136,7 +136,7 @@ class CalculatorEnv:
         efficient = well_formed and len(ep.calls) <= 1
         return 0.8 * correct + 0.1 * well_formed + 0.1 * efficient
 
-    def demonstration(self, task: Task, rng: random.Random, p_tool: float = 0.3, p_slip: float = 0.1) -> Episode:
+    def demonstration(self, task: Task, rng: random.Random, p_tool: float = 0.5, p_slip: float = 0.5) -> Episode:
         """A synthetic demonstration, deliberately imperfect: with prob. p_tool it uses the tool and copies the
         result; otherwise it answers from the head (a plausible but usually wrong number) or, with prob. p_slip of
         the tool uses, garbles the copied call or result."""

@@ -26,14 +26,14 @@ class SFTSection:
     steps: int = 400
     batch_size: int = 32
     lr: float = 3e-3
-    p_tool: float = 0.3
-    p_slip: float = 0.1          # share of tool-using demonstrations with a garbled call or copied result
+    p_tool: float = 0.5
+    p_slip: float = 0.5          # share of tool-using demonstrations with a garbled call or copied result
     seed: int = 1
 
 
 @dataclass
 class RolloutSection:
-    tasks_per_update: int = 8
+    tasks_per_update: int = 16
     group_size: int = 8
     max_turn_tokens: int = 16
     temperature: float = 1.0
@@ -48,7 +48,7 @@ class RolloutSection:
 @dataclass
 class RLSection:
     mode: str = "lora"           # "lora" or "full"
-    lr: float = 3e-3
+    lr: float = 1e-3
     lora_rank: int = 8
     lora_alpha: float = 16.0
     eps_low: float = 3e-4
