@@ -1,7 +1,8 @@
 """Apply LoRA adapters to a K3 model, train and serve: one base copy, several named adapters, a per-token choice.
 
 `LoRAManager(model)` attaches hooks (nothing of the base is copied or changed): a forward hook on every targeted
-`nn.Linear` adds the low-rank path, and targeted routed-expert modules get a forward that adds it per expert.
+`nn.Linear` adds the low-rank path, and targeted routed-expert modules get a `RoutedExperts.project` override that
+adds it per expert.
 Which adapter a token uses is set with `use(...)` / `activate(...)`:
 
     None                      the base model (every hook is a no-op: outputs are bitwise the base outputs)
@@ -130,14 +131,14 @@ class LoRAManager:
         return self._slots[name]
 
     def close(self) -> None:
-        """Remove every hook and forward override (unmerging first): the model is the plain base model again."""
+        """Remove every hook and projection override (unmerging first): the model is the plain base model again."""
         if self._merged is not None:
             self.unmerge()
         for h in self._handles:
             h.remove()
         self._handles.clear()
         for mod in self._experts.values():
-            del mod.forward
+            del mod.project
         self._experts.clear()
         self._hooked.clear()
         self.model._lora_manager = None
@@ -238,7 +239,7 @@ class LoRAManager:
             self._handles.append(mod.register_forward_hook(self._linear_hook(t.name)))
         elif t.module_name not in self._experts:
             self._experts[t.module_name] = mod
-            mod.forward = types.MethodType(self._experts_forward(t.module_name), mod)
+            mod.project = types.MethodType(self._experts_project(t.module_name), mod)
 
     def _linear_hook(self, name: str):
         def hook(mod: nn.Linear, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
@@ -272,37 +273,25 @@ class LoRAManager:
             delta = (base.new_zeros(base.shape) if delta is None else delta).index_put((pos,), d)
         return base if delta is None else base + delta
 
-    def _experts_forward(self, module_name: str):
-        """Forward for a targeted RoutedExperts: the same computation as `RoutedExperts.forward` with each
-        projection adding the selected adapters' per-expert low-rank path (tokens routed to e use A[e], B[e])."""
+    def _experts_project(self, module_name: str):
+        """`RoutedExperts.project` for a targeted module: the base projection plus the selected adapters'
+        per-expert low-rank path (tokens routed to expert e use A[e], B[e])."""
         names = {p: f"{module_name}.{p}" for p in ("w1", "w3", "w2")}
         manager = self
 
-        def forward(mod: RoutedExperts, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        def project(mod: RoutedExperts, which: str, expert: int, tok: torch.Tensor, x: torch.Tensor,
+                    weight: torch.Tensor) -> torch.Tensor:
+            base = ops.linear(x, weight)
             plan = manager._plan
-            ads = () if plan is None else ((plan.single,) if plan.single is not None else
-                                           tuple(a for _, a in plan.groups))
-            if not any(n in a.targets for a in ads for n in names.values()):
-                return RoutedExperts.forward(mod, z, idx, w)
-            N, k = idx.shape
-            if plan.single is None and N != plan.slots.shape[0]:
-                raise LoRAError(f"{module_name}: {N} routed tokens but the adapter selection covers "
-                                f"{plan.slots.shape[0]} tokens")
-            out = z.new_zeros(N, k, z.shape[-1])
-            flat = idx.reshape(-1)
-            for e in torch.unique(flat).tolist():
-                pos = (flat == e).nonzero(as_tuple=True)[0]
-                tok = pos // k
-                ze = z[tok]
-                slots = None if plan.single is not None else plan.slots[tok]
-                gate = manager._add_lowrank(plan, names["w1"], ze, ops.linear(ze, mod.w1[e]), slots, e)
-                up = manager._add_lowrank(plan, names["w3"], ze, ops.linear(ze, mod.w3[e]), slots, e)
-                h = ops.situ_and_mul(gate, up, mod.beta, mod.linear_beta)
-                o = manager._add_lowrank(plan, names["w2"], h, ops.linear(h, mod.w2[e]), slots, e)
-                out = out.index_put((tok, pos % k), o)
-            return (out.float() * w[..., None]).sum(1).to(z.dtype)
+            if plan is None:
+                return base
+            if plan.single is None and int(tok.max()) >= plan.slots.shape[0]:
+                raise LoRAError(f"{module_name}: routed token {int(tok.max())} is outside the adapter selection "
+                                f"({plan.slots.shape[0]} tokens)")
+            slots = None if plan.single is not None else plan.slots[tok]
+            return manager._add_lowrank(plan, names[which], x, base, slots, expert)
 
-        return forward
+        return project
 
     # ------------------------------------------------------------------ merging
     def _weight(self, t: Target) -> nn.Parameter:

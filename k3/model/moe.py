@@ -91,9 +91,16 @@ class RoutedExperts(nn.Module):
             pos = (flat == e).nonzero(as_tuple=True)[0]
             tok = pos // k
             ze = z[tok]
-            h = ops.situ_and_mul(ops.linear(ze, w1[e]), ops.linear(ze, w3[e]), self.beta, self.linear_beta)
-            out = out.index_put((tok, pos % k), ops.linear(h, w2[e]))
+            h = ops.situ_and_mul(self.project("w1", e, tok, ze, w1[e]), self.project("w3", e, tok, ze, w3[e]),
+                                 self.beta, self.linear_beta)
+            out = out.index_put((tok, pos % k), self.project("w2", e, tok, h, w2[e]))
         return (out.float() * w[..., None]).sum(1).to(z.dtype)
+
+    def project(self, which: str, expert: int, tok: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
+                ) -> torch.Tensor:
+        """x @ weight.T for expert `expert`'s `which` ("w1" | "w3" | "w2") projection of the tokens `tok` (flat
+        token indices). The hook point for per-expert adapters (k3.lora overrides it on an instance)."""
+        return ops.linear(x, weight)
 
 
 class LatentMoE(nn.Module):
