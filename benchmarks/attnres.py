@@ -67,11 +67,11 @@ def make_sources(layout: str, N: int, D: int, R: int):
     return rows, partial, q, w, leaves
 
 
-def attnres_rows(copy_tbps: float) -> list[dict]:
+def attnres_rows(copy_tbps: float, out: list[dict], save) -> list[dict]:
+    """Appends each row to `out` and calls `save()` after it (a kill mid-part keeps the finished rows)."""
     if WITH_FLA:
         from fla.ops.attnres import fused_attnres as fla_fused_attnres
 
-    out = []
     R, D = 8, 7168
     L = R + 1
     for layout in ("k3", "contiguous"):
@@ -113,6 +113,7 @@ def attnres_rows(copy_tbps: float) -> list[dict]:
             row["ours_fwdbwd_of_floor"] = row["floor_fwdbwd_ms"] / row["ours_fwdbwd_ms"]
             print("attnres", json.dumps(row), flush=True)
             out.append(row)
+            save()
             del rows, partial, q, w, leaves, do, impls
             torch.cuda.empty_cache()
     return out
@@ -176,23 +177,102 @@ def decode_rows() -> list[dict]:
     return out
 
 
+def _gpu_kernel_ms(fn, n: int = 20) -> dict:
+    """Device time of the kernels one call of `fn` runs (torch.profiler, CUDA activity): the GPU-only cost,
+    without the host's launch overhead. Per kernel name (ms per call) and their sum."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    kern = {}
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", 0) or 0
+        if t > 0 and str(getattr(e, "device_type", "")).endswith("CUDA"):
+            kern[e.key[:80]] = t / n / 1e3
+    return {"kernels_ms": kern, "gpu_ms": sum(kern.values())}
+
+
+def _host_us(fn, n: int = 300) -> float:
+    """Wall time per call of a back-to-back loop at a size where the GPU work is negligible: the host cost."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+class _Trivial(torch.autograd.Function):
+    """An autograd.Function that launches nothing: the floor of any Python-level custom op."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, None
+
+
+def norm_host_overhead() -> dict:
+    """Host cost per call (M = 8 rows: the GPU work is a few microseconds), to separate launch overhead from
+    kernel time in the small-batch rows."""
+    D = 7168
+    x = torch.randn(8, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.ones(D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    fns = {"torch": lambda: F.rms_norm(x, (D,), w, 1e-6), "ours": lambda: rms_norm(x, w, 1e-6),
+           "trivial_autograd_function": lambda: _Trivial.apply(x, w)}
+    out = {}
+    for name, f in fns.items():
+        def fb(f=f):
+            x.grad = w.grad = None
+            f().backward(dy)
+        with torch.no_grad():
+            out[f"{name}_fwd_us"] = _host_us(f)
+        out[f"{name}_fwdbwd_us"] = _host_us(fb)
+    y = torch.empty(1, device=dev)
+    out["torch_empty_us"] = _host_us(lambda: torch.empty(8, D, device=dev, dtype=torch.bfloat16))
+    out["torch_add_us"] = _host_us(lambda: torch.add(y, 1.0))
+    print("norm_host", json.dumps(out), flush=True)
+    return out
+
+
 def norm_rows() -> list[dict]:
     out = []
     D = 7168
-    for M in (4096, 32768):
+    for M in (4096, 8192, 32768):
         torch.manual_seed(0)
         x = torch.randn(M, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
         w = (1 + 0.1 * torch.randn(D, device=dev)).to(torch.bfloat16).requires_grad_(True)
         dy = torch.randn_like(x)
         row = dict(op="rms_norm", M=M, D=D)
         for name, f in {"torch": lambda: F.rms_norm(x, (D,), w, 1e-6), "ours": lambda: rms_norm(x, w, 1e-6)}.items():
+            def fb(f=f):
+                f().backward(dy)
             with torch.no_grad():
                 row[f"{name}_fwd_ms"] = med(f)
-            row[f"{name}_fwdbwd_ms"] = med(lambda f=f: f().backward(dy), grad_to_none=[x, w])
+            row[f"{name}_fwdbwd_ms"] = med(fb, grad_to_none=[x, w])
+            try:  # kernels' own device time (no host overhead), one fwd+bwd
+                def fbn(f=f):
+                    x.grad = w.grad = None
+                    f().backward(dy)
+                prof = _gpu_kernel_ms(fbn)
+                row[f"{name}_fwdbwd_gpu_ms"] = prof["gpu_ms"]
+                row[f"{name}_fwdbwd_kernels_ms"] = prof["kernels_ms"]
+            except Exception as e:  # the profiler is a diagnostic: its failure must not lose the timings
+                row[f"{name}_profile_error"] = repr(e)[:200]
+            x.grad = w.grad = None
         row["fwd_ratio"] = row["ours_fwd_ms"] / row["torch_fwd_ms"]
         row["fwdbwd_ratio"] = row["ours_fwdbwd_ms"] / row["torch_fwdbwd_ms"]
         print("norm", json.dumps(row), flush=True)
         out.append(row)
+        del x, w, dy
     # gated (KDA output: per head, D = 128) vs the eager reference
     x = torch.randn(32768 * 16, 128, device=dev, dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn_like(x).requires_grad_(True)
@@ -206,6 +286,7 @@ def norm_rows() -> list[dict]:
         row[f"{name}_fwdbwd_ms"] = med(lambda f=f: f().backward(dy), grad_to_none=[x, g, w])
     print("norm", json.dumps(row), flush=True)
     out.append(row)
+    del x, g, w, dy
     # SiTU on a latent-MoE-sized activation
     gu = torch.randn(32768, 2 * 3072, device=dev, dtype=torch.bfloat16, requires_grad=True)
     gt, up = gu.chunk(2, -1)
@@ -231,22 +312,52 @@ def main() -> None:
     res["copy_TBps"] = 2 * x.numel() * 2 / (med(lambda: y.copy_(x)) * 1e-3) / 1e12
     del x, y
     print("copy_TBps", res["copy_TBps"], flush=True)
-    parts = os.environ.get("BENCH_PARTS", "attnres,decode,norm").split(",")
-    runs = {"sweep": ("config_sweep_N32K", sweep), "attnres": ("attnres", lambda: attnres_rows(res["copy_TBps"])),
-            "decode": ("decode", decode_rows), "norm": ("norm", norm_rows)}
+    parts = os.environ.get("BENCH_PARTS", "norm,norm_host,decode,attnres").split(",")
+    path = os.path.join(os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "results")), "attnres.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+
+    def save() -> None:
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+
+    def attnres() -> list[dict]:
+        res["attnres"] = []
+        return attnres_rows(res["copy_TBps"], res["attnres"], save)
+
+    runs = {"sweep": ("config_sweep_N32K", sweep), "attnres": ("attnres", attnres),
+            "decode": ("decode", decode_rows), "norm": ("norm", norm_rows),
+            "norm_host": ("norm_host_overhead", norm_host_overhead)}
     for part in parts:
         key, fn = runs[part]
         try:
             res[key] = fn()
-        except Exception as e:  # keep the other parts' figures; the error is recorded in the results
-            res[key] = {"error": repr(e)[:500]}
+        except Exception as e:  # keep the other parts' figures (and a part's finished rows); record the error
+            res[f"{key}_error"] = repr(e)[:500]
             print(part, "failed:", repr(e), flush=True)
         torch.cuda.empty_cache()
-    path = os.path.join(os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "results")), "attnres.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
-    print(json.dumps(res, indent=1))
+        save()  # after every part: a later part's hang or kill keeps the earlier figures
+    summary(res)
+
+
+def summary(res: dict) -> None:
+    """The headline tables, one line per row."""
+    for r in res.get("attnres", []):
+        print("SUMMARY attnres {layout} N={N}: fwd fla {fla:.3f} ours {ours_fwd_ms:.3f} ms | fwd+bwd fla {flab:.3f} "
+              "ours {ours_fwdbwd_ms:.3f} ms speedup {sp:.2f}x | peak extra fla {flap:.3f} ours {ours_peak_extra_GiB:.3f}"
+              " GiB ratio {pr:.3f}".format(fla=r.get("fla_fwd_ms", float("nan")), flab=r.get("fla_fwdbwd_ms", float("nan")),
+                                            sp=r.get("speedup_fwdbwd", float("nan")),
+                                            flap=r.get("fla_peak_extra_GiB", float("nan")),
+                                            pr=r.get("peak_ratio", float("nan")), **r), flush=True)
+    for r in res.get("norm", []):
+        if r.get("op") == "rms_norm":
+            print("SUMMARY rms_norm M={M}: fwd torch {torch_fwd_ms:.4f} ours {ours_fwd_ms:.4f} ({fwd_ratio:.2f}x) | "
+                  "fwd+bwd torch {torch_fwdbwd_ms:.4f} ours {ours_fwdbwd_ms:.4f} ({fwdbwd_ratio:.2f}x) | gpu-only "
+                  "torch {tg} ours {og}".format(tg=r.get("torch_fwdbwd_gpu_ms"), og=r.get("ours_fwdbwd_gpu_ms"), **r),
+                  flush=True)
+        else:
+            print("SUMMARY", json.dumps(r), flush=True)
+    if "norm_host_overhead" in res:
+        print("SUMMARY host", json.dumps(res["norm_host_overhead"]), flush=True)
 
 
 if __name__ == "__main__":

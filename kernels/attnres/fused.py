@@ -272,10 +272,11 @@ class _Cfg(NamedTuple):
     tl_fwd: int       # sources per forward load step
 
 
+@functools.lru_cache(maxsize=None)
 def _config(D: int) -> _Cfg:
     """Launch configuration: a function of D alone (never of the token count), so results are batch invariant.
     D = 7168 values from the H200 sweep in benchmarks/results/attnres.json."""
-    block = triton.next_power_of_2(D)
+    block = 1 << max(0, D - 1).bit_length()  # next power of 2 (triton's helper is slow on the host)
     if block >= 8192:
         return _Cfg(block, 16, 8, 1, 2, 4)
     if block >= 2048:
@@ -295,7 +296,7 @@ def colsum(part: torch.Tensor) -> torch.Tensor:
     P, D = part.shape
     out = torch.empty(D, device=part.device, dtype=torch.float32)
     BLOCK = 256
-    _colsum_kernel[(triton.cdiv(D, BLOCK),)](part, out, P, D, BLOCK_P=32, BLOCK=BLOCK, num_warps=4)
+    _colsum_kernel[(-(-D // BLOCK),)](part, out, P, D, BLOCK_P=32, BLOCK=BLOCK, num_warps=4)
     return out
 
 

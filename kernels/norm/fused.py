@@ -3,21 +3,32 @@
 Batch invariance: each program normalises a fixed tile of BLOCK_M rows x the whole (padded) row; BLOCK_M, the
 block width and the warp count depend on D only, and a row's reduction happens inside its own tile row, so the
 bits of a row's output (and of its dx) do not depend on how many rows are in the batch or where the row sits.
-The weight gradient is a sum over rows: per-program fp32 partials, summed over programs in a fixed order (no
-atomics), so it is bitwise reproducible run to run for a given batch.
+The weight gradient is a sum over rows: the persistent backward keeps one fp32 partial per program (a fixed
+number of programs, each walking a fixed set of rows), and `torch.sum` over that [P, D] buffer reduces them
+(CUDA reductions use no float atomics, so the order is fixed for a given shape): bitwise reproducible run to run
+for a given batch.
+
+Host-side cost matters as much as the kernels at small row counts (one launch of each is a few tens of
+microseconds of Python): one Triton launch per forward and per backward, launch configuration cached per D,
+no Triton helpers called on the host (`triton.cdiv` and friends are slow there), absent operands passed as
+None (no pointer argument to marshal), and the autograd wrapper skipped when no gradient is needed.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
-from k3_kernels.attnres.fused import _num_programs, colsum
+from k3_kernels.attnres.fused import _num_programs
 
 
 @triton.jit
 def _rms_fwd_kernel(x_ptr, g_ptr, w_ptr, y_ptr, rstd_ptr, M, D, x_stride, g_stride, eps,
-                    HAS_W: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+                    HAS_W: tl.constexpr, GATED: tl.constexpr, STORE_RSTD: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     rmask = rows < M
@@ -31,12 +42,15 @@ def _rms_fwd_kernel(x_ptr, g_ptr, w_ptr, y_ptr, rstd_ptr, M, D, x_stride, g_stri
     if GATED:
         y = y * tl.sigmoid(tl.load(g_ptr + r64 * g_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32))
     tl.store(y_ptr + r64 * D + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(rstd_ptr + rows, rs, mask=rmask)
+    if STORE_RSTD:
+        tl.store(rstd_ptr + rows, rs, mask=rmask)
 
 
 @triton.jit
 def _rms_bwd_kernel(x_ptr, g_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dg_ptr, dw_part_ptr, M, D, x_stride, g_stride,
                     HAS_W: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Persistent: program p walks row blocks p, p + P, ...; dx of a row depends on that row alone; the weight
+    gradient's partial of program p goes to dw_part[p] (reduced over p by the caller)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_D)
@@ -72,9 +86,11 @@ def _rms_bwd_kernel(x_ptr, g_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dg_ptr, dw_pa
         tl.store(dw_part_ptr + pid * D + cols, tl.sum(dw_acc, axis=0), mask=cmask)
 
 
+@functools.lru_cache(maxsize=None)
 def _config(D: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_D, warps): a function of D alone."""
-    block_d = triton.next_power_of_2(D)
+    """(BLOCK_M, BLOCK_D, warps): a function of D alone (plain Python: triton.next_power_of_2 is slow on the
+    host)."""
+    block_d = 1 << max(0, D - 1).bit_length()
     block_m = max(1, min(16, 2048 // block_d))
     warps = 4 if block_d * block_m <= 2048 else (8 if block_d <= 4096 else 16)
     return block_m, block_d, warps
@@ -84,6 +100,8 @@ def _rows(t: torch.Tensor, D: int, name: str) -> torch.Tensor:
     """[M, D] view with unit last stride; copies only if the leading dims cannot be flattened in place."""
     if t.shape[-1] != D:
         raise ValueError(f"{name}: expected last dim {D}, got shape {tuple(t.shape)}")
+    if t.stride(-1) == 1 and t.dim() == 2:
+        return t
     if t.stride(-1) != 1:
         t = t.contiguous()
     try:
@@ -92,66 +110,99 @@ def _rows(t: torch.Tensor, D: int, name: str) -> torch.Tensor:
         return t.reshape(-1, D)
 
 
+def _forward(x2: torch.Tensor, g2: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+             store_rstd: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    M, D = x2.shape
+    y = torch.empty((M, D), device=x2.device, dtype=x2.dtype)
+    rstd = torch.empty(M, device=x2.device, dtype=torch.float32) if store_rstd else None
+    if M > 0:
+        block_m, block_d, warps = _config(D)
+        _rms_fwd_kernel[((M + block_m - 1) // block_m,)](
+            x2, g2, weight, y, rstd, M, D, x2.stride(0), g2.stride(0) if g2 is not None else 0, eps,
+            HAS_W=weight is not None, GATED=g2 is not None, STORE_RSTD=store_rstd, BLOCK_M=block_m,
+            BLOCK_D=block_d, num_warps=warps)
+    return y, rstd
+
+
+def _backward(ctx, dy: torch.Tensor):
+    x2, g2, weight, rstd = ctx.saved_tensors
+    M, D = x2.shape
+    dy = dy.reshape(M, D)
+    if not dy.is_contiguous():
+        dy = dy.contiguous()
+    dev = x2.device
+    dx = torch.empty((M, D), device=dev, dtype=x2.dtype)
+    dg = torch.empty((M, D), device=dev, dtype=g2.dtype) if g2 is not None else None
+    block_m, block_d, warps = _config(D)
+    blocks = (M + block_m - 1) // block_m
+    P = _num_programs(blocks, dev, 2)
+    dw_part = torch.empty((P, D), device=dev, dtype=torch.float32) if weight is not None else None
+    if M > 0:
+        _rms_bwd_kernel[(P,)](x2, g2, weight, dy, rstd, dx, dg, dw_part, M, D, x2.stride(0),
+                              g2.stride(0) if g2 is not None else 0, HAS_W=weight is not None,
+                              GATED=g2 is not None, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
+    elif dw_part is not None:
+        dw_part.zero_()
+    dw = None
+    if weight is not None and ctx.needs_input_grad[2]:
+        dw = dw_part.sum(0)  # fixed reduction tree for a [P, D] shape (no atomics): reproducible
+        if dw.dtype != weight.dtype:
+            dw = dw.to(weight.dtype)
+    shape = ctx.shape
+    if len(shape) != 2:
+        dx = dx.view(shape)
+        dg = dg.view(shape) if dg is not None else None
+    return dx, dg, dw, None
+
+
+_backward_once = once_differentiable(_backward)
+
+
 class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate, weight, eps):
         D = x.shape[-1]
         x2 = _rows(x, D, "x")
         g2 = _rows(gate, D, "gate") if gate is not None else None
-        M = x2.shape[0]
-        y = torch.empty(M, D, device=x.device, dtype=x.dtype)
-        rstd = torch.empty(M, device=x.device, dtype=torch.float32)
-        block_m, block_d, warps = _config(D)
-        if M > 0:
-            _rms_fwd_kernel[(triton.cdiv(M, block_m),)](
-                x2, g2 if g2 is not None else x2, weight if weight is not None else x2, y, rstd, M, D,
-                x2.stride(0), g2.stride(0) if g2 is not None else 0, eps, HAS_W=weight is not None,
-                GATED=g2 is not None, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
+        y, rstd = _forward(x2, g2, weight, eps, True)
         ctx.save_for_backward(x2, g2, weight, rstd)
-        ctx.shapes = (x.shape, gate.shape if gate is not None else None)
-        return y.view(x.shape)
+        ctx.shape = x.shape
+        return y if x.dim() == 2 else y.view(x.shape)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
-        x2, g2, weight, rstd = ctx.saved_tensors
-        M, D = x2.shape
-        dy = dy.reshape(M, D).contiguous()
-        dx = torch.empty(M, D, device=x2.device, dtype=x2.dtype)
-        dg = torch.empty(M, D, device=x2.device, dtype=g2.dtype) if g2 is not None else None
-        block_m, block_d, warps = _config(D)
-        P = _num_programs(triton.cdiv(M, block_m), x2.device, 2)
-        dw_part = torch.empty(P, D, device=x2.device, dtype=torch.float32) if weight is not None else None
-        if M > 0:
-            _rms_bwd_kernel[(P,)](x2, g2 if g2 is not None else x2, weight if weight is not None else x2, dy, rstd,
-                                  dx, dg if dg is not None else dx, dw_part if dw_part is not None else rstd, M, D,
-                                  x2.stride(0), g2.stride(0) if g2 is not None else 0, HAS_W=weight is not None,
-                                  GATED=g2 is not None, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
-        elif dw_part is not None:
-            dw_part.zero_()
-        dw = colsum(dw_part).to(weight.dtype) if weight is not None and ctx.needs_input_grad[2] else None
-        xs, gs = ctx.shapes
-        return dx.view(xs), (dg.view(gs) if dg is not None else None), dw, None
+        if torch.is_grad_enabled():  # create_graph=True: a second derivative through the kernels is an error
+            return _backward_once(ctx, dy)
+        return _backward(ctx, dy)
 
 
-def _check(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor | None) -> None:
+def _apply(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     D = x.shape[-1]
     if gate is not None and (gate.shape != x.shape or gate.device != x.device):
         raise ValueError(f"gate: expected shape {tuple(x.shape)} on {x.device}, got {tuple(gate.shape)} "
                          f"on {gate.device}")
-    if weight is not None and (weight.shape != (D,) or weight.device != x.device):
-        raise ValueError(f"weight: expected shape ({D},) on {x.device}, got {tuple(weight.shape)} on {weight.device}")
+    if weight is not None:
+        if weight.shape != (D,) or weight.device != x.device:
+            raise ValueError(f"weight: expected shape ({D},) on {x.device}, got {tuple(weight.shape)} "
+                             f"on {weight.device}")
+        if not weight.is_contiguous():
+            weight = weight.contiguous()
+    if torch.is_grad_enabled() and (x.requires_grad or (gate is not None and gate.requires_grad)
+                                    or (weight is not None and weight.requires_grad)):
+        return _RMSNormFn.apply(x, gate, weight, eps)
+    y, _ = _forward(_rows(x, D, "x"), _rows(gate, D, "gate") if gate is not None else None, weight, eps, False)
+    return y if x.dim() == 2 else y.view(x.shape)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6) -> torch.Tensor:
     """Batch-invariant RMSNorm over the last dim (fp32 math, output in x.dtype); same contract as `naive_rms_norm`."""
-    _check(x, None, weight)
-    return _RMSNormFn.apply(x, None, weight.contiguous() if weight is not None else None, float(eps))
+    return _apply(x, None, weight, float(eps))
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | None,
                    eps: float = 1e-6) -> torch.Tensor:
     """Batch-invariant RMSNorm(x) * weight * sigmoid(gate) (KDA's output norm); same contract as
     `naive_gated_rms_norm`."""
-    _check(x, gate, weight)
-    return _RMSNormFn.apply(x, gate, weight.contiguous() if weight is not None else None, float(eps))
+    if gate is None:
+        raise ValueError("gate: required for gated_rms_norm (use rms_norm without a gate)")
+    return _apply(x, gate, weight, float(eps))

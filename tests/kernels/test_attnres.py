@@ -185,11 +185,28 @@ def test_bad_input_names_the_tensor():
         fz.fused_attnres(q, [*rows, partial], w, checkpoint_level=2)
 
 
+def _grad_errors(grads, truth, n_sources):
+    """RMS error of each gradient, relative to the scale of the gradient it belongs to.
+
+    The sources' gradients are one object, the gradient of the op's input (the L stacked sources): each source's
+    error is taken relative to that stacked gradient's RMS. A source whose softmax weight is e^-78 gets a
+    gradient of ~1e-34, whose fp32 value carries a relative error of ~|s - lse| * eps_fp32 from the exponent
+    alone; against its own RMS that says nothing about the op's accuracy. q / norm weights: their own RMS."""
+    src = torch.cat([t.double().flatten() for t in truth[:n_sources]])
+    src_scale = src.square().mean().sqrt().clamp_min(1e-300)
+    out = []
+    for i, (a, c) in enumerate(zip(grads, truth)):
+        scale = src_scale if i < n_sources else c.double().square().mean().sqrt().clamp_min(1e-300)
+        out.append(((a.double() - c.double()).square().mean().sqrt() / scale).item())
+    return out
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("out_norm", [False, True])
 def test_gpu_k3_width_matches_reference(out_norm):
     """fp32 at D = 7168: our error against an fp64 evaluation of the reference is within a few times the fp32
-    reference's own error (sharp softmaxes at this width amplify rounding in both)."""
+    reference's own error (sharp softmaxes at this width amplify rounding in both), or below 1e-5 of the
+    gradient's scale (`_grad_errors`)."""
     rows, partial, q, w, ow, do = _inputs(8, N=(257,), D=7168, out_norm=out_norm, device="cuda", seed=1)
     ins = [*rows, partial, q, w, ow]
     ins64 = [t.detach().double().requires_grad_() if t is not None else None for t in ins]
@@ -198,8 +215,10 @@ def test_gpu_k3_width_matches_reference(out_norm):
     o64 = naive_block_attnres(ins64[:8], ins64[8], *ins64[9:11], 1e-6, ins64[11])
     assert _err_ratio(o, o64) <= max(4 * _err_ratio(o32, o64), 1e-5)
     g64 = _grads(o64, ins64, do.double())
-    for a, b, c in zip(_grads(o, ins, do), _grads(o32, ins, do), g64):
-        assert _err_ratio(a, c) <= max(4 * _err_ratio(b, c), 1e-5)
+    ours = _grad_errors(_grads(o, ins, do), g64, 9)
+    ref32 = _grad_errors(_grads(o32, ins, do), g64, 9)
+    for i, (e, e32) in enumerate(zip(ours, ref32)):
+        assert e <= max(4 * e32, 1e-5), (i, e, e32)
 
 
 @pytest.mark.gpu
@@ -213,8 +232,8 @@ def test_gpu_bf16_and_fla_fused_agree():
     o_ref = fla_naive.naive_attnres(q, res, w)
     assert _err_ratio(o, o_ref) <= max(_err_ratio(o_fla, o_ref), 1e-3)
     ins = [*res, q, w]
-    for a, b in zip(_grads(o, ins, do), _grads(o_ref, ins, do)):
-        assert _err_ratio(a, b) < 5e-3  # fla-core's bf16 ratio
+    for i, e in enumerate(_grad_errors(_grads(o, ins, do), _grads(o_ref, ins, do), len(res))):
+        assert e < 5e-3, (i, e)  # fla-core's bf16 ratio
 
 
 @pytest.mark.gpu

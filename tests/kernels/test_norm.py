@@ -13,6 +13,13 @@ import k3_kernels.norm.fused as fz  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _close(a, b, tol):
+    """Elementwise |a - b| <= tol * (|b| + RMS(b)): relative to each element and to the tensor's own scale
+    (an absolute floor that does not depend on how large the values happen to be)."""
+    a, b = a.double(), b.double()
+    torch.testing.assert_close(a, b, rtol=tol, atol=tol * b.square().mean().sqrt().item())
+
+
 def _check(gated, D, has_w, dtype=torch.float32, shape=(3, 5), device=DEV, tol=1e-5):
     x = torch.randn(*shape, D, device=device).mul(3).to(dtype).requires_grad_()
     gate = torch.randn(*shape, D, device=device).to(dtype).requires_grad_() if gated else None
@@ -22,10 +29,10 @@ def _check(gated, D, has_w, dtype=torch.float32, shape=(3, 5), device=DEV, tol=1
     y = (fz.gated_rms_norm if gated else fz.rms_norm)(*args, 1e-6)
     y_ref = (naive_gated_rms_norm if gated else naive_rms_norm)(*args, 1e-6)
     assert y.dtype == y_ref.dtype and y.shape == y_ref.shape
-    torch.testing.assert_close(y.float(), y_ref.float(), atol=tol, rtol=tol)
+    _close(y, y_ref, tol)
     ins = [t for t in args if t is not None]
     for a, b in zip(torch.autograd.grad(y, ins, dy), torch.autograd.grad(y_ref, ins, dy)):
-        torch.testing.assert_close(a.float(), b.float(), atol=10 * tol, rtol=10 * tol)
+        _close(a, b, 10 * tol)
 
 
 @pytest.mark.parametrize("D", [48, 128, 300])
@@ -41,7 +48,32 @@ def test_bf16_and_strided_input():
     base = torch.randn(7, 2 * 40, device=DEV, requires_grad=True)
     x = base[:, 40:]  # row stride 80: read in place
     w = torch.rand(40, device=DEV) + 0.5
-    torch.testing.assert_close(fz.rms_norm(x, w), naive_rms_norm(x, w), atol=1e-5, rtol=1e-5)
+    _close(fz.rms_norm(x, w), naive_rms_norm(x, w), 1e-5)
+    dy = torch.randn(7, 40, device=DEV)
+    (g,), (g_ref,) = torch.autograd.grad(fz.rms_norm(x, w), [base], dy), torch.autograd.grad(naive_rms_norm(x, w),
+                                                                                               [base], dy)
+    _close(g, g_ref, 1e-4)
+
+
+def test_no_grad_path_matches_autograd_path_bits():
+    """Without autograd the wrapper is skipped (and rstd is not stored): same output bits."""
+    x = torch.randn(2, 3, 64, device=DEV, requires_grad=True)
+    gate = torch.randn(2, 3, 64, device=DEV)
+    w = torch.rand(64, device=DEV) + 0.5
+    for f, args in ((fz.rms_norm, (w,)), (fz.gated_rms_norm, (gate, w))):
+        y = f(x, *args)
+        assert y.requires_grad and y.shape == x.shape
+        with torch.no_grad():
+            y0 = f(x, *args)
+        assert not y0.requires_grad and torch.equal(y0, y.detach())
+
+
+def test_second_derivative_is_refused():
+    x = torch.randn(4, 32, device=DEV, requires_grad=True)
+    w = torch.rand(32, device=DEV, requires_grad=True)
+    (gx,) = torch.autograd.grad(fz.rms_norm(x, w).square().sum(), [x], create_graph=True)
+    with pytest.raises(RuntimeError):
+        gx.sum().backward()
 
 
 def _batch_invariance(D, dtype, device, sizes):
@@ -87,6 +119,8 @@ def test_bad_input_names_the_tensor():
         fz.rms_norm(x, torch.ones(8, device=DEV))
     with pytest.raises(ValueError, match="gate"):
         fz.gated_rms_norm(x, torch.randn(4, 8, device=DEV), None)
+    with pytest.raises(ValueError, match="gate"):
+        fz.gated_rms_norm(x, None, None)
 
 
 @pytest.mark.gpu
@@ -95,6 +129,22 @@ def test_gpu_matches_reference(D):
     _check(False, D, True, shape=(300,))
     _check(True, D, True, shape=(300,))
     _check(False, D, True, torch.bfloat16, shape=(300,), tol=1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_weight_grad_deterministic_k3_width():
+    """K3's width and a 4K-row batch (the persistent backward's partials over every program): bitwise reruns."""
+    x = torch.randn(4096, 7168, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn_like(x, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(7168, device="cuda")).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn_like(x)
+    for f, ins in ((lambda: fz.rms_norm(x, w), [x, w]), (lambda: fz.gated_rms_norm(x, g, w), [x, g, w])):
+        g1 = torch.autograd.grad(f(), ins, dy)
+        g2 = torch.autograd.grad(f(), ins, dy)
+        assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+        w_ref = torch.autograd.grad(naive_rms_norm(x, w) if len(ins) == 2 else naive_gated_rms_norm(x, g, w),
+                                    [w], dy)[0]
+        _close(g1[-1], w_ref, 1e-2)
 
 
 @pytest.mark.gpu
