@@ -7,11 +7,14 @@ Layouts (9 sources = 8 stored block rows + the partial sum, D = 7168, bf16):
   called as a user would (it copies the strided rows); ours reads them in place and accumulates into `.grad`.
 * `contiguous`: 9 separate `[N, D]` leaves with `.grad` reset to None before every call (the anchor's setup,
   shared/anchors/bench_fla.py): both sides allocate the 9 gradients.
-Medians of `triton.testing.do_bench`; peak extra = max allocated during one forward+backward minus allocated
-before it. Floor = bytes that must move / measured copy bandwidth. Writes benchmarks/results/attnres.json
-(or $OUT/attnres.json when OUT is set). BENCH_PARTS picks parts (sweep, attnres, decode, norm); BENCH_FLA=0 skips
-fla-core (its first call autotunes for ~70 s). The committed results file gathers three H200 runs of this script
-under "same_process_v1" / "sweep_v2" / "final" (see its "note").
+Medians of `triton.testing.do_bench` (it zeroes a 256 MB buffer before each call, so a call whose host side takes
+longer than ~85 us plus its kernels is measured at its host-side latency); peak extra = max allocated during one
+forward+backward minus allocated before it. Floor = bytes that must move / measured copy bandwidth. The RMSNorm
+rows add the kernels' own device time (torch.profiler) and `norm_host_overhead` the host time per call at 8 rows.
+Writes benchmarks/results/attnres.json (or $OUT/attnres.json when OUT is set) after every part. BENCH_PARTS picks
+parts (norm, norm_host, decode, attnres, sweep); BENCH_FLA=0 skips fla-core (its first call autotunes ~70 s).
+The committed results file holds the latest full run ("final": fla-core and ours in one process) and the earlier
+runs under "history" (see its "note").
 """
 from __future__ import annotations
 
@@ -166,12 +169,9 @@ def decode_rows() -> list[dict]:
         srcs = [torch.randn(B, D, device=dev, dtype=torch.bfloat16) for _ in range(R + 1)]
         q = torch.randn(D, device=dev) * 0.02
         w = torch.ones(D, device=dev)
+        # ours only: fla-core has no decode path, and its forward would autotune again for these shapes
         row = dict(B=B, ours_decode_us=med(lambda: block_attnres_decode(srcs[:-1], srcs[-1], q, w, 1e-6),
                                            rep=100) * 1e3)
-        if WITH_FLA:
-            from fla.ops.attnres import fused_attnres as fla_fused_attnres
-            with torch.no_grad():
-                row["fla_fwd_us"] = med(lambda: fla_fused_attnres(q, srcs, w), rep=100) * 1e3
         print("decode", json.dumps(row), flush=True)
         out.append(row)
     return out
