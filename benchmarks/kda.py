@@ -109,12 +109,10 @@ def sweep(T: int) -> list:
         fb()
         return med(fb, rep=30, grad_to_none=xs)
     space = [("fwd_state", ("bv", "warps", "stages"), [(16, 4, 3), (32, 4, 3)], t_fwd),
-             ("blocks", ("warps",), [(4,), (8,)], t_fwd),
-             ("solve", ("warps",), [(4,), (8,)], t_fwd),
+             ("intra", ("bk", "warps"), [(32, 8), (16, 4), (32, 4), (16, 8)], t_fwd),
              ("bwd_state", ("bv", "warps", "stages"), [(16, 4, 3), (16, 4, 2)], t_fb),
-             ("bwd_prep", ("warps", "stages"), [(4, 1), (4, 2), (8, 2)], t_fb),
-             ("bwd_blocks", ("warps",), [(4,), (8,)], t_fb),
-             ("", ("kc",), [(16,), (32,)], t_fb)]
+             ("bwd_prep", ("warps", "stages"), [(4, 1), (8, 2)], t_fb),
+             ("bwd_intra", ("bk", "warps"), [(32, 8), (16, 4), (32, 4)], t_fb)]
     for stage, keys, cands, timer in space:
         best = None
         for cand in cands:
@@ -133,26 +131,28 @@ def sweep(T: int) -> list:
     return log
 
 
-def breakdown(T: int) -> dict:
-    """Device time per kernel (ms) in one forward+backward of ours at length T (torch.profiler)."""
+def breakdown(T: int, kda=None) -> dict:
+    """Device time per kernel (ms) in one forward+backward at length T (torch.profiler); ours by default."""
+    kda = kda or ours_mod.chunk_kda
     xs = inputs(T)
     do = torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16)
     for _ in range(2):
-        ours_mod.chunk_kda(*xs)[0].backward(do)
+        kda(*xs)[0].backward(do)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        ours_mod.chunk_kda(*xs)[0].backward(do)
+        kda(*xs)[0].backward(do)
         torch.cuda.synchronize()
     out = {}
     for e in prof.key_averages():
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
         if t:
             out[e.key] = out.get(e.key, 0.) + t / 1e3
-    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:12])
+    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:20])
 
 
 def main() -> None:
-    quick = "--quick" in sys.argv
+    quick = "--quick" in sys.argv  # no sweep, 4K and 16K only
+    do_sweep = not quick or "--sweep" in sys.argv
     from fla import __version__ as fla_version
     from fla.ops.kda import chunk_kda as fla_kda
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
@@ -167,11 +167,13 @@ def main() -> None:
     del x, y, a
     res["copy_TBps"], res["bf16_mm_TFLOPs"] = copy_Bps / 1e12, mm_flops / 1e12
     t0 = time.time()
-    res["sweep"] = [] if quick else sweep(16384)
+    res["sweep"] = sweep(16384) if do_sweep else []
     res["config"] = dict(ours_mod.CONFIG)
     print("config", res["config"], f"sweep {time.time() - t0:.0f}s", flush=True)
     res["breakdown_T16384_fwdbwd_ms"] = breakdown(16384)
     print("breakdown", res["breakdown_T16384_fwdbwd_ms"], flush=True)
+    res["fla_breakdown_T16384_fwdbwd_ms"] = breakdown(16384, fla_kda)
+    print("fla breakdown", res["fla_breakdown_T16384_fwdbwd_ms"], flush=True)
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
     os.makedirs(out_dir, exist_ok=True)
 

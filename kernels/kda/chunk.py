@@ -8,15 +8,16 @@ Math (per head, chunk C = 64, G = in-chunk cumulative log-decay, q~ = scale * q)
 Kernels (layout and staging ideas from fla-core 0.6.0 `fla/ops/kda/chunk_intra.py`, `fla/ops/common/chunk_delta_h.py`,
 `fla/ops/kda/chunk_bwd.py`; written independently, no code copied). Forward:
   `_fwd_cumsum` (chunk, head, K slice): fused gate activation + in-chunk cumsum G.
-  `_fwd_blocks` (chunk, head, 16x16 block): A and Aqk; off-diagonal blocks as two bounded exponentials
-     around a reference row (tensor-core dots), diagonal blocks exactly as [i, j, K slice] tensors.
-  `_fwd_solve` (chunk, head): M = (I + A)^-1 block row by block row, then W, U, q e^G, k e^{G_C-G}.
+  `_fwd_intra` (chunk, head): A and Aqk as 4 x 4 blocks of 16, each summed over K slices; off-diagonal blocks as
+     two bounded exponentials around the row block's first row (tensor-core dots), diagonal blocks the same around
+     the middle row when the tile's log-decays span <= 80 (always for K3's gate), else exactly; then
+     M = (I + A)^-1 by blocks in registers, W, U, q e^G, k e^{G_C-G}. (FLA splits this into three kernels.)
   `_fwd_state` (sequence, head, V block): the serial pass over chunks. The columns of the state evolve
      independently (v' = U - W S is column-wise), so splitting V gives B*HV*V/BV programs instead of B*HV;
      the output is fused into the pass, so in inference the per-chunk states never reach memory.
-Backward: `_bwd_state` (reverse pass for dS and dv', same V split), `_bwd_prep` (chunk, head: dv, dAqk,
-dA = -M^T dM M^T and the direct parts of dq, dk, dG, dbeta), `_bwd_blocks` (chunk, head, 16-row block x
-K slice: the gated sub-block products' gradients), `_bwd_finish` (reverse in-chunk cumsum for dg, outputs).
+Backward: `_bwd_state` (reverse pass for dS and dv', same V split), `_bwd_prep` (chunk, head: dv, dbeta, dAqk,
+dA = -M^T dM M^T and the direct parts of dq, dk, dG), `_bwd_intra` (chunk, head: the gradients through the
+gated 16 x 16 block products, K slice by K slice, and the reverse in-chunk cumsum for dg; writes dq, dk, dg).
 Every reduction has a fixed order and there are no atomics: results are bitwise reproducible.
 Intermediates live in a chunk-padded layout [chunks, HV, 64, D] so that later kernels need no row masks.
 """
@@ -34,9 +35,8 @@ BC = 16  # sub-block size inside a chunk
 # launch settings (no autotuning, so the interpreter and the GPU run the same configs)
 CONFIG = {"fwd_state_bv": 16, "fwd_state_warps": 4, "fwd_state_stages": 3,
           "bwd_state_bv": 16, "bwd_state_warps": 4, "bwd_state_stages": 3,
-          "blocks_warps": 4, "blocks_stages": 1, "solve_warps": 4,
-          "bwd_prep_bv": 32, "bwd_prep_warps": 4, "bwd_prep_stages": 1, "bwd_blocks_warps": 4,
-          "kc": 16, "ka": 32}
+          "intra_bk": 32, "intra_warps": 8, "bwd_intra_bk": 32, "bwd_intra_warps": 8,
+          "bwd_prep_bv": 32, "bwd_prep_warps": 4, "bwd_prep_stages": 1, "ka": 32}
 
 
 @triton.jit
@@ -74,113 +74,241 @@ def _fwd_cumsum(g, A_log, dt_bias, Gc, cu, cidx, lower_bound, HV, K, BK: tl.cons
 
 
 @triton.jit
-def _fwd_blocks(q, k, beta, Gc, Akk, Aqk, cu, cidx, scale, H, HV, K, BK: tl.constexpr, KC: tl.constexpr,
-                PREC: tl.constexpr):
-    """One 16 x 16 block (I, J) of A (with beta, strictly lower) and Aqk (lower; zeros above), over K slices.
-    Off-diagonal: two bounded exponentials around the first row of block I; diagonal: exact, as [i, j, KC]."""
-    c = tl.program_id(0).to(tl.int64)
-    hv = tl.program_id(1).to(tl.int64)
-    I = tl.program_id(2) // 4
-    J = tl.program_id(2) % 4
-    h = hv // (HV // H)
-    _, t0, nv = _chunk_rows(cu, cidx, c)
-    base = c * HV + hv
-    pG = Gc + base * 64 * BK
-    c16 = tl.arange(0, 16)
-    rI = I * 16 + c16
-    rJ = J * 16 + c16
-    mI = rI < nv
-    mJ = rJ < nv
-    a_kk = tl.zeros([16, 16], dtype=tl.float32)
-    a_qk = tl.zeros([16, 16], dtype=tl.float32)
-    if I == J:
-        for kc in tl.static_range(0, BK, KC):
-            oc = kc + tl.arange(0, KC)
-            mc = mI[:, None] & (oc < K)[None, :]
-            kI = tl.load(k + ((t0 + rI) * H + h)[:, None] * K + oc[None, :], mask=mc, other=0.).to(tl.float32)
-            qI = tl.load(q + ((t0 + rI) * H + h)[:, None] * K + oc[None, :], mask=mc, other=0.).to(tl.float32)
-            GI = tl.load(pG + rI[:, None] * BK + oc[None, :])
-            e3 = tl.exp(tl.where(c16[:, None, None] >= c16[None, :, None], GI[:, None, :] - GI[None, :, :],
-                                 float("-inf")))
-            kj3 = kI[None, :, :] * e3
-            a_kk += tl.sum(kI[:, None, :] * kj3, 2)
-            a_qk += tl.sum(qI[:, None, :] * kj3, 2)
-        a_kk = tl.where(c16[:, None] > c16[None, :], a_kk, 0.)
-    elif J < I:
-        for kc in tl.static_range(0, BK, KC):
-            oc = kc + tl.arange(0, KC)
-            mc = oc < K
-            kI = tl.load(k + ((t0 + rI) * H + h)[:, None] * K + oc[None, :], mask=mI[:, None] & mc[None, :],
-                         other=0.).to(tl.float32)
-            qI = tl.load(q + ((t0 + rI) * H + h)[:, None] * K + oc[None, :], mask=mI[:, None] & mc[None, :],
-                         other=0.).to(tl.float32)
-            kJ = tl.load(k + ((t0 + rJ) * H + h)[:, None] * K + oc[None, :], mask=mJ[:, None] & mc[None, :],
-                         other=0.).to(tl.float32)
-            GI = tl.load(pG + rI[:, None] * BK + oc[None, :])
-            GJ = tl.load(pG + rJ[:, None] * BK + oc[None, :])
-            gref = tl.load(pG + (I * 16) * BK + oc)
-            eI = tl.exp(GI - gref[None, :])  # exponent <= 0
-            kJe = kJ * tl.exp(gref[None, :] - GJ)  # exponent <= 0
-            a_kk += tl.dot(kI * eI, tl.trans(kJe), input_precision=PREC)
-            a_qk += tl.dot(qI * eI, tl.trans(kJe), input_precision=PREC)
-    # blocks above the diagonal stay zero (Aqk is read whole; A's upper blocks are never read)
-    bI = tl.load(beta + (t0 + rI) * HV + hv, mask=mI, other=0.).to(tl.float32)
-    tl.store(Akk + base * 4096 + rI[:, None] * 64 + rJ[None, :], a_kk * bI[:, None])
-    tl.store(Aqk + base * 4096 + rI[:, None] * 64 + rJ[None, :], (a_qk * scale).to(Aqk.dtype.element_ty))
+def _tile(p, t0, rows, nv, stride, oc, K):
+    """[16, len(oc)] fp32 tile of token rows t0 + rows of a token-major tensor (row stride `stride`), zeros past
+    nv rows / K columns."""
+    return tl.load(p + (t0 + rows)[:, None] * stride + oc[None, :], mask=(rows < nv)[:, None] & (oc < K)[None, :],
+                   other=0.).to(tl.float32)
 
 
 @triton.jit
-def _fwd_solve(q, k, v, beta, Gc, Akk, Mc, Wc, Uc, QGc, KDc, cu, cidx, scale, H, HV, K, V, BK: tl.constexpr,
-               KA: tl.constexpr, BVF: tl.constexpr, PREC: tl.constexpr):
-    """M = (I + A)^-1 block row by block row: M_I = D_I (E_I - sum_{J<I} A_IJ M_J),
-    D_I = (I + A_II)^-1 = (I - A_II)(I + A_II^2)(I + A_II^4)(I + A_II^8); then W = M (beta k e^G),
-    U = M (beta v), q e^G (scaled) and k e^{G_C - G}, by column slices."""
+def _row(X, j):
+    """Row j of a [16, n] register tile, as an [n] vector."""
+    return tl.sum(tl.where(tl.arange(0, 16)[:, None] == j, X, 0.), 0)
+
+
+@triton.jit
+def _off_block(xI, kI, GI, gI, kJ, GJ, PREC: tl.constexpr):
+    """Off-diagonal block (I > J) over one K slice: (<k_i e^{G_i-G_j}, k_j>, <x_i e^{G_i-G_j}, k_j>), as two
+    exponentials around gI, the first row of block I (both exponents <= 0: no overflow)."""
+    eI = tl.exp(GI - gI[None, :])
+    kJt = tl.trans(kJ * tl.exp(gI[None, :] - GJ))
+    return tl.dot(kI * eI, kJt, input_precision=PREC), tl.dot(xI * eI, kJt, input_precision=PREC)
+
+
+@triton.jit
+def _diag_block(xb, kb, Gb, PREC: tl.constexpr):
+    """Diagonal block over one K slice: (<k_i e^{G_i-G_j}, k_j> for i > j, <x_i e^{G_i-G_j}, k_j> for i >= j).
+    Two tensor-core dots around the middle row when every |G - G_mid| <= 80 in the tile (K3's gate, lower bound
+    -5, spans at most 75 over 16 steps), so that no factor overflows; otherwise exact, column by column."""
+    c16 = tl.arange(0, 16)
+    gm = _row(Gb, 8)
+    low = c16[:, None] > c16[None, :]
+    if tl.max(tl.max(tl.abs(Gb - gm[None, :]), 1), 0) <= 80.:
+        kt = tl.trans(kb * tl.exp(gm[None, :] - Gb))
+        e = tl.exp(Gb - gm[None, :])
+        akk = tl.dot(kb * e, kt, input_precision=PREC)
+        aqk = tl.dot(xb * e, kt, input_precision=PREC)
+    else:
+        akk = tl.zeros([16, 16], dtype=tl.float32)
+        aqk = tl.zeros([16, 16], dtype=tl.float32)
+        for j in range(16):
+            kj = _row(kb, j)
+            e = tl.exp(tl.where(c16[:, None] >= j, Gb - _row(Gb, j)[None, :], float("-inf")))
+            col = c16[None, :] == j
+            akk = tl.where(col, tl.sum(kb * e * kj[None, :], 1)[:, None], akk)
+            aqk = tl.where(col, tl.sum(xb * e * kj[None, :], 1)[:, None], aqk)
+    return tl.where(low, akk, 0.), tl.where(low | (c16[:, None] == c16[None, :]), aqk, 0.)
+
+
+@triton.jit
+def _a_block(qh, kh, pG, t0, rI, rJ, nv, stride, K, BK: tl.constexpr, BKS: tl.constexpr, DIAG: tl.constexpr,
+             PREC: tl.constexpr):
+    """Block (I, J) of <k_i e^{G_i-G_j}, k_j> and <q_i e^{G_i-G_j}, k_j> (rows rI, columns rJ), summed over K
+    slices; DIAG: I == J (strictly lower / lower)."""
+    akk = tl.zeros([16, 16], dtype=tl.float32)
+    aqk = tl.zeros([16, 16], dtype=tl.float32)
+    for kc in range(0, BK, BKS):
+        oc = kc + tl.arange(0, BKS)
+        qI = _tile(qh, t0, rI, nv, stride, oc, K)
+        kI = _tile(kh, t0, rI, nv, stride, oc, K)
+        GI = tl.load(pG + rI[:, None] * BK + oc[None, :])
+        if DIAG:
+            a, b = _diag_block(qI, kI, GI, PREC)
+        else:
+            a, b = _off_block(qI, kI, GI, tl.load(pG + tl.min(rI, 0) * BK + oc), _tile(kh, t0, rJ, nv, stride, oc, K),
+                              tl.load(pG + rJ[:, None] * BK + oc[None, :]), PREC)
+        akk += a
+        aqk += b
+    return akk, aqk
+
+
+@triton.jit
+def _inv_unit_lower(A, PREC: tl.constexpr):
+    """(I + A)^-1 of a strictly lower 16 x 16 A: (I - A)(I + A^2)(I + A^4)(I + A^8), since A^16 = 0."""
+    c16 = tl.arange(0, 16)
+    eye = tl.where(c16[:, None] == c16[None, :], 1., 0.)
+    X = -A
+    D = eye + X
+    for _ in tl.static_range(3):
+        X = tl.dot(X, X, input_precision=PREC)
+        D = tl.dot(D, eye + X, input_precision=PREC)
+    return D
+
+
+@triton.jit
+def _store_blocks(p, B00, B10, B11, B20, B21, B22, B30, B31, B32, B33):
+    """Write a block-lower 64 x 64 matrix given as 16 x 16 blocks (zeros above) to p (row stride 64)."""
+    c16 = tl.arange(0, 16)
+    z = tl.zeros([16, 16], dtype=B00.dtype)
+    o = c16[:, None] * 64 + c16[None, :]
+    tl.store(p + o, B00)
+    tl.store(p + o + 16, z)
+    tl.store(p + o + 32, z)
+    tl.store(p + o + 48, z)
+    tl.store(p + o + 1024, B10)
+    tl.store(p + o + 1040, B11)
+    tl.store(p + o + 1056, z)
+    tl.store(p + o + 1072, z)
+    tl.store(p + o + 2048, B20)
+    tl.store(p + o + 2064, B21)
+    tl.store(p + o + 2080, B22)
+    tl.store(p + o + 2096, z)
+    tl.store(p + o + 3072, B30)
+    tl.store(p + o + 3088, B31)
+    tl.store(p + o + 3104, B32)
+    tl.store(p + o + 3120, B33)
+
+
+@triton.jit
+def _fwd_intra(q, k, v, beta, Gc, Aqk, Kkk, Mc, Wc, Uc, QGc, KDc, cu, cidx, scale, H, HV, K, V,
+               BK: tl.constexpr, BKS: tl.constexpr, BVF: tl.constexpr, BVS: tl.constexpr, SAVE: tl.constexpr,
+               PREC: tl.constexpr):
+    """Everything inside one chunk of one head, in registers: A and Aqk as 4 x 4 blocks of 16 (one pass over K
+    slices), M = (I + A)^-1 by blocks, then W = M (beta k e^G), U = M (beta v), q e^G (scaled), k e^{G_C - G}."""
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1).to(tl.int64)
     h = hv // (HV // H)
     _, t0, nv = _chunk_rows(cu, cidx, c)
     base = c * HV + hv
-    r = tl.arange(0, 64)
-    rm = r < nv
-    c16 = tl.arange(0, 16)
-    pA = Akk + base * 4096
-    pM = Mc + base * 4096
-    eye = tl.where(c16[:, None] == c16[None, :], 1., 0.)
-    for I in tl.static_range(4):
-        rI = I * 16 + c16
-        X = -tl.load(pA + rI[:, None] * 64 + rI[None, :])
-        D = eye + X
-        for sq in tl.static_range(3):  # X^16 = 0 for a strictly lower 16 x 16
-            X = tl.dot(X, X, input_precision=PREC)
-            D = tl.dot(D, eye + X, input_precision=PREC)
-        Y = tl.where(r[None, :] == rI[:, None], 1., 0.)
-        for J in tl.static_range(I):
-            rJ = J * 16 + c16
-            Y -= tl.dot(tl.load(pA + rI[:, None] * 64 + rJ[None, :]), tl.load(pM + rJ[:, None] * 64 + r[None, :]),
-                        input_precision=PREC)
-        tl.store(pM + rI[:, None] * 64 + r[None, :], tl.dot(D, Y, input_precision=PREC))
-        tl.debug_barrier()
-    M = tl.load(pM + r[:, None] * 64 + r[None, :])
-    bt = tl.load(beta + (t0 + r) * HV + hv, mask=rm, other=0.).to(tl.float32)
     pG = Gc + base * 64 * BK
-    for kc in tl.static_range(0, BK, KA):
-        oc = kc + tl.arange(0, KA)
-        mrc = rm[:, None] & (oc < K)[None, :]
-        G = tl.load(pG + r[:, None] * BK + oc[None, :])
-        gC = tl.load(pG + 63 * BK + oc)
-        kk = tl.load(k + ((t0 + r) * H + h)[:, None] * K + oc[None, :], mask=mrc, other=0.).to(tl.float32)
-        qq = tl.load(q + ((t0 + r) * H + h)[:, None] * K + oc[None, :], mask=mrc, other=0.).to(tl.float32)
-        eG = tl.exp(G)
-        pK = base * 64 * BK + r[:, None] * BK + oc[None, :]
-        tl.store(Wc + pK, tl.dot(M, kk * eG * bt[:, None], input_precision=PREC).to(Wc.dtype.element_ty))
-        tl.store(KDc + pK, (kk * tl.exp(gC[None, :] - G)).to(KDc.dtype.element_ty))
-        tl.store(QGc + pK, (qq * scale * eG).to(QGc.dtype.element_ty))
-    for vc in tl.static_range(0, BVF, KA):
-        ov = vc + tl.arange(0, KA)
-        vv = tl.load(v + ((t0 + r) * HV + hv)[:, None] * V + ov[None, :], mask=rm[:, None] & (ov < V)[None, :],
-                     other=0.).to(tl.float32)
-        U = tl.dot(M, vv * bt[:, None], input_precision=PREC)
-        tl.store(Uc + base * 64 * BVF + r[:, None] * BVF + ov[None, :], U.to(Uc.dtype.element_ty))
+    qh = q + h * K
+    kh = k + h * K
+    c16 = tl.arange(0, 16)
+    r0 = c16
+    r1 = 16 + c16
+    r2 = 32 + c16
+    r3 = 48 + c16
+    pA = Aqk + base * 4096 + c16[:, None] * 64 + c16[None, :]
+    dt = Aqk.dtype.element_ty
+    K00, Q = _a_block(qh, kh, pG, t0, r0, r0, nv, H * K, K, BK, BKS, True, PREC)
+    tl.store(pA, (Q * scale).to(dt))
+    K10, Q = _a_block(qh, kh, pG, t0, r1, r0, nv, H * K, K, BK, BKS, False, PREC)
+    tl.store(pA + 1024, (Q * scale).to(dt))
+    K11, Q = _a_block(qh, kh, pG, t0, r1, r1, nv, H * K, K, BK, BKS, True, PREC)
+    tl.store(pA + 1040, (Q * scale).to(dt))
+    K20, Q = _a_block(qh, kh, pG, t0, r2, r0, nv, H * K, K, BK, BKS, False, PREC)
+    tl.store(pA + 2048, (Q * scale).to(dt))
+    K21, Q = _a_block(qh, kh, pG, t0, r2, r1, nv, H * K, K, BK, BKS, False, PREC)
+    tl.store(pA + 2064, (Q * scale).to(dt))
+    K22, Q = _a_block(qh, kh, pG, t0, r2, r2, nv, H * K, K, BK, BKS, True, PREC)
+    tl.store(pA + 2080, (Q * scale).to(dt))
+    K30, Q = _a_block(qh, kh, pG, t0, r3, r0, nv, H * K, K, BK, BKS, False, PREC)
+    tl.store(pA + 3072, (Q * scale).to(dt))
+    K31, Q = _a_block(qh, kh, pG, t0, r3, r1, nv, H * K, K, BK, BKS, False, PREC)
+    tl.store(pA + 3088, (Q * scale).to(dt))
+    K32, Q = _a_block(qh, kh, pG, t0, r3, r2, nv, H * K, K, BK, BKS, False, PREC)
+    tl.store(pA + 3104, (Q * scale).to(dt))
+    K33, Q = _a_block(qh, kh, pG, t0, r3, r3, nv, H * K, K, BK, BKS, True, PREC)
+    tl.store(pA + 3120, (Q * scale).to(dt))
+    z = tl.zeros([16, 16], dtype=dt)
+    tl.store(pA + 16, z)  # blocks above the diagonal (the state pass reads Aqk whole)
+    tl.store(pA + 32, z)
+    tl.store(pA + 48, z)
+    tl.store(pA + 1056, z)
+    tl.store(pA + 1072, z)
+    tl.store(pA + 2096, z)
+    if SAVE:  # the un-scaled <k_i e^{G_i-G_j}, k_j>, for dbeta in the backward
+        _store_blocks(Kkk + base * 4096, K00, K10, K11, K20, K21, K22, K30, K31, K32, K33)
+    pb = beta + t0 * HV + hv
+    b0 = tl.load(pb + r0 * HV, mask=r0 < nv, other=0.).to(tl.float32)
+    b1 = tl.load(pb + r1 * HV, mask=r1 < nv, other=0.).to(tl.float32)
+    b2 = tl.load(pb + r2 * HV, mask=r2 < nv, other=0.).to(tl.float32)
+    b3 = tl.load(pb + r3 * HV, mask=r3 < nv, other=0.).to(tl.float32)
+    # M = (I + A)^-1, A = beta_i <k_i e^{G_i-G_j}, k_j>: M_IJ = -D_I sum_{J <= L < I} A_IL M_LJ
+    A10 = K10 * b1[:, None]
+    A20 = K20 * b2[:, None]
+    A21 = K21 * b2[:, None]
+    A30 = K30 * b3[:, None]
+    A31 = K31 * b3[:, None]
+    A32 = K32 * b3[:, None]
+    M00 = _inv_unit_lower(K00 * b0[:, None], PREC)
+    M11 = _inv_unit_lower(K11 * b1[:, None], PREC)
+    M22 = _inv_unit_lower(K22 * b2[:, None], PREC)
+    M33 = _inv_unit_lower(K33 * b3[:, None], PREC)
+    M10 = -tl.dot(M11, tl.dot(A10, M00, input_precision=PREC), input_precision=PREC)
+    M21 = -tl.dot(M22, tl.dot(A21, M11, input_precision=PREC), input_precision=PREC)
+    M20 = -tl.dot(M22, tl.dot(A20, M00, input_precision=PREC) + tl.dot(A21, M10, input_precision=PREC),
+                  input_precision=PREC)
+    M32 = -tl.dot(M33, tl.dot(A32, M22, input_precision=PREC), input_precision=PREC)
+    M31 = -tl.dot(M33, tl.dot(A31, M11, input_precision=PREC) + tl.dot(A32, M21, input_precision=PREC),
+                  input_precision=PREC)
+    M30 = -tl.dot(M33, tl.dot(A30, M00, input_precision=PREC) + tl.dot(A31, M10, input_precision=PREC)
+                  + tl.dot(A32, M20, input_precision=PREC), input_precision=PREC)
+    if SAVE:
+        _store_blocks(Mc + base * 4096, M00, M10, M11, M20, M21, M22, M30, M31, M32, M33)
+    wt = Wc.dtype.element_ty
+    for kc in range(0, BK, BKS):
+        oc = kc + tl.arange(0, BKS)
+        pGs = pG + oc[None, :]
+        gC = tl.load(pG + 63 * BK + oc)[None, :]
+        pK = Wc + base * 64 * BK + oc[None, :]
+        pKD = KDc + base * 64 * BK + oc[None, :]
+        pQG = QGc + base * 64 * BK + oc[None, :]
+        k0 = _tile(kh, t0, r0, nv, H * K, oc, K)
+        k1 = _tile(kh, t0, r1, nv, H * K, oc, K)
+        k2 = _tile(kh, t0, r2, nv, H * K, oc, K)
+        k3 = _tile(kh, t0, r3, nv, H * K, oc, K)
+        G0 = tl.load(pGs + r0[:, None] * BK)
+        G1 = tl.load(pGs + r1[:, None] * BK)
+        G2 = tl.load(pGs + r2[:, None] * BK)
+        G3 = tl.load(pGs + r3[:, None] * BK)
+        X0 = k0 * tl.exp(G0) * b0[:, None]
+        X1 = k1 * tl.exp(G1) * b1[:, None]
+        X2 = k2 * tl.exp(G2) * b2[:, None]
+        X3 = k3 * tl.exp(G3) * b3[:, None]
+        tl.store(pK + r0[:, None] * BK, tl.dot(M00, X0, input_precision=PREC).to(wt))
+        tl.store(pK + r1[:, None] * BK, (tl.dot(M10, X0, input_precision=PREC)
+                                         + tl.dot(M11, X1, input_precision=PREC)).to(wt))
+        tl.store(pK + r2[:, None] * BK, (tl.dot(M20, X0, input_precision=PREC) + tl.dot(M21, X1, input_precision=PREC)
+                                         + tl.dot(M22, X2, input_precision=PREC)).to(wt))
+        tl.store(pK + r3[:, None] * BK, (tl.dot(M30, X0, input_precision=PREC) + tl.dot(M31, X1, input_precision=PREC)
+                                         + tl.dot(M32, X2, input_precision=PREC)
+                                         + tl.dot(M33, X3, input_precision=PREC)).to(wt))
+        tl.store(pKD + r0[:, None] * BK, (k0 * tl.exp(gC - G0)).to(wt))
+        tl.store(pKD + r1[:, None] * BK, (k1 * tl.exp(gC - G1)).to(wt))
+        tl.store(pKD + r2[:, None] * BK, (k2 * tl.exp(gC - G2)).to(wt))
+        tl.store(pKD + r3[:, None] * BK, (k3 * tl.exp(gC - G3)).to(wt))
+        tl.store(pQG + r0[:, None] * BK, (_tile(qh, t0, r0, nv, H * K, oc, K) * scale * tl.exp(G0)).to(wt))
+        tl.store(pQG + r1[:, None] * BK, (_tile(qh, t0, r1, nv, H * K, oc, K) * scale * tl.exp(G1)).to(wt))
+        tl.store(pQG + r2[:, None] * BK, (_tile(qh, t0, r2, nv, H * K, oc, K) * scale * tl.exp(G2)).to(wt))
+        tl.store(pQG + r3[:, None] * BK, (_tile(qh, t0, r3, nv, H * K, oc, K) * scale * tl.exp(G3)).to(wt))
+    vh = v + hv * V
+    for vc in range(0, BVF, BVS):
+        ov = vc + tl.arange(0, BVS)
+        pU = Uc + base * 64 * BVF + ov[None, :]
+        Y0 = _tile(vh, t0, r0, nv, HV * V, ov, V) * b0[:, None]
+        Y1 = _tile(vh, t0, r1, nv, HV * V, ov, V) * b1[:, None]
+        Y2 = _tile(vh, t0, r2, nv, HV * V, ov, V) * b2[:, None]
+        Y3 = _tile(vh, t0, r3, nv, HV * V, ov, V) * b3[:, None]
+        tl.store(pU + r0[:, None] * BVF, tl.dot(M00, Y0, input_precision=PREC).to(wt))
+        tl.store(pU + r1[:, None] * BVF, (tl.dot(M10, Y0, input_precision=PREC)
+                                          + tl.dot(M11, Y1, input_precision=PREC)).to(wt))
+        tl.store(pU + r2[:, None] * BVF, (tl.dot(M20, Y0, input_precision=PREC) + tl.dot(M21, Y1, input_precision=PREC)
+                                          + tl.dot(M22, Y2, input_precision=PREC)).to(wt))
+        tl.store(pU + r3[:, None] * BVF, (tl.dot(M30, Y0, input_precision=PREC) + tl.dot(M31, Y1, input_precision=PREC)
+                                          + tl.dot(M32, Y2, input_precision=PREC)
+                                          + tl.dot(M33, Y3, input_precision=PREC)).to(wt))
 
 
 @triton.jit
@@ -276,10 +404,10 @@ def _bwd_state(QGc, Wc, KDc, Aqk, Gc, do, dht, dh0, DHc, DVNc, cu, coff,
 
 
 @triton.jit
-def _bwd_prep(q, k, v, beta, do, Gc, Mc, Hc, DHc, VNc, DVNc, dv, Rs, Ps, DQs, DKs, DGs, DBs, cu, cidx, scale,
+def _bwd_prep(q, k, v, beta, do, Gc, Kkk, Mc, Hc, DHc, VNc, DVNc, dv, Rs, Ps, DQs, DKs, DGs, dbeta, cu, cidx, scale,
               H, HV, K, V, BK: tl.constexpr, KA: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr,
               PREC: tl.constexpr):
-    """Full-chunk products: dv, R = dAqk, P = dA = -M^T dM M^T, and the direct parts of dq, dk, dG, dbeta."""
+    """Full-chunk products: dv, dbeta, R = dAqk, P = dA = -M^T dM M^T, and the direct parts of dq, dk, dG."""
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1).to(tl.int64)
     h = hv // (HV // H)
@@ -351,114 +479,151 @@ def _bwd_prep(q, k, v, beta, do, Gc, Mc, Hc, DHc, VNc, DVNc, dv, Rs, Ps, DQs, DK
         dG = dqg * qq * eG + dbkg * bt[:, None] * kgw - dkd * kd + tl.where(r[:, None] == 63, dgc[None, :], 0.)
         tl.store(DGs + pK, dG)
     dA = -tl.dot(tl.dot(tl.trans(M), dM, input_precision=PREC), tl.trans(M), input_precision=PREC)
-    tl.store(pP + r[:, None] * 64 + r[None, :], tl.where(r[:, None] > r[None, :], dA, 0.))
-    tl.store(DBs + base * 64 + r, db)
+    dA = tl.where(r[:, None] > r[None, :], dA, 0.)
+    tl.store(pP + r[:, None] * 64 + r[None, :], dA)
+    db += tl.sum(dA * tl.load(Kkk + base * 4096 + r[:, None] * 64 + r[None, :]), 1)  # A = beta_i Kkk
+    tl.store(dbeta + (t0 + r) * HV + hv, db.to(dbeta.dtype.element_ty), mask=rm)
 
 
 @triton.jit
-def _bwd_blocks(q, k, beta, Gc, Rs, Ps, DQs, DKs, DGs, DBp, cu, cidx, scale, H, HV, K, BK: tl.constexpr,
-                KC: tl.constexpr, NKC: tl.constexpr, PREC: tl.constexpr):
-    """Gradients through A (P = dA) and Aqk (R = dAqk) for one 16-row block b and one K slice (program axis 2):
-    row side sum_j X_ij y_j e^{G_i-G_j}, column side sum_i X_ij x_i e^{G_i-G_j}, added to this block's rows."""
+def _off_grad(R, PB, qI, kI, GI, gI, kJ, GJ, PREC: tl.constexpr):
+    """Gradients through one off-diagonal block (I > J) of Aqk (R = dAqk) and A (PB = beta_i dA_ij) over one K slice:
+    row parts (R, PB) @ (k_J e^{gI-G_J}) (times e^{G_I-gI} by the caller) and the column part
+    e^{gI-G_J} (R^T q_I + PB^T k_I) e^{G_I-gI}; gI is block I's first row, so no exponent is positive."""
+    eJ = tl.exp(gI[None, :] - GJ)
+    eI = tl.exp(GI - gI[None, :])
+    kJe = kJ * eJ
+    col = eJ * (tl.dot(tl.trans(R), qI * eI, input_precision=PREC) + tl.dot(tl.trans(PB), kI * eI, input_precision=PREC))
+    return tl.dot(R, kJe, input_precision=PREC), tl.dot(PB, kJe, input_precision=PREC), col
+
+
+@triton.jit
+def _diag_grad(R, PB, qb, kb, Gb, PREC: tl.constexpr):
+    """Gradients through a diagonal block (R lower, PB strictly lower) over one K slice: row parts
+    sum_j (R, PB)_ij k_j e^{G_i-G_j} and the column part sum_i (R_ij q_i + PB_ij k_i) e^{G_i-G_j}; by two dots around
+    the middle row when |G - G_mid| <= 80 in the tile (as `_diag_block`), else exactly, column by column."""
+    c16 = tl.arange(0, 16)
+    gm = _row(Gb, 8)
+    if tl.max(tl.max(tl.abs(Gb - gm[None, :]), 1), 0) <= 80.:
+        e = tl.exp(Gb - gm[None, :])
+        ei = tl.exp(gm[None, :] - Gb)
+        kei = kb * ei
+        rowR = e * tl.dot(R, kei, input_precision=PREC)
+        rowP = e * tl.dot(PB, kei, input_precision=PREC)
+        col = ei * (tl.dot(tl.trans(R), qb * e, input_precision=PREC) + tl.dot(tl.trans(PB), kb * e,
+                                                                              input_precision=PREC))
+    else:
+        rowR = tl.zeros_like(kb)
+        rowP = tl.zeros_like(kb)
+        col = tl.zeros_like(kb)
+        for j in range(16):
+            e = tl.exp(tl.where(c16[:, None] >= j, Gb - _row(Gb, j)[None, :], float("-inf")))
+            Rj = tl.sum(tl.where(c16[None, :] == j, R, 0.), 1)
+            Pj = tl.sum(tl.where(c16[None, :] == j, PB, 0.), 1)
+            kj = _row(kb, j)[None, :]
+            rowR += Rj[:, None] * kj * e
+            rowP += Pj[:, None] * kj * e
+            col = tl.where(c16[:, None] == j, tl.sum((Rj[:, None] * qb + Pj[:, None] * kb) * e, 0)[None, :], col)
+    return rowR, rowP, col
+
+
+@triton.jit
+def _bwd_out(DQs, DKs, DGs, dq, dk, dg, base, t0, rows, nv, hv, HV, K, oc, scale, BK: tl.constexpr, rowR, rowP, col,
+             qs, kb, tail):
+    """Finish one 16-row block: dq, dk, and dg = reverse cumsum over the chunk of dG (tail = column sums of the later
+    blocks' dG); returns the new tail."""
+    pb = base * 64 * BK + rows[:, None] * BK + oc[None, :]
+    dG = tl.load(DGs + pb) + qs * rowR + kb * (rowP - col)
+    po = ((t0 + rows) * HV + hv)[:, None] * K + oc[None, :]
+    m = (rows < nv)[:, None] & (oc < K)[None, :]
+    tl.store(dq + po, ((tl.load(DQs + pb) + rowR) * scale).to(dq.dtype.element_ty), mask=m)
+    tl.store(dk + po, (tl.load(DKs + pb) + rowP + col).to(dk.dtype.element_ty), mask=m)
+    tl.store(dg + po, (tl.cumsum(dG, 0, reverse=True) + tail[None, :]).to(dg.dtype.element_ty), mask=m)
+    return tail + tl.sum(dG, 0)
+
+
+@triton.jit
+def _bwd_intra(q, k, beta, Gc, Rs, Ps, DQs, DKs, DGs, dq, dk, dg, cu, cidx, scale, H, HV, K, BK: tl.constexpr,
+               BKS: tl.constexpr, PREC: tl.constexpr):
+    """Gradients through A (P = dA) and Aqk (R = dAqk) for one chunk of one head, as 4 x 4 blocks of 16, one K
+    slice at a time, added to the direct parts from `_bwd_prep`; writes dq, dk, dg (reverse in-chunk cumsum)."""
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1).to(tl.int64)
     h = hv // (HV // H)
     _, t0, nv = _chunk_rows(cu, cidx, c)
     base = c * HV + hv
-    c16 = tl.arange(0, 16)
     pG = Gc + base * 64 * BK
-    pR = Rs + base * 64 * 64
-    pP = Ps + base * 64 * 64
-    b = tl.program_id(2) // NKC
-    kc = (tl.program_id(2) % NKC) * KC
-    i3 = c16[:, None, None]
-    j3 = c16[None, :, None]
-    rb = b * 16 + c16
-    mb = rb < nv
-    bb = tl.load(beta + (t0 + rb) * HV + hv, mask=mb, other=0.).to(tl.float32)
-    Rbb = tl.load(pR + rb[:, None] * 64 + rb[None, :])
-    Pbb = tl.load(pP + rb[:, None] * 64 + rb[None, :])
-    dbb = tl.zeros([16], dtype=tl.float32)
-    oc = kc + tl.arange(0, KC)
-    mbk = mb[:, None] & (oc < K)[None, :]
-    qb = tl.load(q + ((t0 + rb) * H + h)[:, None] * K + oc[None, :], mask=mbk, other=0.).to(tl.float32)
-    qb = qb * scale
-    kb = tl.load(k + ((t0 + rb) * H + h)[:, None] * K + oc[None, :], mask=mbk, other=0.).to(tl.float32)
-    Gb = tl.load(pG + rb[:, None] * BK + oc[None, :])
-    refb = tl.load(pG + (b * 16) * BK + oc)
-    eb = tl.exp(Gb - refb[None, :])
-    kbe = kb * eb
-    rowR = tl.zeros([16, KC], dtype=tl.float32)
-    rowP = tl.zeros([16, KC], dtype=tl.float32)
-    colX = tl.zeros([16, KC], dtype=tl.float32)
-    # unrolled over every other block with the inactive ones zeroed (no branches: all loads can be issued early)
-    for J in tl.static_range(3):  # rows b, columns J < b
-        live = J < b
-        rJ = J * 16 + c16
-        kJ = tl.load(k + ((t0 + rJ) * H + h)[:, None] * K + oc[None, :],
-                     mask=(rJ < nv)[:, None] & (oc < K)[None, :], other=0.).to(tl.float32)
-        GJ = tl.load(pG + rJ[:, None] * BK + oc[None, :])
-        kJe = kJ * tl.exp(tl.where(live, refb[None, :] - GJ, 0.))
-        RbJ = tl.where(live, tl.load(pR + rb[:, None] * 64 + rJ[None, :]), 0.)
-        PbJ = tl.where(live, tl.load(pP + rb[:, None] * 64 + rJ[None, :]), 0.)
-        rowR += tl.dot(RbJ, kJe, input_precision=PREC)
-        rowP += tl.dot(PbJ, kJe, input_precision=PREC)
-        dbb += tl.sum(PbJ * tl.dot(kbe, tl.trans(kJe), input_precision=PREC), 1)
-    rowR *= eb
-    rowP *= eb
-    for I in tl.static_range(1, 4):  # rows I > b, columns b
-        live = I > b
-        rI = I * 16 + c16
-        mIk = (rI < nv)[:, None] & (oc < K)[None, :]
-        qI = tl.load(q + ((t0 + rI) * H + h)[:, None] * K + oc[None, :], mask=mIk, other=0.).to(tl.float32)
-        kI = tl.load(k + ((t0 + rI) * H + h)[:, None] * K + oc[None, :], mask=mIk, other=0.).to(tl.float32)
-        GI = tl.load(pG + rI[:, None] * BK + oc[None, :])
-        bI = tl.load(beta + (t0 + rI) * HV + hv, mask=rI < nv, other=0.).to(tl.float32)
-        refI = tl.load(pG + (I * 16) * BK + oc)
-        eI = tl.exp(GI - refI[None, :])
-        RIb = tl.where(live, tl.load(pR + rI[:, None] * 64 + rb[None, :]), 0.)
-        PIb = tl.where(live, tl.load(pP + rI[:, None] * 64 + rb[None, :]) * bI[:, None], 0.)
-        part = tl.dot(tl.trans(RIb), qI * scale * eI, input_precision=PREC) + \
-            tl.dot(tl.trans(PIb), kI * eI, input_precision=PREC)
-        colX += tl.exp(tl.where(live, refI[None, :] - Gb, 0.)) * part
-    # diagonal block, exact: e3[i, j, :] = e^{G_i - G_j} for i >= j
-    e3 = tl.exp(tl.where(i3 >= j3, Gb[:, None, :] - Gb[None, :, :], float("-inf")))
-    kj3 = kb[None, :, :] * e3
-    rowR += tl.sum(Rbb[:, :, None] * kj3, 1)
-    rowP += tl.sum(Pbb[:, :, None] * kj3, 1)
-    dbb += tl.sum(Pbb * tl.sum(kb[:, None, :] * kj3, 2), 1)
-    rowP *= bb[:, None]
-    colX += tl.sum((Rbb[:, :, None] * qb[:, None, :] + (Pbb * bb[:, None])[:, :, None] * kb[:, None, :]) * e3,
-                   0)
-    pb = base * 64 * BK + rb[:, None] * BK + oc[None, :]
-    tl.store(DQs + pb, tl.load(DQs + pb) + rowR)
-    tl.store(DKs + pb, tl.load(DKs + pb) + rowP + colX)
-    tl.store(DGs + pb, tl.load(DGs + pb) + qb * rowR + kb * (rowP - colX))
-    tl.store(DBp + (base * NKC + tl.program_id(2) % NKC) * 64 + rb, dbb)
-
-
-@triton.jit
-def _bwd_finish(DQs, DKs, DGs, DBs, DBp, dq, dk, dg, dbeta, cu, cidx, scale, HV, K, BK: tl.constexpr,
-                KA: tl.constexpr, NKC: tl.constexpr):
-    """Reverse in-chunk cumsum for dg; dq, dk, dg, dbeta written in the caller's layouts."""
-    c = tl.program_id(0).to(tl.int64)
-    hv = tl.program_id(1).to(tl.int64)
-    _, t0, nv = _chunk_rows(cu, cidx, c)
-    base = c * HV + hv
-    r = tl.arange(0, 64)
-    rm = r < nv
-    for kc in tl.static_range(0, BK, KA):
-        oc = kc + tl.arange(0, KA)
-        mrc = rm[:, None] & (oc < K)[None, :]
-        pK = base * 64 * BK + r[:, None] * BK + oc[None, :]
-        po = ((t0 + r) * HV + hv)[:, None] * K + oc[None, :]
-        tl.store(dg + po, tl.cumsum(tl.load(DGs + pK), 0, reverse=True).to(dg.dtype.element_ty), mask=mrc)
-        tl.store(dq + po, (tl.load(DQs + pK) * scale).to(dq.dtype.element_ty), mask=mrc)
-        tl.store(dk + po, tl.load(DKs + pK).to(dk.dtype.element_ty), mask=mrc)
-    db = tl.load(DBs + base * 64 + r)
-    for i in tl.static_range(NKC):  # fixed order
-        db += tl.load(DBp + (base * NKC + i) * 64 + r)
-    tl.store(dbeta + (t0 + r) * HV + hv, db.to(dbeta.dtype.element_ty), mask=rm)
+    qh = q + h * K
+    kh = k + h * K
+    c16 = tl.arange(0, 16)
+    r0 = c16
+    r1 = 16 + c16
+    r2 = 32 + c16
+    r3 = 48 + c16
+    o = c16[:, None] * 64 + c16[None, :]
+    pR = Rs + base * 4096 + o
+    pP = Ps + base * 4096 + o
+    pb = beta + t0 * HV + hv
+    b1 = tl.load(pb + r1 * HV, mask=r1 < nv, other=0.).to(tl.float32)[:, None]
+    b2 = tl.load(pb + r2 * HV, mask=r2 < nv, other=0.).to(tl.float32)[:, None]
+    b3 = tl.load(pb + r3 * HV, mask=r3 < nv, other=0.).to(tl.float32)[:, None]
+    b0 = tl.load(pb + r0 * HV, mask=r0 < nv, other=0.).to(tl.float32)[:, None]
+    R00, R11, R22, R33 = tl.load(pR), tl.load(pR + 1040), tl.load(pR + 2080), tl.load(pR + 3120)
+    R10, R20, R21 = tl.load(pR + 1024), tl.load(pR + 2048), tl.load(pR + 2064)
+    R30, R31, R32 = tl.load(pR + 3072), tl.load(pR + 3088), tl.load(pR + 3104)
+    P00, P11, P22, P33 = tl.load(pP) * b0, tl.load(pP + 1040) * b1, tl.load(pP + 2080) * b2, tl.load(pP + 3120) * b3
+    P10, P20, P21 = tl.load(pP + 1024) * b1, tl.load(pP + 2048) * b2, tl.load(pP + 2064) * b2
+    P30, P31, P32 = tl.load(pP + 3072) * b3, tl.load(pP + 3088) * b3, tl.load(pP + 3104) * b3
+    for kc in range(0, BK, BKS):
+        oc = kc + tl.arange(0, BKS)
+        pGs = pG + oc[None, :]
+        k0 = _tile(kh, t0, r0, nv, H * K, oc, K)
+        k1 = _tile(kh, t0, r1, nv, H * K, oc, K)
+        k2 = _tile(kh, t0, r2, nv, H * K, oc, K)
+        k3 = _tile(kh, t0, r3, nv, H * K, oc, K)
+        q0 = _tile(qh, t0, r0, nv, H * K, oc, K) * scale
+        q1 = _tile(qh, t0, r1, nv, H * K, oc, K) * scale
+        q2 = _tile(qh, t0, r2, nv, H * K, oc, K) * scale
+        q3 = _tile(qh, t0, r3, nv, H * K, oc, K) * scale
+        G0 = tl.load(pGs + r0[:, None] * BK)
+        G1 = tl.load(pGs + r1[:, None] * BK)
+        G2 = tl.load(pGs + r2[:, None] * BK)
+        G3 = tl.load(pGs + r3[:, None] * BK)
+        g1 = tl.load(pG + 16 * BK + oc)
+        g2 = tl.load(pG + 32 * BK + oc)
+        g3 = tl.load(pG + 48 * BK + oc)
+        # off-diagonal blocks: row parts of block I collected before their common factor e^{G_I - g_I}
+        xR1, xP1, c0 = _off_grad(R10, P10, q1, k1, G1, g1, k0, G0, PREC)
+        xR2, xP2, cx = _off_grad(R20, P20, q2, k2, G2, g2, k0, G0, PREC)
+        c0 += cx
+        a, b, c1 = _off_grad(R21, P21, q2, k2, G2, g2, k1, G1, PREC)
+        xR2 += a
+        xP2 += b
+        xR3, xP3, cx = _off_grad(R30, P30, q3, k3, G3, g3, k0, G0, PREC)
+        c0 += cx
+        a, b, cx = _off_grad(R31, P31, q3, k3, G3, g3, k1, G1, PREC)
+        xR3 += a
+        xP3 += b
+        c1 += cx
+        a, b, c2 = _off_grad(R32, P32, q3, k3, G3, g3, k2, G2, PREC)
+        xR3 += a
+        xP3 += b
+        e1 = tl.exp(G1 - g1[None, :])
+        e2 = tl.exp(G2 - g2[None, :])
+        e3 = tl.exp(G3 - g3[None, :])
+        tail = tl.zeros([BKS], dtype=tl.float32)
+        rR, rP, cx = _diag_grad(R33, P33, q3, k3, G3, PREC)
+        tail = _bwd_out(DQs, DKs, DGs, dq, dk, dg, base, t0, r3, nv, hv, HV, K, oc, scale, BK, rR + xR3 * e3,
+                        rP + xP3 * e3, cx, q3, k3, tail)
+        rR, rP, cx = _diag_grad(R22, P22, q2, k2, G2, PREC)
+        tail = _bwd_out(DQs, DKs, DGs, dq, dk, dg, base, t0, r2, nv, hv, HV, K, oc, scale, BK, rR + xR2 * e2,
+                        rP + xP2 * e2, cx + c2, q2, k2, tail)
+        rR, rP, cx = _diag_grad(R11, P11, q1, k1, G1, PREC)
+        tail = _bwd_out(DQs, DKs, DGs, dq, dk, dg, base, t0, r1, nv, hv, HV, K, oc, scale, BK, rR + xR1 * e1,
+                        rP + xP1 * e1, cx + c1, q1, k1, tail)
+        rR, rP, cx = _diag_grad(R00, P00, q0, k0, G0, PREC)
+        tail = _bwd_out(DQs, DKs, DGs, dq, dk, dg, base, t0, r0, nv, hv, HV, K, oc, scale, BK, rR,
+                        rP, cx + c0, q0, k0, tail)
 
 
 def _p2(x: int) -> int:
@@ -481,7 +646,7 @@ def _chunk_plan(cu: list[int] | None, B: int, T: int, device: torch.device
         key = (B, T, str(device))
         if key not in _PLANS:
             nt = triton.cdiv(T, BT)
-            c = torch.arange(B * nt, device=device, dtype=torch.int32)
+            cx = torch.arange(B * nt, device=device, dtype=torch.int32)
             _PLANS[key] = (torch.arange(B + 1, device=device, dtype=torch.int64) * T,
                            torch.stack([c // nt, c % nt], 1).contiguous(),
                            torch.arange(B + 1, device=device, dtype=torch.int32) * nt)
@@ -502,11 +667,11 @@ def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound
     HV, V = v.shape[2], v.shape[3]
     N, NC = coff.numel() - 1, cidx.shape[0]
     BK, BVF = _p2(K), _p2(V)
-    KC, KA = min(CONFIG["kc"], BK), min(CONFIG["ka"], BK, BVF)
+    KA = min(CONFIG["ka"], BK, BVF)
     dev, dt, f32, prec = q.device, k.dtype, torch.float32, _prec(k.dtype)
     Gc = torch.empty(NC, HV, BT, BK, device=dev, dtype=f32)
-    Akk = torch.empty(NC, HV, BT, BT, device=dev, dtype=f32)
-    Mc = torch.empty(NC, HV, BT, BT, device=dev, dtype=f32)
+    Kkk = torch.empty(NC, HV, BT, BT, device=dev, dtype=f32) if save else None
+    Mc = torch.empty(NC, HV, BT, BT, device=dev, dtype=f32) if save else None
     Aqk = torch.empty(NC, HV, BT, BT, device=dev, dtype=dt)
     Wc, QGc, KDc = (torch.empty(NC, HV, BT, BK, device=dev, dtype=dt) for _ in range(3))
     Uc = torch.empty(NC, HV, BT, BVF, device=dev, dtype=dt)
@@ -514,10 +679,10 @@ def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound
     _fwd_cumsum[(NC, HV, BK // KA)](g, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
                                     Gc, cu, cidx, float(lower_bound) if lower_bound is not None else 0., HV, K, BK=BK,
                                     KA=KA, GATE=gate, HAS_A=A_log is not None, HAS_DT=dt_bias is not None, num_warps=4)
-    _fwd_blocks[(NC, HV, 16)](q, k, beta, Gc, Akk, Aqk, cu, cidx, scale, H, HV, K, BK=BK, KC=KC, PREC=prec,
-                              num_warps=CONFIG["blocks_warps"], num_stages=CONFIG["blocks_stages"])
-    _fwd_solve[(NC, HV)](q, k, v, beta, Gc, Akk, Mc, Wc, Uc, QGc, KDc, cu, cidx, scale, H, HV, K, V, BK=BK, KA=KA,
-                         BVF=BVF, PREC=prec, num_warps=CONFIG["solve_warps"], num_stages=1)
+    _fwd_intra[(NC, HV)](q, k, v, beta, Gc, Aqk, Kkk if save else dummy, Mc if save else dummy, Wc, Uc, QGc, KDc, cu,
+                         cidx, scale, H, HV, K, V, BK=BK, BKS=min(CONFIG["intra_bk"], BK),
+                         BVS=min(CONFIG["intra_bk"], BVF), BVF=BVF, SAVE=save, PREC=prec,
+                         num_warps=CONFIG["intra_warps"], num_stages=1)
     o = torch.empty_like(v)
     ht = torch.empty(N, HV, K, V, device=dev, dtype=f32) if want_ht else None
     Hc = torch.empty(NC, HV, BK, BVF, device=dev, dtype=dt) if save else None
@@ -528,18 +693,17 @@ def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound
         Hc if save else dummy, VNc if save else dummy, cu, coff, HV=HV, K=K, V=V, BK=BK, BVF=BVF, BV=BV,
         HAS_H0=h0 is not None, STORE_HT=want_ht, SAVE=save, NUM_STAGES=CONFIG["fwd_state_stages"], PREC=prec,
         num_warps=CONFIG["fwd_state_warps"])
-    return o, ht, (Gc, Mc, Aqk, Wc, QGc, KDc, Hc, VNc)
+    return o, ht, (Gc, Kkk, Mc, Aqk, Wc, QGc, KDc, Hc, VNc)
 
 
 def _bwd(q, k, v, beta, do, dht, has_h0, scale, saved, plan):
     cu, cidx, coff = plan
-    Gc, Mc, Aqk, Wc, QGc, KDc, Hc, VNc = saved
+    Gc, Kkk, Mc, Aqk, Wc, QGc, KDc, Hc, VNc = saved
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N, NC = coff.numel() - 1, cidx.shape[0]
     BK, BVF = _p2(K), _p2(V)
-    KC, KA = min(CONFIG["kc"], BK), min(CONFIG["ka"], BK)
-    NKC = BK // KC
+    KA = min(CONFIG["ka"], BK)
     dev, dt, f32, prec = q.device, k.dtype, torch.float32, _prec(k.dtype)
     DHc = torch.empty(NC, HV, BK, BVF, device=dev, dtype=dt)
     DVNc = torch.empty(NC, HV, BT, BVF, device=dev, dtype=dt)
@@ -557,15 +721,12 @@ def _bwd(q, k, v, beta, do, dht, has_h0, scale, saved, plan):
     Rs = torch.empty(NC, HV, BT, BT, device=dev, dtype=f32)
     Ps = torch.empty_like(Rs)
     DQs, DKs, DGs = (torch.empty(NC, HV, BT, BK, device=dev, dtype=f32) for _ in range(3))
-    DBs = torch.empty(NC, HV, BT, device=dev, dtype=f32)
-    DBp = torch.empty(NC, HV, NKC, BT, device=dev, dtype=f32)
-    _bwd_prep[(NC, HV)](q, k, v, beta, do, Gc, Mc, Hc, DHc, VNc, DVNc, dv, Rs, Ps, DQs, DKs, DGs, DBs, cu, cidx,
+    _bwd_prep[(NC, HV)](q, k, v, beta, do, Gc, Kkk, Mc, Hc, DHc, VNc, DVNc, dv, Rs, Ps, DQs, DKs, DGs, dbeta, cu, cidx,
                         scale, H, HV, K, V, BK=BK, KA=KA, BVF=BVF, BV=min(CONFIG["bwd_prep_bv"], BVF), PREC=prec,
                         num_warps=CONFIG["bwd_prep_warps"], num_stages=CONFIG["bwd_prep_stages"])
-    _bwd_blocks[(NC, HV, 4 * NKC)](q, k, beta, Gc, Rs, Ps, DQs, DKs, DGs, DBp, cu, cidx, scale, H, HV, K, BK=BK,
-                                   KC=KC, NKC=NKC, PREC=prec, num_warps=CONFIG["bwd_blocks_warps"], num_stages=1)
-    _bwd_finish[(NC, HV)](DQs, DKs, DGs, DBs, DBp, dq, dk, dg, dbeta, cu, cidx, scale, HV, K, BK=BK, KA=KA, NKC=NKC,
-                          num_warps=4)
+    _bwd_intra[(NC, HV)](q, k, beta, Gc, Rs, Ps, DQs, DKs, DGs, dq, dk, dg, cu, cidx, scale, H, HV, K, BK=BK,
+                         BKS=min(CONFIG["bwd_intra_bk"], BK), PREC=prec, num_warps=CONFIG["bwd_intra_warps"],
+                         num_stages=1)
     if HV != H:  # grouped value heads: sum the group's contributions in a fixed order
         dq = dq.view(B, T, H, HV // H, K).sum(3).to(q.dtype)
         dk = dk.view(B, T, H, HV // H, K).sum(3).to(k.dtype)

@@ -134,6 +134,17 @@ def test_chunk_varlen_matches_reference():
     _check_against_reference(inp, cu=cu)
 
 
+@pytest.mark.parametrize("decay", ["strong", "mixed"])
+def test_chunk_strong_decay_takes_the_exact_path(decay):
+    """Log-decays so steep that a 16-step tile spans more than e^80 (every tile, or some channels of it): the
+    diagonal blocks fall back from the two-exponential dots to the exact column-by-column form."""
+    inp = make_inputs(1, 100, 1, 1, 32, 16)
+    steep = -15. * torch.rand(1, 100, 1, 32, device=DEV) - 5.
+    inp["g"] = steep if decay == "strong" else torch.where(torch.arange(32, device=DEV) < 16, steep, inp["g"])
+    inp["h0"] = torch.randn(1, 1, 32, 16, device=DEV)
+    _check_against_reference(inp)
+
+
 @pytest.mark.parametrize("gate", ["default", "safe"])
 def test_chunk_gate_and_l2norm_in_kernel(gate):
     B, T, H, HV, K, V = 1, 70, 1, 1, 16, 16
