@@ -94,7 +94,7 @@ def run_pair(fla_kda, xs, do, cu=None, check=False, rep=100):
 
 
 def sweep(T: int) -> list:
-    """Pick the state passes' V block / warps / stages by timing our forward and forward+backward at length T."""
+    """Pick the intra kernels' K slice / warps and the backward prep's warps / stages by timing our forward and forward+backward at length T."""
     xs = inputs(T)
     do = torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16)
     log = []
@@ -108,9 +108,7 @@ def sweep(T: int) -> list:
             ours_mod.chunk_kda(*xs)[0].backward(do)
         fb()
         return med(fb, rep=30, grad_to_none=xs)
-    space = [("fwd_state", ("bv", "warps", "stages"), [(16, 4, 3), (32, 4, 3)], t_fwd),
-             ("intra", ("bk", "warps"), [(32, 8), (16, 4), (32, 4), (16, 8)], t_fwd),
-             ("bwd_state", ("bv", "warps", "stages"), [(16, 4, 3), (16, 4, 2)], t_fb),
+    space = [("intra", ("bk", "warps"), [(32, 8), (16, 4), (32, 4), (16, 8)], t_fwd),
              ("bwd_prep", ("warps", "stages"), [(4, 1), (8, 2)], t_fb),
              ("bwd_intra", ("bk", "warps"), [(32, 8), (16, 4), (32, 4)], t_fb)]
     for stage, keys, cands, timer in space:

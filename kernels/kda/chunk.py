@@ -646,7 +646,7 @@ def _chunk_plan(cu: list[int] | None, B: int, T: int, device: torch.device
         key = (B, T, str(device))
         if key not in _PLANS:
             nt = triton.cdiv(T, BT)
-            cx = torch.arange(B * nt, device=device, dtype=torch.int32)
+            c = torch.arange(B * nt, device=device, dtype=torch.int32)
             _PLANS[key] = (torch.arange(B + 1, device=device, dtype=torch.int64) * T,
                            torch.stack([c // nt, c % nt], 1).contiguous(),
                            torch.arange(B + 1, device=device, dtype=torch.int32) * nt)
