@@ -18,13 +18,15 @@ def naive_block_attnres(rows: Sequence[torch.Tensor], partial: torch.Tensor, que
     """rows: stored block rows, each [..., D]; partial: [..., D]; query, norm_weight: [D].
 
     Returns the mixture [..., D] (in partial.dtype); with `output_norm_weight` the following RMSNorm is applied
-    to the rounded mixture (K3 rounds before the prenorm).
+    to the rounded mixture (K3 rounds before the prenorm). Math in fp32, or fp64 for fp64 inputs (a float64
+    evaluation is the tests' ground truth).
     """
-    v = torch.stack([*rows, partial], dim=-2).float()                       # [..., L, D]
+    ct = torch.promote_types(partial.dtype, torch.float32)
+    v = torch.stack([*rows, partial], dim=-2).to(ct)                        # [..., L, D]
     keys = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
-    scores = (keys * (norm_weight.float() * query.float())).sum(-1)         # [..., L]
+    scores = (keys * (norm_weight.to(ct) * query.to(ct))).sum(-1)           # [..., L]
     mix = (torch.softmax(scores, dim=-1).unsqueeze(-2) @ v).squeeze(-2).to(partial.dtype)
     if output_norm_weight is None:
         return mix
-    m = mix.float()
-    return (m * torch.rsqrt(m.pow(2).mean(-1, keepdim=True) + eps) * output_norm_weight.float()).to(partial.dtype)
+    m = mix.to(ct)
+    return (m * torch.rsqrt(m.pow(2).mean(-1, keepdim=True) + eps) * output_norm_weight.to(ct)).to(partial.dtype)

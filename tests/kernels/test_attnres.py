@@ -185,6 +185,17 @@ def test_bad_input_names_the_tensor():
         fz.fused_attnres(q, [*rows, partial], w, checkpoint_level=2)
 
 
+def test_reference_evaluates_fp64_inputs_in_fp64():
+    """The GPU tests' ground truth is the reference on fp64 inputs: it must not round through fp32."""
+    rows, partial, q, w, ow, _ = _inputs(3, N=(4,), D=64, out_norm=True, seed=13)
+    r64 = [t.detach().double() for t in (*rows, partial, q, w, ow)]
+    o64 = naive_block_attnres(r64[:3], r64[3], *r64[4:6], 1e-6, r64[6])
+    o32 = naive_block_attnres(rows, partial, q, w, 1e-6, ow)
+    assert o64.dtype == torch.float64
+    assert not torch.equal(o64, o32.double())  # fp32 rounding is visible against it
+    torch.testing.assert_close(o64, o32.double(), atol=1e-5, rtol=1e-5)
+
+
 def _grad_errors(grads, truth, n_sources):
     """RMS error of each gradient, relative to the scale of the gradient it belongs to.
 
