@@ -8,7 +8,8 @@ backward = difference. Floors: bytes that must move / measured copy bandwidth, a
 Before timing, a short sweep at T=16K picks launch settings (warps, stages, V block; recorded in the JSON with
 its timings), a profiler pass records device time per kernel, and each size up to 32K checks ours against
 fla-core (relative RMS of o and every gradient). Writes benchmarks/results/kda.json (or $OUT/kda.json when OUT
-is set) after every row. `--quick`: no sweep, 4K and 16K only.
+is set) after every row. `--quick`: no sweep, 4K and 16K only (`--sweep` adds it back); `--rows a,b,varlen`: those
+rows only; `--no-breakdown`: skip the profiler pass.
 """
 from __future__ import annotations
 
@@ -108,9 +109,8 @@ def sweep(T: int) -> list:
             ours_mod.chunk_kda(*xs)[0].backward(do)
         fb()
         return med(fb, rep=30, grad_to_none=xs)
-    space = [("intra", ("bk", "warps"), [(32, 8), (16, 4), (32, 4), (16, 8)], t_fwd),
-             ("bwd_prep", ("warps", "stages"), [(4, 1), (8, 2)], t_fb),
-             ("bwd_intra", ("bk", "warps"), [(32, 8), (16, 4), (32, 4)], t_fb)]
+    space = [("intra", ("bk", "warps", "stages"), [(32, 4, 1), (32, 4, 2), (32, 4, 3), (16, 4, 3)], t_fwd),
+             ("bwd_intra", ("bk", "warps", "stages"), [(32, 4, 1), (32, 4, 3)], t_fb)]
     for stage, keys, cands, timer in space:
         best = None
         for cand in cands:
@@ -168,10 +168,11 @@ def main() -> None:
     res["sweep"] = sweep(16384) if do_sweep else []
     res["config"] = dict(ours_mod.CONFIG)
     print("config", res["config"], f"sweep {time.time() - t0:.0f}s", flush=True)
-    res["breakdown_T16384_fwdbwd_ms"] = breakdown(16384)
-    print("breakdown", res["breakdown_T16384_fwdbwd_ms"], flush=True)
-    res["fla_breakdown_T16384_fwdbwd_ms"] = breakdown(16384, fla_kda)
-    print("fla breakdown", res["fla_breakdown_T16384_fwdbwd_ms"], flush=True)
+    if "--no-breakdown" not in sys.argv:
+        res["breakdown_T16384_fwdbwd_ms"] = breakdown(16384)
+        print("breakdown", res["breakdown_T16384_fwdbwd_ms"], flush=True)
+        res["fla_breakdown_T16384_fwdbwd_ms"] = breakdown(16384, fla_kda)
+        print("fla breakdown", res["fla_breakdown_T16384_fwdbwd_ms"], flush=True)
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
     os.makedirs(out_dir, exist_ok=True)
 
@@ -182,7 +183,10 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1)  # one packed varlen batch: 8 sequences, 32K tokens
     cuts = torch.sort(torch.randperm(32767, generator=gen)[:7] + 1).values
     cu = torch.cat([torch.tensor([0]), cuts, torch.tensor([32768])]).to(dev)
-    for T in ([4096, 16384] if quick else [4096, 16384, "varlen", 65536, 131072]):
+    sizes = [4096, 16384] if quick else [4096, 16384, "varlen", 65536, 131072]
+    if "--rows" in sys.argv:  # e.g. --rows 65536,131072,varlen
+        sizes = [x if x == "varlen" else int(x) for x in sys.argv[sys.argv.index("--rows") + 1].split(",")]
+    for T in sizes:
         varlen = T == "varlen"
         T = 32768 if varlen else T
         xs = inputs(T)

@@ -35,7 +35,8 @@ BC = 16  # sub-block size inside a chunk
 # launch settings (no autotuning, so the interpreter and the GPU run the same configs)
 CONFIG = {"fwd_state_bv": 16, "fwd_state_warps": 4, "fwd_state_stages": 3,
           "bwd_state_bv": 16, "bwd_state_warps": 4, "bwd_state_stages": 3,
-          "intra_bk": 32, "intra_warps": 8, "bwd_intra_bk": 32, "bwd_intra_warps": 8,
+          "intra_bk": 32, "intra_warps": 4, "intra_stages": 1,
+          "bwd_intra_bk": 32, "bwd_intra_warps": 4, "bwd_intra_stages": 1,
           "bwd_prep_bv": 32, "bwd_prep_warps": 4, "bwd_prep_stages": 1, "ka": 32}
 
 
@@ -682,7 +683,7 @@ def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound
     _fwd_intra[(NC, HV)](q, k, v, beta, Gc, Aqk, Kkk if save else dummy, Mc if save else dummy, Wc, Uc, QGc, KDc, cu,
                          cidx, scale, H, HV, K, V, BK=BK, BKS=min(CONFIG["intra_bk"], BK),
                          BVS=min(CONFIG["intra_bk"], BVF), BVF=BVF, SAVE=save, PREC=prec,
-                         num_warps=CONFIG["intra_warps"], num_stages=1)
+                         num_warps=CONFIG["intra_warps"], num_stages=CONFIG["intra_stages"])
     o = torch.empty_like(v)
     ht = torch.empty(N, HV, K, V, device=dev, dtype=f32) if want_ht else None
     Hc = torch.empty(NC, HV, BK, BVF, device=dev, dtype=dt) if save else None
@@ -726,7 +727,7 @@ def _bwd(q, k, v, beta, do, dht, has_h0, scale, saved, plan):
                         num_warps=CONFIG["bwd_prep_warps"], num_stages=CONFIG["bwd_prep_stages"])
     _bwd_intra[(NC, HV)](q, k, beta, Gc, Rs, Ps, DQs, DKs, DGs, dq, dk, dg, cu, cidx, scale, H, HV, K, BK=BK,
                          BKS=min(CONFIG["bwd_intra_bk"], BK), PREC=prec, num_warps=CONFIG["bwd_intra_warps"],
-                         num_stages=1)
+                         num_stages=CONFIG["bwd_intra_stages"])
     if HV != H:  # grouped value heads: sum the group's contributions in a fixed order
         dq = dq.view(B, T, H, HV // H, K).sum(3).to(q.dtype)
         dk = dk.view(B, T, H, HV // H, K).sum(3).to(k.dtype)
