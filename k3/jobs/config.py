@@ -23,11 +23,12 @@ class ModelSection:
 class SFTSection:
     """Warm start on synthetic demonstrations with deliberate mistakes (see k3.envs.calc_task)."""
     cache_dir: str = ".cache/k3"
-    steps: int = 400
+    steps: int = 500
     batch_size: int = 32
     lr: float = 3e-3
-    p_tool: float = 0.5
-    p_slip: float = 0.5          # share of tool-using demonstrations with a garbled call or copied result
+    p_tool: float = 0.2          # share of demonstrations that decide to call the tool (others answer "from the head")
+    p_slip: float = 0.2          # share of tool-using demonstrations with a garbled call or copied result
+    p_copy: float = 0.5          # share of rows that teach the tool's mechanics only (decision token not trained)
     seed: int = 1
 
 
@@ -48,7 +49,7 @@ class RolloutSection:
 @dataclass
 class RLSection:
     mode: str = "lora"           # "lora" or "full"
-    lr: float = 1e-3
+    lr: float = 2e-3
     lora_rank: int = 8
     lora_alpha: float = 16.0
     eps_low: float = 3e-4
@@ -99,6 +100,7 @@ class JobConfig:
         need(self.sft.lr > 0 and self.rl.lr > 0, "rl.lr" if self.rl.lr <= 0 else "sft.lr", "must be positive")
         need(0.0 <= self.sft.p_tool <= 1.0, "sft.p_tool", "must be in [0, 1]")
         need(0.0 <= self.sft.p_slip <= 1.0, "sft.p_slip", "must be in [0, 1]")
+        need(0.0 <= self.sft.p_copy <= 1.0, "sft.p_copy", "must be in [0, 1]")
         need(self.rollout.temperature > 0, "rollout.temperature", "must be positive")
         need(0.0 < self.rollout.top_p <= 1.0, "rollout.top_p", "must be in (0, 1]")
         need(self.rollout.top_k >= 0, "rollout.top_k", "must be >= 0 (0 = off)")

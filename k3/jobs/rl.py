@@ -8,6 +8,7 @@ The engine holds its own copy of the model: the trainer's weights reach it only 
 after every sync the engine's weights are checked bit for bit against the learner's."""
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import asdict
@@ -74,7 +75,10 @@ class RLJob:
             self.serving_adapter = self.serving_lora.create(POLICY_ADAPTER, self.lora_cfg)
             self.serving_lora.activate(POLICY_ADAPTER)
         self.serving = serving
-        self.publisher = WeightPublisher(full_every=cfg.sync.full_every, level=cfg.sync.zstd_level)
+        # a chain id derived from the config, not a random one: its length in the payload header would make
+        # delta_bytes differ by a byte or two between runs of the same config
+        chain = hashlib.sha256(json.dumps(asdict(cfg), sort_keys=True).encode()).hexdigest()[:32]
+        self.publisher = WeightPublisher(full_every=cfg.sync.full_every, level=cfg.sync.zstd_level, chain=chain)
         first = self.publisher.publish(self._published(), version=0)
         self.receiver = WeightReceiver.from_payload(first)
         self._load_serving(self.receiver.state_dict())
@@ -114,19 +118,20 @@ class RLJob:
         return len(payload), sum(v.numel() * v.element_size() for v in state.values())
 
     # ------------------------------------------------------------------ loop
-    def evaluate(self, version: int) -> float:
+    def evaluate(self, version: int) -> tuple[float, float]:
+        """Mean reward on the held-out tasks (eval.samples sampled episodes each) and the share that called the tool."""
         r = self.cfg.rollout
         tasks = heldout_tasks()[: self.cfg.eval.heldout]
         outs = run_episodes(self.engine, self.env, tasks, self.cfg.eval.samples, temperature=r.temperature,
                             top_p=r.top_p, top_k=r.top_k, max_turn_tokens=r.max_turn_tokens, seed=99991,
                             adapter_id=self.adapter_id)
-        return sum(o.reward for o in outs) / len(outs)
+        return sum(o.reward for o in outs) / len(outs), _tool_rate(outs)
 
     def run(self, updates: int) -> dict:
         cfg, r = self.cfg, self.cfg.rollout
         log = MetricsLog(self.out / "metrics.jsonl")
         t0 = time.perf_counter()
-        base_heldout = self.evaluate(0)
+        base_heldout, base_tool_rate = self.evaluate(0)
         n_moe, top_k = len(self.learner.model.moe_layer_ids), self.learner.model.config.num_experts_per_token
         bar = tqdm(range(1, updates + 1), desc="rl", disable=not self.progress)
         for u in bar:
@@ -148,11 +153,12 @@ class RLJob:
             row = {"update": u, "reward": float(rewards.mean()), "kl_k3": float(m["mismatch_k3_kl"]),
                    "max_abs_dlogp": float(m["max_abs_dlogp"]),
                    "cache_hit_rate": hit, "delta_bytes": delta_bytes, "full_bytes": full_bytes,
-                   "model_bytes": self.model_bytes, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
+                   "model_bytes": self.model_bytes, "tool_rate": _tool_rate(rollouts), "loss": float(m["loss"]),
+                   "grad_norm": float(m["grad_norm"]),
                    "clip_frac": float(m["clip_frac"]), "masked_frac": float(m["masked_frac"]),
                    "elapsed_s": time.perf_counter() - t0}
             if u % cfg.eval.every == 0 or u == updates:
-                row["heldout_reward"] = self.evaluate(u)
+                row["heldout_reward"], row["heldout_tool_rate"] = self.evaluate(u)
             log.write(row)
             bar.set_postfix(reward=f"{row['reward']:.3f}", kl=f"{row['kl_k3']:.1e}", hit=f"{hit:.3f}",
                             delta=f"{delta_bytes / 1024:.0f}K")
@@ -162,6 +168,7 @@ class RLJob:
         summary = {
             "updates": updates, "base_heldout_reward": base_heldout, "final_heldout_reward": final,
             "heldout_gain": final / base_heldout if base_heldout > 0 else float("inf"),
+            "base_heldout_tool_rate": base_tool_rate, "final_heldout_tool_rate": rows[-1]["heldout_tool_rate"],
             "mean_kl_k3": sum(x["kl_k3"] for x in rows) / len(rows),
             "max_kl_k3": max(x["kl_k3"] for x in rows),
             "cache_hit_rate": _hit_rate(None, total),
@@ -174,6 +181,11 @@ class RLJob:
         (self.out / "summary.json").write_text(json.dumps({"summary": summary, "config": asdict(cfg)}, indent=2))
         plot(rows, self.out / "rl.png", base_heldout)
         return summary
+
+
+def _tool_rate(rollouts: list[Rollout]) -> float:
+    """Share of episodes that called the calculator at least once."""
+    return sum(bool(x.episode.calls) for x in rollouts) / len(rollouts)
 
 
 def _hit_rate(before: dict | None, after: dict) -> float:

@@ -1,5 +1,5 @@
 """Warm start (`k3 sft`): train the tiny K3 on synthetic calculator demonstrations that contain deliberate mistakes,
-to a base policy that sometimes uses the tool well and often does not (held-out reward around 0.3). The result is
+to a base policy that knows how to use the tool but rarely decides to (held-out reward around 0.3). The result is
 cached under `cache_dir/sft-<key>/` (config.json + model.safetensors + meta.json) and reused by later runs."""
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from k3.config import K3Config
-from k3.envs import CalculatorEnv, train_tasks
-from k3.jobs.config import JobConfig
+from k3.envs import CalculatorEnv, Episode, Task, train_tasks
+from k3.jobs.config import JobConfig, SFTSection
 from k3.model import K3ForCausalLM, K3State
 
 
@@ -40,6 +40,20 @@ def masked_next_token_loss(model: K3ForCausalLM, ids: torch.Tensor, mask: torch.
     return (ce * m).sum() / m.sum().clamp(min=1.0)
 
 
+def demonstration_row(env: CalculatorEnv, tasks: list[Task], rng: random.Random, sft: SFTSection) -> Episode:
+    """One SFT row. With prob. `p_copy` a tool-use demonstration whose first model token (the decision to call the
+    tool) is left out of the loss: it teaches the tool's mechanics (copy the expression into the call, copy the
+    result into the answer) without changing how often the base decides to call. Otherwise a demonstration from
+    the `p_tool` / `p_slip` mixture, decision included. The base thus uses the tool rarely but fairly well: the
+    improvement RL can find is to call it more often."""
+    mechanics_only = rng.random() < sft.p_copy
+    task = tasks[rng.randrange(len(tasks))]
+    ep = env.demonstration(task, rng, p_tool=1.0 if mechanics_only else sft.p_tool, p_slip=sft.p_slip)
+    if mechanics_only:
+        ep.model_mask[len(env.prompt(task))] = False
+    return ep
+
+
 def sft_key(cfg: JobConfig) -> str:
     blob = json.dumps({"model": asdict(cfg.model), "sft": {k: v for k, v in asdict(cfg.sft).items()
                                                             if k != "cache_dir"}}, sort_keys=True)
@@ -61,9 +75,7 @@ def train_sft(cfg: JobConfig, progress: bool = True) -> K3ForCausalLM:
     S = len(env.system)
     bar = tqdm(range(cfg.sft.steps), desc="sft", disable=not progress)
     for _ in bar:
-        eps = [env.demonstration(tasks[rng.randrange(len(tasks))], rng, p_tool=cfg.sft.p_tool,
-                                 p_slip=cfg.sft.p_slip)
-               for _ in range(cfg.sft.batch_size)]
+        eps = [demonstration_row(env, tasks, rng, cfg.sft) for _ in range(cfg.sft.batch_size)]
         # every demonstration starts with the same system prompt: compute its state once per step (no gradient
         # through it) and train on the rest of each episode from there
         with torch.no_grad():

@@ -44,6 +44,7 @@ def test_short_run_invariants(job):
         assert 0.0 <= r["cache_hit_rate"] <= 1.0
         assert r["kl_k3"] < 1e-3                     # rollout and trainer agree (same weights, exact sync)
         assert 0 < r["delta_bytes"] < r["full_bytes"] + 4096
+        assert 0.0 <= r["tool_rate"] <= 1.0 and 0.0 <= r["heldout_tool_rate"] <= 1.0
     saved = json.loads((job.out / "summary.json").read_text())
     assert saved["summary"]["updates"] == 2 == summary["updates"]
     assert (job.out / "rl.png").stat().st_size > 1000
@@ -55,3 +56,18 @@ def test_sft_base_is_cached(job):
     from k3.jobs.sft import ensure_base
     path, trained = ensure_base(job.cfg, progress=False)
     assert not trained and (path / "model.safetensors").exists()
+
+
+def test_same_config_same_metrics(job):
+    """A second job of the same config (cached base) reproduces every metric but the wall time, payload sizes
+    included (the sync chain id comes from the config)."""
+    if not (job.out / "metrics.jsonl").exists():  # selected alone: the first job has not run yet
+        job.run(2)
+    other = RLJob(job.cfg, job.out.parent / "out2", progress=False)
+    assert not other.sft_trained and other.publisher.chain == job.publisher.chain
+    other.run(2)
+
+    def rows(d):
+        return [{k: v for k, v in json.loads(line).items() if k != "elapsed_s"}
+                for line in (d / "metrics.jsonl").read_text().splitlines()]
+    assert rows(other.out) == rows(job.out)
