@@ -35,8 +35,8 @@ BC = 16  # sub-block size inside a chunk
 # launch settings (no autotuning, so the interpreter and the GPU run the same configs)
 CONFIG = {"fwd_state_bv": 16, "fwd_state_warps": 4, "fwd_state_stages": 3,
           "bwd_state_bv": 16, "bwd_state_warps": 4, "bwd_state_stages": 3,
-          "intra_bk": 32, "intra_warps": 4, "intra_stages": 1,
-          "bwd_intra_bk": 32, "bwd_intra_warps": 4, "bwd_intra_stages": 1,
+          "intra_bk": 32, "intra_warps": 4, "intra_stages": 2,
+          "bwd_intra_bk": 32, "bwd_intra_warps": 4, "bwd_intra_stages": 3,
           "bwd_prep_bv": 32, "bwd_prep_warps": 4, "bwd_prep_stages": 1, "ka": 32}
 
 
