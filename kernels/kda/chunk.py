@@ -123,10 +123,10 @@ def _diag_block(xb, kb, Gb, PREC: tl.constexpr):
 
 
 @triton.jit
-def _a_block(qh, kh, pG, t0, rI, rJ, nv, stride, K, BK: tl.constexpr, BKS: tl.constexpr, DIAG: tl.constexpr,
-             PREC: tl.constexpr):
-    """Block (I, J) of <k_i e^{G_i-G_j}, k_j> and <q_i e^{G_i-G_j}, k_j> (rows rI, columns rJ), summed over K
-    slices; DIAG: I == J (strictly lower / lower)."""
+def _a_block(qh, kh, pG, t0, rI, rJ, nv, stride, K, pAqk, scale, BK: tl.constexpr, BKS: tl.constexpr,
+             DIAG: tl.constexpr, PREC: tl.constexpr):
+    """Block (I, J) (rows rI, columns rJ) of <k_i e^{G_i-G_j}, k_j>, returned, and of scale <q_i e^{G_i-G_j}, k_j>,
+    stored at pAqk; summed over K slices. DIAG: I == J (strictly lower / lower)."""
     akk = tl.zeros([16, 16], dtype=tl.float32)
     aqk = tl.zeros([16, 16], dtype=tl.float32)
     for kc in range(0, BK, BKS):
@@ -141,7 +141,8 @@ def _a_block(qh, kh, pG, t0, rI, rJ, nv, stride, K, BK: tl.constexpr, BKS: tl.co
                               tl.load(pG + rJ[:, None] * BK + oc[None, :]), PREC)
         akk += a
         aqk += b
-    return akk, aqk
+    tl.store(pAqk, (aqk * scale).to(pAqk.dtype.element_ty))
+    return akk
 
 
 @triton.jit
@@ -201,28 +202,17 @@ def _fwd_intra(q, k, v, beta, Gc, Aqk, Kkk, Mc, Wc, Uc, QGc, KDc, cu, cidx, scal
     r2 = 32 + c16
     r3 = 48 + c16
     pA = Aqk + base * 4096 + c16[:, None] * 64 + c16[None, :]
-    dt = Aqk.dtype.element_ty
-    K00, Q = _a_block(qh, kh, pG, t0, r0, r0, nv, H * K, K, BK, BKS, True, PREC)
-    tl.store(pA, (Q * scale).to(dt))
-    K10, Q = _a_block(qh, kh, pG, t0, r1, r0, nv, H * K, K, BK, BKS, False, PREC)
-    tl.store(pA + 1024, (Q * scale).to(dt))
-    K11, Q = _a_block(qh, kh, pG, t0, r1, r1, nv, H * K, K, BK, BKS, True, PREC)
-    tl.store(pA + 1040, (Q * scale).to(dt))
-    K20, Q = _a_block(qh, kh, pG, t0, r2, r0, nv, H * K, K, BK, BKS, False, PREC)
-    tl.store(pA + 2048, (Q * scale).to(dt))
-    K21, Q = _a_block(qh, kh, pG, t0, r2, r1, nv, H * K, K, BK, BKS, False, PREC)
-    tl.store(pA + 2064, (Q * scale).to(dt))
-    K22, Q = _a_block(qh, kh, pG, t0, r2, r2, nv, H * K, K, BK, BKS, True, PREC)
-    tl.store(pA + 2080, (Q * scale).to(dt))
-    K30, Q = _a_block(qh, kh, pG, t0, r3, r0, nv, H * K, K, BK, BKS, False, PREC)
-    tl.store(pA + 3072, (Q * scale).to(dt))
-    K31, Q = _a_block(qh, kh, pG, t0, r3, r1, nv, H * K, K, BK, BKS, False, PREC)
-    tl.store(pA + 3088, (Q * scale).to(dt))
-    K32, Q = _a_block(qh, kh, pG, t0, r3, r2, nv, H * K, K, BK, BKS, False, PREC)
-    tl.store(pA + 3104, (Q * scale).to(dt))
-    K33, Q = _a_block(qh, kh, pG, t0, r3, r3, nv, H * K, K, BK, BKS, True, PREC)
-    tl.store(pA + 3120, (Q * scale).to(dt))
-    z = tl.zeros([16, 16], dtype=dt)
+    K00 = _a_block(qh, kh, pG, t0, r0, r0, nv, H * K, K, pA, scale, BK, BKS, True, PREC)
+    K10 = _a_block(qh, kh, pG, t0, r1, r0, nv, H * K, K, pA + 1024, scale, BK, BKS, False, PREC)
+    K11 = _a_block(qh, kh, pG, t0, r1, r1, nv, H * K, K, pA + 1040, scale, BK, BKS, True, PREC)
+    K20 = _a_block(qh, kh, pG, t0, r2, r0, nv, H * K, K, pA + 2048, scale, BK, BKS, False, PREC)
+    K21 = _a_block(qh, kh, pG, t0, r2, r1, nv, H * K, K, pA + 2064, scale, BK, BKS, False, PREC)
+    K22 = _a_block(qh, kh, pG, t0, r2, r2, nv, H * K, K, pA + 2080, scale, BK, BKS, True, PREC)
+    K30 = _a_block(qh, kh, pG, t0, r3, r0, nv, H * K, K, pA + 3072, scale, BK, BKS, False, PREC)
+    K31 = _a_block(qh, kh, pG, t0, r3, r1, nv, H * K, K, pA + 3088, scale, BK, BKS, False, PREC)
+    K32 = _a_block(qh, kh, pG, t0, r3, r2, nv, H * K, K, pA + 3104, scale, BK, BKS, False, PREC)
+    K33 = _a_block(qh, kh, pG, t0, r3, r3, nv, H * K, K, pA + 3120, scale, BK, BKS, True, PREC)
+    z = tl.zeros([16, 16], dtype=Aqk.dtype.element_ty)
     tl.store(pA + 16, z)  # blocks above the diagonal (the state pass reads Aqk whole)
     tl.store(pA + 32, z)
     tl.store(pA + 48, z)
