@@ -183,6 +183,22 @@ def _store_blocks(p, B00, B10, B11, B20, B21, B22, B30, B31, B32, B33):
 
 
 @triton.jit
+def _store_m_times(p, stride, M00, M10, M11, M20, M21, M22, M30, M31, M32, M33, X0, X1, X2, X3, PREC: tl.constexpr):
+    """Store M X for a block-lower 64 x 64 M (16 x 16 blocks) and X given as four 16-row tiles; p points at
+    column 0 of the tile's columns, rows 64 apart by `stride`."""
+    c16 = tl.arange(0, 16)[:, None] * stride
+    dt = p.dtype.element_ty
+    tl.store(p + c16, tl.dot(M00, X0, input_precision=PREC).to(dt))
+    tl.store(p + 16 * stride + c16, (tl.dot(M10, X0, input_precision=PREC)
+                                     + tl.dot(M11, X1, input_precision=PREC)).to(dt))
+    tl.store(p + 32 * stride + c16, (tl.dot(M20, X0, input_precision=PREC) + tl.dot(M21, X1, input_precision=PREC)
+                                     + tl.dot(M22, X2, input_precision=PREC)).to(dt))
+    tl.store(p + 48 * stride + c16, (tl.dot(M30, X0, input_precision=PREC) + tl.dot(M31, X1, input_precision=PREC)
+                                     + tl.dot(M32, X2, input_precision=PREC) + tl.dot(M33, X3, input_precision=PREC)
+                                     ).to(dt))
+
+
+@triton.jit
 def _fwd_intra(q, k, v, beta, Gc, Aqk, Kkk, Mc, Wc, Uc, QGc, KDc, cu, cidx, scale, H, HV, K, V,
                BK: tl.constexpr, BKS: tl.constexpr, BVF: tl.constexpr, BVS: tl.constexpr, SAVE: tl.constexpr,
                PREC: tl.constexpr):
@@ -268,14 +284,7 @@ def _fwd_intra(q, k, v, beta, Gc, Aqk, Kkk, Mc, Wc, Uc, QGc, KDc, cu, cidx, scal
         X1 = k1 * tl.exp(G1) * b1[:, None]
         X2 = k2 * tl.exp(G2) * b2[:, None]
         X3 = k3 * tl.exp(G3) * b3[:, None]
-        tl.store(pK + r0[:, None] * BK, tl.dot(M00, X0, input_precision=PREC).to(wt))
-        tl.store(pK + r1[:, None] * BK, (tl.dot(M10, X0, input_precision=PREC)
-                                         + tl.dot(M11, X1, input_precision=PREC)).to(wt))
-        tl.store(pK + r2[:, None] * BK, (tl.dot(M20, X0, input_precision=PREC) + tl.dot(M21, X1, input_precision=PREC)
-                                         + tl.dot(M22, X2, input_precision=PREC)).to(wt))
-        tl.store(pK + r3[:, None] * BK, (tl.dot(M30, X0, input_precision=PREC) + tl.dot(M31, X1, input_precision=PREC)
-                                         + tl.dot(M32, X2, input_precision=PREC)
-                                         + tl.dot(M33, X3, input_precision=PREC)).to(wt))
+        _store_m_times(pK, BK, M00, M10, M11, M20, M21, M22, M30, M31, M32, M33, X0, X1, X2, X3, PREC)
         tl.store(pKD + r0[:, None] * BK, (k0 * tl.exp(gC - G0)).to(wt))
         tl.store(pKD + r1[:, None] * BK, (k1 * tl.exp(gC - G1)).to(wt))
         tl.store(pKD + r2[:, None] * BK, (k2 * tl.exp(gC - G2)).to(wt))
@@ -292,15 +301,7 @@ def _fwd_intra(q, k, v, beta, Gc, Aqk, Kkk, Mc, Wc, Uc, QGc, KDc, cu, cidx, scal
         Y1 = _tile(vh, t0, r1, nv, HV * V, ov, V) * b1[:, None]
         Y2 = _tile(vh, t0, r2, nv, HV * V, ov, V) * b2[:, None]
         Y3 = _tile(vh, t0, r3, nv, HV * V, ov, V) * b3[:, None]
-        tl.store(pU + r0[:, None] * BVF, tl.dot(M00, Y0, input_precision=PREC).to(wt))
-        tl.store(pU + r1[:, None] * BVF, (tl.dot(M10, Y0, input_precision=PREC)
-                                          + tl.dot(M11, Y1, input_precision=PREC)).to(wt))
-        tl.store(pU + r2[:, None] * BVF, (tl.dot(M20, Y0, input_precision=PREC) + tl.dot(M21, Y1, input_precision=PREC)
-                                          + tl.dot(M22, Y2, input_precision=PREC)).to(wt))
-        tl.store(pU + r3[:, None] * BVF, (tl.dot(M30, Y0, input_precision=PREC) + tl.dot(M31, Y1, input_precision=PREC)
-                                          + tl.dot(M32, Y2, input_precision=PREC)
-                                          + tl.dot(M33, Y3, input_precision=PREC)).to(wt))
-
+        _store_m_times(pU, BVF, M00, M10, M11, M20, M21, M22, M30, M31, M32, M33, Y0, Y1, Y2, Y3, PREC)
 
 @triton.jit
 def _fwd_state(Wc, Uc, QGc, KDc, Aqk, Gc, o, h0, ht, Hc, VNc, cu, coff,
