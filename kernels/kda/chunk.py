@@ -75,6 +75,17 @@ def _fwd_cumsum(g, A_log, dt_bias, Gc, cu, cidx, lower_bound, HV, K, BK: tl.cons
 
 
 @triton.jit
+def _intra_program(q, k, Gc, cu, cidx, H, HV, K, BK: tl.constexpr):
+    """This (chunk, value head) program's head, first token, valid rows, chunk-layout base, G tile and q/k heads."""
+    c = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1).to(tl.int64)
+    _, t0, nv = _chunk_rows(cu, cidx, c)
+    base = c * HV + hv
+    h = hv // (HV // H)
+    return hv, t0, nv, base, Gc + base * 64 * BK, q + h * K, k + h * K
+
+
+@triton.jit
 def _tile(p, t0, rows, nv, stride, oc, K):
     """[16, len(oc)] fp32 tile of token rows t0 + rows of a token-major tensor (row stride `stride`), zeros past
     nv rows / K columns."""
@@ -204,14 +215,7 @@ def _fwd_intra(q, k, v, beta, Gc, Aqk, Kkk, Mc, Wc, Uc, QGc, KDc, cu, cidx, scal
                PREC: tl.constexpr):
     """Everything inside one chunk of one head, in registers: A and Aqk as 4 x 4 blocks of 16 (one pass over K
     slices), M = (I + A)^-1 by blocks, then W = M (beta k e^G), U = M (beta v), q e^G (scaled), k e^{G_C - G}."""
-    c = tl.program_id(0).to(tl.int64)
-    hv = tl.program_id(1).to(tl.int64)
-    h = hv // (HV // H)
-    _, t0, nv = _chunk_rows(cu, cidx, c)
-    base = c * HV + hv
-    pG = Gc + base * 64 * BK
-    qh = q + h * K
-    kh = k + h * K
+    hv, t0, nv, base, pG, qh, kh = _intra_program(q, k, Gc, cu, cidx, H, HV, K, BK)
     c16 = tl.arange(0, 16)
     r0 = c16
     r1 = 16 + c16
@@ -539,14 +543,7 @@ def _bwd_intra(q, k, beta, Gc, Rs, Ps, DQs, DKs, DGs, dq, dk, dg, cu, cidx, scal
                BKS: tl.constexpr, PREC: tl.constexpr):
     """Gradients through A (P = dA) and Aqk (R = dAqk) for one chunk of one head, as 4 x 4 blocks of 16, one K
     slice at a time, added to the direct parts from `_bwd_prep`; writes dq, dk, dg (reverse in-chunk cumsum)."""
-    c = tl.program_id(0).to(tl.int64)
-    hv = tl.program_id(1).to(tl.int64)
-    h = hv // (HV // H)
-    _, t0, nv = _chunk_rows(cu, cidx, c)
-    base = c * HV + hv
-    pG = Gc + base * 64 * BK
-    qh = q + h * K
-    kh = k + h * K
+    hv, t0, nv, base, pG, qh, kh = _intra_program(q, k, Gc, cu, cidx, H, HV, K, BK)
     c16 = tl.arange(0, 16)
     r0 = c16
     r1 = 16 + c16
