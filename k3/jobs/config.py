@@ -26,7 +26,7 @@ class SFTSection:
     steps: int = 500
     batch_size: int = 32
     lr: float = 3e-3
-    p_tool: float = 0.2          # share of demonstrations that decide to call the tool (others answer "from the head")
+    p_tool: float = 0.25         # share of demonstrations that decide to call the tool (others answer "from the head")
     p_slip: float = 0.2          # share of tool-using demonstrations with a garbled call or copied result
     p_copy: float = 0.5          # share of rows that teach the tool's mechanics only (decision token not trained)
     seed: int = 1
