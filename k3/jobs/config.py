@@ -57,6 +57,7 @@ class RLSection:
     router_replay: bool = True
     kl_coef: float = 0.0
     max_grad_norm: float = 1.0
+    micro_batch_size: int = 16   # sequences per learner forward/backward (the update's gradient is accumulated)
     train_seed: int = 7
 
 
@@ -92,7 +93,7 @@ class JobConfig:
         need(self.model.preset in PRESETS, "model.preset", f"unknown preset {self.model.preset!r}")
         need(self.updates >= 1, "updates", "must be >= 1")
         for sec, names in (("sft", ("steps", "batch_size")), ("rollout", ("tasks_per_update", "group_size",
-                           "max_turn_tokens", "checkpoint_every", "state_slots", "kv_pages")), ("rl", ("lora_rank",)),
+                           "max_turn_tokens", "checkpoint_every", "state_slots", "kv_pages")), ("rl", ("lora_rank", "micro_batch_size")),
                            ("sync", ("full_every",)), ("eval", ("every", "heldout", "samples"))):
             for n in names:
                 need(getattr(getattr(self, sec), n) >= 1, f"{sec}.{n}", "must be >= 1")

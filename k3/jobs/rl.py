@@ -67,7 +67,8 @@ class RLJob:
                          else None)
         self.learner = Learner(trainer, LearnerConfig(lr=cfg.rl.lr, eps_low=cfg.rl.eps_low, eps_high=cfg.rl.eps_high,
                                                       router_replay=cfg.rl.router_replay, kl_coef=cfg.rl.kl_coef,
-                                                      max_grad_norm=cfg.rl.max_grad_norm, lora=self.lora_cfg),
+                                                      max_grad_norm=cfg.rl.max_grad_norm, lora=self.lora_cfg,
+                                                      micro_batch_size=cfg.rl.micro_batch_size),
                                seed=cfg.rl.train_seed)
         self.adapter_id = POLICY_ADAPTER if self.lora_cfg is not None else None
         if self.lora_cfg is not None:  # the engine serves base + adapter, the adapter's weights arrive by sync

@@ -12,7 +12,7 @@ def test_example_config_loads():
     ({"rl.lrr": 1.0}, "rl.lrr"), ({"rl.mode": "half"}, "rl.mode"), ({"rollout.group_size": 1}, "rollout.group_size"),
     ({"rollout.top_p": 0.0}, "rollout.top_p"), ({"sft.steps": "many"}, "sft.steps"), ({"model.preset": "huge"},
     "model.preset"), ({"eval.heldout": 51}, "eval.heldout"), ({"nosection.x": 1}, "nosection"),
-    ({"sft.p_copy": 1.5}, "sft.p_copy"),
+    ({"sft.p_copy": 1.5}, "sft.p_copy"), ({"rl.micro_batch_size": 0}, "rl.micro_batch_size"),
 ])
 def test_bad_fields_are_named(overrides, field):
     with pytest.raises(JobConfigError, match=field.replace(".", r"\.")):
