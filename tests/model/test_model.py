@@ -10,16 +10,8 @@ from k3.model.adapter import CheckpointError
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    torch.manual_seed(0)
-    cfg = K3Config.preset("tiny")
-    model = K3ForCausalLM(cfg).eval()
-    # non-trivial AttnRes and router bias so the tests exercise them
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("_res_proj.weight") or n.endswith("e_score_correction_bias"):
-                p.normal_(0, 0.5)
-    return model
+def tiny(make_tiny):
+    return make_tiny(seed=0, res_std=0.5, router_bias=True).eval()
 
 
 @pytest.mark.parametrize("cuts", [
@@ -129,13 +121,8 @@ def test_bad_inputs_name_the_tensor(tiny):
         tiny.extend(ids, st)
 
 
-def test_backward_reaches_every_parameter():
-    torch.manual_seed(1)
-    model = K3ForCausalLM(K3Config.preset("tiny"))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("_res_proj.weight"):
-                p.normal_(0, 0.1)
+def test_backward_reaches_every_parameter(make_tiny):
+    model = make_tiny(seed=1, res_std=0.1)
     ids = torch.randint(0, model.config.vocab_size, (2, 70))
     logits = model(ids, use_cache=False).logits
     torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).backward()

@@ -2,25 +2,12 @@
 import pytest
 import torch
 
-from k3.config import K3Config
-from k3.model import K3ForCausalLM
-
 pytestmark = pytest.mark.gpu
 
 
-def _model(dtype=torch.float32):
-    torch.manual_seed(0)
-    model = K3ForCausalLM(K3Config.preset("tiny"))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("_res_proj.weight"):
-                p.normal_(0, 0.5)
-    return model
-
-
-def test_cuda_kernels_match_cpu_reference():
-    cpu = _model()
-    gpu = _model().cuda()
+def test_cuda_kernels_match_cpu_reference(make_tiny):
+    cpu = make_tiny()
+    gpu = make_tiny().cuda()
     ids = torch.randint(0, cpu.config.vocab_size, (2, 150))
     with torch.no_grad():
         ref = cpu(ids, use_cache=False).logits
@@ -29,8 +16,8 @@ def test_cuda_kernels_match_cpu_reference():
     assert rel < 5e-3, rel
 
 
-def test_cuda_extend_splits_match_full_forward():
-    model = _model().cuda().eval()
+def test_cuda_extend_splits_match_full_forward(make_tiny):
+    model = make_tiny().cuda().eval()
     ids = torch.randint(0, model.config.vocab_size, (2, 150), device="cuda")
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
@@ -43,8 +30,8 @@ def test_cuda_extend_splits_match_full_forward():
     assert rel < 5e-3, rel
 
 
-def test_cuda_backward_finite_and_deterministic():
-    model = _model().cuda()
+def test_cuda_backward_finite_and_deterministic(make_tiny):
+    model = make_tiny().cuda()
     ids = torch.randint(0, model.config.vocab_size, (2, 130), device="cuda")
     grads = []
     for _ in range(2):
