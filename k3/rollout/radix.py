@@ -38,6 +38,15 @@ class Match:
     prefix: int           # longest common prefix of the key with the tree (pages exist up to here)
 
 
+def _shared(edge: list[int], key: list[int], pos: int) -> int:
+    """Length of the common prefix of an edge label and key[pos:]."""
+    n = min(len(edge), len(key) - pos)
+    c = 0
+    while c < n and edge[c] == key[pos + c]:
+        c += 1
+    return c
+
+
 def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -75,10 +84,7 @@ class RadixTree:
             child = node.children.get(key[pos])
             if child is None:
                 break
-            n = min(len(child.key), L - pos)
-            c = 0
-            while c < n and child.key[c] == key[pos + c]:
-                c += 1
+            c = _shared(child.key, key, pos)
             if c < len(child.key):
                 pos += c
                 break
@@ -112,10 +118,7 @@ class RadixTree:
                 node = leaf
                 pos = m
                 break
-            n = min(len(child.key), m - pos)
-            c = 0
-            while c < n and child.key[c] == key[pos + c]:
-                c += 1
+            c = _shared(child.key, key, pos)
             if c < len(child.key):
                 child = self._split(child, pos + c)
             node, pos = child, pos + len(child.key)
