@@ -76,13 +76,15 @@ def _fwd_cumsum(g, A_log, dt_bias, Gc, cu, cidx, lower_bound, HV, K, BK: tl.cons
 
 @triton.jit
 def _intra_program(q, k, Gc, cu, cidx, H, HV, K, BK: tl.constexpr):
-    """This (chunk, value head) program's head, first token, valid rows, chunk-layout base, G tile and q/k heads."""
+    """This (chunk, value head) program's value head, first token, valid rows, chunk-layout base, G tile, q/k heads
+    and the row indices of its four 16-row blocks."""
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1).to(tl.int64)
     _, t0, nv = _chunk_rows(cu, cidx, c)
     base = c * HV + hv
     h = hv // (HV // H)
-    return hv, t0, nv, base, Gc + base * 64 * BK, q + h * K, k + h * K
+    c16 = tl.arange(0, 16)
+    return hv, t0, nv, base, Gc + base * 64 * BK, q + h * K, k + h * K, c16, 16 + c16, 32 + c16, 48 + c16
 
 
 @triton.jit
@@ -215,12 +217,8 @@ def _fwd_intra(q, k, v, beta, Gc, Aqk, Kkk, Mc, Wc, Uc, QGc, KDc, cu, cidx, scal
                PREC: tl.constexpr):
     """Everything inside one chunk of one head, in registers: A and Aqk as 4 x 4 blocks of 16 (one pass over K
     slices), M = (I + A)^-1 by blocks, then W = M (beta k e^G), U = M (beta v), q e^G (scaled), k e^{G_C - G}."""
-    hv, t0, nv, base, pG, qh, kh = _intra_program(q, k, Gc, cu, cidx, H, HV, K, BK)
-    c16 = tl.arange(0, 16)
-    r0 = c16
-    r1 = 16 + c16
-    r2 = 32 + c16
-    r3 = 48 + c16
+    hv, t0, nv, base, pG, qh, kh, r0, r1, r2, r3 = _intra_program(q, k, Gc, cu, cidx, H, HV, K, BK)
+    c16 = r0
     pA = Aqk + base * 4096 + c16[:, None] * 64 + c16[None, :]
     K00 = _a_block(qh, kh, pG, t0, r0, r0, nv, H * K, K, pA, scale, BK, BKS, True, PREC)
     K10 = _a_block(qh, kh, pG, t0, r1, r0, nv, H * K, K, pA + 1024, scale, BK, BKS, False, PREC)
@@ -543,12 +541,8 @@ def _bwd_intra(q, k, beta, Gc, Rs, Ps, DQs, DKs, DGs, dq, dk, dg, cu, cidx, scal
                BKS: tl.constexpr, PREC: tl.constexpr):
     """Gradients through A (P = dA) and Aqk (R = dAqk) for one chunk of one head, as 4 x 4 blocks of 16, one K
     slice at a time, added to the direct parts from `_bwd_prep`; writes dq, dk, dg (reverse in-chunk cumsum)."""
-    hv, t0, nv, base, pG, qh, kh = _intra_program(q, k, Gc, cu, cidx, H, HV, K, BK)
-    c16 = tl.arange(0, 16)
-    r0 = c16
-    r1 = 16 + c16
-    r2 = 32 + c16
-    r3 = 48 + c16
+    hv, t0, nv, base, pG, qh, kh, r0, r1, r2, r3 = _intra_program(q, k, Gc, cu, cidx, H, HV, K, BK)
+    c16 = r0
     o = c16[:, None] * 64 + c16[None, :]
     pR = Rs + base * 4096 + o
     pP = Ps + base * 4096 + o
