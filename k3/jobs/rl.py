@@ -24,7 +24,7 @@ from k3.jobs.report import MetricsLog, plot, summary_table
 from k3.jobs.sft import ensure_base
 from k3.lora import LoRAConfig, LoRAManager
 from k3.model import K3ForCausalLM
-from k3.rl import Batch, Learner, LearnerConfig, group_advantages, kl_estimate
+from k3.rl import Batch, Learner, LearnerConfig, group_advantages
 from k3.rl.learner import POLICY_ADAPTER
 from k3.rollout import Engine
 from k3.sync import WeightPublisher, WeightReceiver, states_equal

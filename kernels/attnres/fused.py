@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3_kernels.launch import cdiv, next_pow2, num_programs
+
 MAX_SOURCES = 16
 
 
@@ -258,11 +260,6 @@ def _colsum_kernel(part_ptr, out_ptr, P, D, BLOCK_P: tl.constexpr, BLOCK: tl.con
 # launch configuration: depends on D only (batch invariance), never on the number of tokens
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 class _Cfg(NamedTuple):
     block_d: int
     warps_fwd: int
@@ -276,7 +273,7 @@ class _Cfg(NamedTuple):
 def _config(D: int) -> _Cfg:
     """Launch configuration: a function of D alone (never of the token count), so results are batch invariant.
     D = 7168 values from the H200 sweep in benchmarks/results/attnres.json."""
-    block = 1 << max(0, D - 1).bit_length()  # next power of 2 (triton's helper is slow on the host)
+    block = next_pow2(D)
     if block >= 8192:
         return _Cfg(block, 16, 8, 1, 2, 4)
     if block >= 2048:
@@ -284,19 +281,12 @@ def _config(D: int) -> _Cfg:
     return _Cfg(block, 4, 4, 4, 2, 4)
 
 
-def _num_programs(N: int, device: torch.device, per_sm: int) -> int:
-    if device.type == "cuda":
-        return max(1, min(N, _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-                          * per_sm))
-    return max(1, min(N, 4))  # interpreter
-
-
 def colsum(part: torch.Tensor) -> torch.Tensor:
     """Fixed-order column sum of a [P, D] fp32 partials buffer -> [D] fp32."""
     P, D = part.shape
     out = torch.empty(D, device=part.device, dtype=torch.float32)
     BLOCK = 256
-    _colsum_kernel[(-(-D // BLOCK),)](part, out, P, D, BLOCK_P=32, BLOCK=BLOCK, num_warps=4)
+    _colsum_kernel[(cdiv(D, BLOCK),)](part, out, P, D, BLOCK_P=32, BLOCK=BLOCK, num_warps=4)
     return out
 
 
@@ -416,7 +406,7 @@ def _forward(flat: list[torch.Tensor], query: torch.Tensor, weight: torch.Tensor
     if N == 0:
         return o, rstd, logit, lse
     cfg = _config(D)
-    grid = (_num_programs(N, dev, cfg.per_sm_fwd),)
+    grid = (num_programs(N, dev, cfg.per_sm_fwd),)
     _attnres_fwd_kernel[grid](*_offset_args(flat), query, weight, ow if ow is not None else weight, o, rstd, logit,
                               lse, N, D, eps, scale, L=L, TL=cfg.tl_fwd, BLOCK_D=cfg.block_d, OUT_NORM=ow is not None,
                               ROUND_MIX=round_mix, STORE_STATS=store_stats, num_warps=cfg.warps_fwd)
@@ -483,7 +473,7 @@ class _AttnResFn(torch.autograd.Function):
             dests.append(_flat(dest, D, f"grad of sources[{i}]"))
         dests = [flat[i] if d is None else d for i, d in enumerate(dests)]  # mode 0: never written
         cfg = _config(D)
-        P = _num_programs(N, dev, cfg.per_sm_bwd)
+        P = num_programs(N, dev, cfg.per_sm_bwd)
         da_part = torch.empty(P, D, device=dev, dtype=torch.float32)
         dow_part = torch.empty(P, D, device=dev, dtype=torch.float32) if ow is not None else da_part
         if N > 0:

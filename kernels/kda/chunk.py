@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3_kernels.launch import cdiv, next_pow2
+
 from .naive import l2norm, naive_kda_gate, naive_kda_lowerbound_gate
 
 BT = 64  # chunk size
@@ -610,7 +612,7 @@ def _bwd_intra(q, k, beta, Gc, Rs, Ps, DQs, DKs, DGs, dq, dk, dg, cu, cidx, scal
 
 
 def _p2(x: int) -> int:
-    return max(16, triton.next_power_of_2(x))
+    return max(16, next_pow2(x))
 
 
 def _prec(dtype: torch.dtype) -> str:
@@ -628,7 +630,7 @@ def _chunk_plan(cu: list[int] | None, B: int, T: int, device: torch.device
     if cu is None:
         key = (B, T, str(device))
         if key not in _PLANS:
-            nt = triton.cdiv(T, BT)
+            nt = cdiv(T, BT)
             c = torch.arange(B * nt, device=device, dtype=torch.int32)
             _PLANS[key] = (torch.arange(B + 1, device=device, dtype=torch.int64) * T,
                            torch.stack([c // nt, c % nt], 1).contiguous(),
@@ -636,7 +638,7 @@ def _chunk_plan(cu: list[int] | None, B: int, T: int, device: torch.device
         return _PLANS[key]
     pairs, offs = [], [0]
     for i in range(len(cu) - 1):
-        nt = triton.cdiv(cu[i + 1] - cu[i], BT)
+        nt = cdiv(cu[i + 1] - cu[i], BT)
         pairs.extend((i, t) for t in range(nt))
         offs.append(offs[-1] + nt)
     cidx = torch.tensor(pairs, dtype=torch.int32).view(-1, 2)
@@ -671,7 +673,7 @@ def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound
     Hc = torch.empty(NC, HV, BK, BVF, device=dev, dtype=dt) if save else None
     VNc = torch.empty(NC, HV, BT, BVF, device=dev, dtype=dt) if save else None
     BV = min(CONFIG["fwd_state_bv"], BVF)
-    _fwd_state[(N, HV, triton.cdiv(V, BV))](
+    _fwd_state[(N, HV, cdiv(V, BV))](
         Wc, Uc, QGc, KDc, Aqk, Gc, o, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
         Hc if save else dummy, VNc if save else dummy, cu, coff, HV=HV, K=K, V=V, BK=BK, BVF=BVF, BV=BV,
         HAS_H0=h0 is not None, STORE_HT=want_ht, SAVE=save, NUM_STAGES=CONFIG["fwd_state_stages"], PREC=prec,
@@ -692,7 +694,7 @@ def _bwd(q, k, v, beta, do, dht, has_h0, scale, saved, plan):
     DVNc = torch.empty(NC, HV, BT, BVF, device=dev, dtype=dt)
     dh0 = torch.empty(N, HV, K, V, device=dev, dtype=f32) if has_h0 else None
     BV = min(CONFIG["bwd_state_bv"], BVF)
-    _bwd_state[(N, HV, triton.cdiv(V, BV))](
+    _bwd_state[(N, HV, cdiv(V, BV))](
         QGc, Wc, KDc, Aqk, Gc, do, dht if dht is not None else Gc, dh0 if has_h0 else Gc, DHc, DVNc, cu, coff,
         HV=HV, K=K, V=V, BK=BK, BVF=BVF, BV=BV, HAS_DHT=dht is not None, HAS_H0=has_h0,
         NUM_STAGES=CONFIG["bwd_state_stages"], PREC=prec, num_warps=CONFIG["bwd_state_warps"])

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3_kernels.launch import cdiv
+
 from .chunk import _p2
 
 
@@ -139,7 +141,7 @@ def fused_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     BK, BV = _p2(K), min(32, _p2(V))
     gate = 0 if not use_gate_in_kernel else (2 if lower_bound is not None else 1)
     dummy = o
-    _recurrent_fwd[(N, HV, triton.cdiv(V, BV))](
+    _recurrent_fwd[(N, HV, cdiv(V, BV))](
         q, k, v, g, beta, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
         o, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
         cu_seqlens if cu_seqlens is not None else dummy, idx if idx is not None else dummy,

@@ -10,7 +10,7 @@ for a given batch.
 
 Host-side cost matters as much as the kernels at small row counts (one launch of each is a few tens of
 microseconds of Python): one Triton launch per forward and per backward, launch configuration cached per D,
-no Triton helpers called on the host (`triton.cdiv` and friends are slow there), absent operands passed as
+plain-Python launch arithmetic (`k3_kernels.launch`), absent operands passed as
 None (no pointer argument to marshal), and the autograd wrapper skipped when no gradient is needed.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from k3_kernels.attnres.fused import _num_programs
+from k3_kernels.launch import cdiv, next_pow2, num_programs
 
 
 @triton.jit
@@ -88,9 +88,8 @@ def _rms_bwd_kernel(x_ptr, g_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dg_ptr, dw_pa
 
 @functools.lru_cache(maxsize=None)
 def _config(D: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_D, warps): a function of D alone (plain Python: triton.next_power_of_2 is slow on the
-    host)."""
-    block_d = 1 << max(0, D - 1).bit_length()
+    """(BLOCK_M, BLOCK_D, warps): a function of D alone."""
+    block_d = next_pow2(D)
     block_m = max(1, min(16, 2048 // block_d))
     warps = 4 if block_d * block_m <= 2048 else (8 if block_d <= 4096 else 16)
     return block_m, block_d, warps
@@ -117,7 +116,7 @@ def _forward(x2: torch.Tensor, g2: torch.Tensor | None, weight: torch.Tensor | N
     rstd = torch.empty(M, device=x2.device, dtype=torch.float32) if store_rstd else None
     if M > 0:
         block_m, block_d, warps = _config(D)
-        _rms_fwd_kernel[((M + block_m - 1) // block_m,)](
+        _rms_fwd_kernel[(cdiv(M, block_m),)](
             x2, g2, weight, y, rstd, M, D, x2.stride(0), g2.stride(0) if g2 is not None else 0, eps,
             HAS_W=weight is not None, GATED=g2 is not None, STORE_RSTD=store_rstd, BLOCK_M=block_m,
             BLOCK_D=block_d, num_warps=warps)
@@ -134,8 +133,7 @@ def _backward(ctx, dy: torch.Tensor):
     dx = torch.empty((M, D), device=dev, dtype=x2.dtype)
     dg = torch.empty((M, D), device=dev, dtype=g2.dtype) if g2 is not None else None
     block_m, block_d, warps = _config(D)
-    blocks = (M + block_m - 1) // block_m
-    P = _num_programs(blocks, dev, 2)
+    P = num_programs(cdiv(M, block_m), dev, 2)
     dw_part = torch.empty((P, D), device=dev, dtype=torch.float32) if weight is not None else None
     if M > 0:
         _rms_bwd_kernel[(P,)](x2, g2, weight, dy, rstd, dx, dg, dw_part, M, D, x2.stride(0),

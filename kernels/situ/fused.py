@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3_kernels.launch import cdiv
+
 
 @triton.jit
 def _tanh(x):
@@ -61,7 +63,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def _launch(g2, u2, beta, linear_beta, dy=None):
     M, I = g2.shape
-    grid = (-(-M // _BLOCK_M), -(-I // _BLOCK_I))  # (triton.cdiv is slow on the host)
+    grid = (cdiv(M, _BLOCK_M), cdiv(I, _BLOCK_I))
     if dy is None:
         y = torch.empty(M, I, device=g2.device, dtype=g2.dtype)
         if M * I:

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3_kernels.launch import cdiv
+
 from .naive import as_bytes
 
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
@@ -53,5 +55,5 @@ def xor_bytes(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
     if not (aw.dtype == bw.dtype == ow.dtype):  # alignment differs between buffers: fall back to bytes
         aw, bw, ow = ab, bb, out
     n = aw.numel()
-    _xor_kernel[(triton.cdiv(n, block),)](aw, bw, ow, n, BLOCK=block, num_warps=8)
+    _xor_kernel[(cdiv(n, block),)](aw, bw, ow, n, BLOCK=block, num_warps=8)
     return out
