@@ -109,8 +109,8 @@ def sweep(T: int) -> list:
             ours_mod.chunk_kda(*xs)[0].backward(do)
         fb()
         return med(fb, rep=30, grad_to_none=xs)
-    space = [("intra", ("bk", "warps", "stages"), [(32, 4, 1), (32, 4, 2), (32, 4, 3), (16, 4, 3)], t_fwd),
-             ("bwd_intra", ("bk", "warps", "stages"), [(32, 4, 1), (32, 4, 3)], t_fb)]
+    space = [("intra", ("bk", "warps", "stages"), [(32, 4, 2), (32, 4, 3), (32, 4, 1)], t_fwd),
+             ("bwd_intra", ("bk", "warps", "stages"), [(32, 4, 3), (32, 4, 2)], t_fb)]
     for stage, keys, cands, timer in space:
         best = None
         for cand in cands:

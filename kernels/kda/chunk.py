@@ -78,234 +78,138 @@ def _fwd_cumsum(g, A_log, dt_bias, Gc, cu, cidx, lower_bound, HV, K, BK: tl.cons
 
 @triton.jit
 def _intra_program(q, k, Gc, cu, cidx, H, HV, K, BK: tl.constexpr):
-    """This (chunk, value head) program's value head, first token, valid rows, chunk-layout base, G tile, q/k heads
-    and the row indices of its four 16-row blocks."""
+    """This (chunk, value head) program's value head, first token, valid rows, chunk-layout base, G tile pointer
+    and its q/k heads."""
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1).to(tl.int64)
     _, t0, nv = _chunk_rows(cu, cidx, c)
     base = c * HV + hv
     h = hv // (HV // H)
-    c16 = tl.arange(0, 16)
-    return hv, t0, nv, base, Gc + base * 64 * BK, q + h * K, k + h * K, c16, 16 + c16, 32 + c16, 48 + c16
+    return hv, t0, nv, base, Gc + base * 64 * BK, q + h * K, k + h * K
 
 
 @triton.jit
-def _tile(p, t0, rows, nv, stride, oc, K):
-    """[16, len(oc)] fp32 tile of token rows t0 + rows of a token-major tensor (row stride `stride`), zeros past
+def _chunk_tile(p, t0, nv, stride, oc, K):
+    """[64, len(oc)] fp32 tile of the chunk's token rows of a token-major tensor (row stride `stride`), zeros past
     nv rows / K columns."""
-    return tl.load(p + (t0 + rows)[:, None] * stride + oc[None, :], mask=(rows < nv)[:, None] & (oc < K)[None, :],
+    r = tl.arange(0, 64)
+    return tl.load(p + (t0 + r)[:, None] * stride + oc[None, :], mask=(r < nv)[:, None] & (oc < K)[None, :],
                    other=0.).to(tl.float32)
 
 
 @triton.jit
-def _row(X, j):
-    """Row j of a [16, n] register tile, as an [n] vector."""
-    return tl.sum(tl.where(tl.arange(0, 16)[:, None] == j, X, 0.), 0)
+def _gate_refs(pG, oc, BK: tl.constexpr):
+    """G over one K slice and, per row, G at the last row (`end`) and the middle row (`mid`) of its 16-row block."""
+    r = tl.arange(0, 64)
+    blk0 = r // 16 * 16
+    G = tl.load(pG + r[:, None] * BK + oc[None, :])
+    return G, tl.load(pG + (blk0 + 15)[:, None] * BK + oc[None, :]), tl.load(pG + (blk0 + 8)[:, None] * BK + oc[None, :])
 
 
 @triton.jit
-def _off_block(xI, kI, GI, gI, kJ, GJ, PREC: tl.constexpr):
-    """Off-diagonal block (I > J) over one K slice: (<k_i e^{G_i-G_j}, k_j>, <x_i e^{G_i-G_j}, k_j>), as two
-    exponentials around gI, the first row of block I (both exponents <= 0: no overflow)."""
-    eI = tl.exp(GI - gI[None, :])
-    kJt = tl.trans(kJ * tl.exp(gI[None, :] - GJ))
-    return tl.dot(kI * eI, kJt, input_precision=PREC), tl.dot(xI * eI, kJt, input_precision=PREC)
+def _later_factor(pG, G, oc, J: tl.constexpr, BK: tl.constexpr):
+    """e^{G_i - G_end(J)} for rows i after 16-row block J, 0 elsewhere (G never rises, so the factor is <= 1)."""
+    r = tl.arange(0, 64)
+    gJ = tl.load(pG + (16 * J + 15) * BK + oc)
+    return tl.exp(tl.where((r >= 16 * (J + 1))[:, None], G - gJ[None, :], float("-inf")))
 
 
 @triton.jit
-def _diag_block(xb, kb, Gb, PREC: tl.constexpr):
-    """Diagonal block over one K slice: (<k_i e^{G_i-G_j}, k_j> for i > j, <x_i e^{G_i-G_j}, k_j> for i >= j).
-    Two tensor-core dots around the middle row when every |G - G_mid| <= 80 in the tile (K3's gate, lower bound
-    -5, spans at most 75 over 16 steps), so that no factor overflows; otherwise exact, column by column."""
-    c16 = tl.arange(0, 16)
-    gm = _row(Gb, 8)
-    low = c16[:, None] > c16[None, :]
-    if tl.max(tl.max(tl.abs(Gb - gm[None, :]), 1), 0) <= 80.:
-        kt = tl.trans(kb * tl.exp(gm[None, :] - Gb))
-        e = tl.exp(Gb - gm[None, :])
-        akk = tl.dot(kb * e, kt, input_precision=PREC)
-        aqk = tl.dot(xb * e, kt, input_precision=PREC)
+def _diag_gated(kt, qt, G, Gmid, pG, kh, t0, nv, stride, oc, K, BK: tl.constexpr, PREC: tl.constexpr):
+    """Diagonal 16-row blocks of (<k_i e^{G_i-G_j}, k_j>, <q_i e^{G_i-G_j}, k_j>) over one K slice, as full [64, 64]
+    tiles to be masked by the caller (same block; i > j / i >= j). Two tensor-core dots around each block's middle
+    row when every |G - G_mid| <= 40 (K3's gate, lower bound -5: 8 steps at most), so no factor exceeds e^40 and
+    the cross-block products are finite; otherwise exact, column by column."""
+    r = tl.arange(0, 64)
+    if tl.max(tl.max(tl.abs(G - Gmid), 1), 0) <= 40.:
+        rhs = tl.trans(kt * tl.exp(Gmid - G))
+        e = tl.exp(G - Gmid)
+        akk = tl.dot(kt * e, rhs, input_precision=PREC)
+        aqk = tl.dot(qt * e, rhs, input_precision=PREC)
     else:
-        akk = tl.zeros([16, 16], dtype=tl.float32)
-        aqk = tl.zeros([16, 16], dtype=tl.float32)
-        for j in range(16):
-            kj = _row(kb, j)
-            e = tl.exp(tl.where(c16[:, None] >= j, Gb - _row(Gb, j)[None, :], float("-inf")))
-            col = c16[None, :] == j
-            akk = tl.where(col, tl.sum(kb * e * kj[None, :], 1)[:, None], akk)
-            aqk = tl.where(col, tl.sum(xb * e * kj[None, :], 1)[:, None], aqk)
-    return tl.where(low, akk, 0.), tl.where(low | (c16[:, None] == c16[None, :]), aqk, 0.)
+        akk = tl.zeros([64, 64], dtype=tl.float32)
+        aqk = tl.zeros([64, 64], dtype=tl.float32)
+        for j in range(64):
+            kj = tl.load(kh + (t0 + j) * stride + oc, mask=(oc < K) & (j < nv), other=0.).to(tl.float32)
+            same = (r // 16 == j // 16) & (r >= j)
+            e = tl.exp(tl.where(same[:, None], G - tl.load(pG + j * BK + oc)[None, :], float("-inf")))
+            col = r[None, :] == j
+            akk = tl.where(col, tl.sum(kt * e * kj[None, :], 1)[:, None], akk)
+            aqk = tl.where(col, tl.sum(qt * e * kj[None, :], 1)[:, None], aqk)
+    return akk, aqk
 
 
 @triton.jit
-def _a_block(qh, kh, pG, t0, rI, rJ, nv, stride, K, pAqk, scale, BK: tl.constexpr, BKS: tl.constexpr,
-             DIAG: tl.constexpr, PREC: tl.constexpr):
-    """Block (I, J) (rows rI, columns rJ) of <k_i e^{G_i-G_j}, k_j>, returned, and of scale <q_i e^{G_i-G_j}, k_j>,
-    stored at pAqk; summed over K slices. DIAG: I == J (strictly lower / lower)."""
-    akk = tl.zeros([16, 16], dtype=tl.float32)
-    aqk = tl.zeros([16, 16], dtype=tl.float32)
-    for kc in range(0, BK, BKS):
-        oc = kc + tl.arange(0, BKS)
-        qI = _tile(qh, t0, rI, nv, stride, oc, K)
-        kI = _tile(kh, t0, rI, nv, stride, oc, K)
-        GI = tl.load(pG + rI[:, None] * BK + oc[None, :])
-        if DIAG:
-            a, b = _diag_block(qI, kI, GI, PREC)
-        else:
-            a, b = _off_block(qI, kI, GI, tl.load(pG + tl.min(rI, 0) * BK + oc), _tile(kh, t0, rJ, nv, stride, oc, K),
-                              tl.load(pG + rJ[:, None] * BK + oc[None, :]), PREC)
-        akk += a
-        aqk += b
-    tl.store(pAqk, (aqk * scale).to(pAqk.dtype.element_ty))
-    return akk
-
-
-@triton.jit
-def _inv_unit_lower(A, PREC: tl.constexpr):
-    """(I + A)^-1 of a strictly lower 16 x 16 A: (I - A)(I + A^2)(I + A^4)(I + A^8), since A^16 = 0."""
-    c16 = tl.arange(0, 16)
-    eye = tl.where(c16[:, None] == c16[None, :], 1., 0.)
-    X = -A
-    D = eye + X
+def _unit_lower_inverse(A, PREC: tl.constexpr):
+    """(I + A)^-1 for a strictly lower 64 x 64 A. With D its 16 x 16 diagonal blocks and L = A - D:
+    (I + D)^-1 = (I - D)(I + D^2)(I + D^4)(I + D^8) (D^16 = 0), N = (I + D)^-1 L has N^4 = 0, and
+    (I + A)^-1 = (I - N)(I + N^2)(I + D)^-1: ten 64 x 64 x 64 dots, no 16-row tiles."""
+    r = tl.arange(0, 64)
+    eye = tl.where(r[:, None] == r[None, :], 1., 0.)
+    X = -tl.where(r[:, None] // 16 == r[None, :] // 16, A, 0.)
+    Dinv = eye + X
     for _ in tl.static_range(3):
         X = tl.dot(X, X, input_precision=PREC)
-        D = tl.dot(D, eye + X, input_precision=PREC)
-    return D
-
-
-@triton.jit
-def _store_blocks(p, B00, B10, B11, B20, B21, B22, B30, B31, B32, B33):
-    """Write a block-lower 64 x 64 matrix given as 16 x 16 blocks (zeros above) to p (row stride 64)."""
-    c16 = tl.arange(0, 16)
-    z = tl.zeros([16, 16], dtype=B00.dtype)
-    o = c16[:, None] * 64 + c16[None, :]
-    tl.store(p + o, B00)
-    tl.store(p + o + 16, z)
-    tl.store(p + o + 32, z)
-    tl.store(p + o + 48, z)
-    tl.store(p + o + 1024, B10)
-    tl.store(p + o + 1040, B11)
-    tl.store(p + o + 1056, z)
-    tl.store(p + o + 1072, z)
-    tl.store(p + o + 2048, B20)
-    tl.store(p + o + 2064, B21)
-    tl.store(p + o + 2080, B22)
-    tl.store(p + o + 2096, z)
-    tl.store(p + o + 3072, B30)
-    tl.store(p + o + 3088, B31)
-    tl.store(p + o + 3104, B32)
-    tl.store(p + o + 3120, B33)
-
-
-@triton.jit
-def _store_m_times(p, stride, M00, M10, M11, M20, M21, M22, M30, M31, M32, M33, X0, X1, X2, X3, PREC: tl.constexpr):
-    """Store M X for a block-lower 64 x 64 M (16 x 16 blocks) and X given as four 16-row tiles; p points at
-    column 0 of the tile's columns, rows 64 apart by `stride`."""
-    c16 = tl.arange(0, 16)[:, None] * stride
-    dt = p.dtype.element_ty
-    tl.store(p + c16, tl.dot(M00, X0, input_precision=PREC).to(dt))
-    tl.store(p + 16 * stride + c16, (tl.dot(M10, X0, input_precision=PREC)
-                                     + tl.dot(M11, X1, input_precision=PREC)).to(dt))
-    tl.store(p + 32 * stride + c16, (tl.dot(M20, X0, input_precision=PREC) + tl.dot(M21, X1, input_precision=PREC)
-                                     + tl.dot(M22, X2, input_precision=PREC)).to(dt))
-    tl.store(p + 48 * stride + c16, (tl.dot(M30, X0, input_precision=PREC) + tl.dot(M31, X1, input_precision=PREC)
-                                     + tl.dot(M32, X2, input_precision=PREC) + tl.dot(M33, X3, input_precision=PREC)
-                                     ).to(dt))
+        Dinv = tl.dot(Dinv, eye + X, input_precision=PREC)
+    N = tl.dot(Dinv, tl.where(r[:, None] // 16 == r[None, :] // 16, 0., A), input_precision=PREC)
+    P = tl.dot(eye - N, eye + tl.dot(N, N, input_precision=PREC), input_precision=PREC)
+    return tl.dot(P, Dinv, input_precision=PREC)
 
 
 @triton.jit
 def _fwd_intra(q, k, v, beta, Gc, Aqk, Kkk, Mc, Wc, Uc, QGc, KDc, cu, cidx, scale, H, HV, K, V,
                BK: tl.constexpr, BKS: tl.constexpr, BVF: tl.constexpr, BVS: tl.constexpr, SAVE: tl.constexpr,
                PREC: tl.constexpr):
-    """Everything inside one chunk of one head, in registers: A and Aqk as 4 x 4 blocks of 16 (one pass over K
-    slices), M = (I + A)^-1 by blocks, then W = M (beta k e^G), U = M (beta v), q e^G (scaled), k e^{G_C - G}."""
-    hv, t0, nv, base, pG, qh, kh, r0, r1, r2, r3 = _intra_program(q, k, Gc, cu, cidx, H, HV, K, BK)
-    c16 = r0
-    pA = Aqk + base * 4096 + c16[:, None] * 64 + c16[None, :]
-    K00 = _a_block(qh, kh, pG, t0, r0, r0, nv, H * K, K, pA, scale, BK, BKS, True, PREC)
-    K10 = _a_block(qh, kh, pG, t0, r1, r0, nv, H * K, K, pA + 1024, scale, BK, BKS, False, PREC)
-    K11 = _a_block(qh, kh, pG, t0, r1, r1, nv, H * K, K, pA + 1040, scale, BK, BKS, True, PREC)
-    K20 = _a_block(qh, kh, pG, t0, r2, r0, nv, H * K, K, pA + 2048, scale, BK, BKS, False, PREC)
-    K21 = _a_block(qh, kh, pG, t0, r2, r1, nv, H * K, K, pA + 2064, scale, BK, BKS, False, PREC)
-    K22 = _a_block(qh, kh, pG, t0, r2, r2, nv, H * K, K, pA + 2080, scale, BK, BKS, True, PREC)
-    K30 = _a_block(qh, kh, pG, t0, r3, r0, nv, H * K, K, pA + 3072, scale, BK, BKS, False, PREC)
-    K31 = _a_block(qh, kh, pG, t0, r3, r1, nv, H * K, K, pA + 3088, scale, BK, BKS, False, PREC)
-    K32 = _a_block(qh, kh, pG, t0, r3, r2, nv, H * K, K, pA + 3104, scale, BK, BKS, False, PREC)
-    K33 = _a_block(qh, kh, pG, t0, r3, r3, nv, H * K, K, pA + 3120, scale, BK, BKS, True, PREC)
-    z = tl.zeros([16, 16], dtype=Aqk.dtype.element_ty)
-    tl.store(pA + 16, z)  # blocks above the diagonal (the state pass reads Aqk whole)
-    tl.store(pA + 32, z)
-    tl.store(pA + 48, z)
-    tl.store(pA + 1056, z)
-    tl.store(pA + 1072, z)
-    tl.store(pA + 2096, z)
+    """Everything inside one chunk of one head with 64-row tensor-core dots: A and Aqk (one pass over K slices:
+    off-diagonal 16-row blocks per column block J with both factors <= 1 around G at J's last row, diagonal blocks
+    around their middle rows), M = (I + A)^-1, then W = M (beta k e^G), U = M (beta v), q e^G (scaled),
+    k e^{G_C - G}."""
+    hv, t0, nv, base, pG, qh, kh = _intra_program(q, k, Gc, cu, cidx, H, HV, K, BK)
+    r = tl.arange(0, 64)
+    blk = r // 16
+    same = blk[:, None] == blk[None, :]
+    akk = tl.zeros([64, 64], dtype=tl.float32)
+    aqk = tl.zeros([64, 64], dtype=tl.float32)
+    for kc in range(0, BK, BKS):
+        oc = kc + tl.arange(0, BKS)
+        kt = _chunk_tile(kh, t0, nv, H * K, oc, K)
+        qt = _chunk_tile(qh, t0, nv, H * K, oc, K)
+        G, Gend, Gmid = _gate_refs(pG, oc, BK)
+        kRt = tl.trans(kt * tl.exp(Gend - G))
+        for J in tl.static_range(3):
+            eJ = _later_factor(pG, G, oc, J, BK)
+            rhs = tl.where((blk == J)[None, :], kRt, 0.)
+            akk = tl.dot(kt * eJ, rhs, akk, input_precision=PREC)
+            aqk = tl.dot(qt * eJ, rhs, aqk, input_precision=PREC)
+        dkk, dqk = _diag_gated(kt, qt, G, Gmid, pG, kh, t0, nv, H * K, oc, K, BK, PREC)
+        akk += tl.where(same & (r[:, None] > r[None, :]), dkk, 0.)
+        aqk += tl.where(same & (r[:, None] >= r[None, :]), dqk, 0.)
+    pA = base * 4096 + r[:, None] * 64 + r[None, :]
+    tl.store(Aqk + pA, (aqk * scale).to(Aqk.dtype.element_ty))
     if SAVE:  # the un-scaled <k_i e^{G_i-G_j}, k_j>, for dbeta in the backward
-        _store_blocks(Kkk + base * 4096, K00, K10, K11, K20, K21, K22, K30, K31, K32, K33)
-    pb = beta + t0 * HV + hv
-    b0 = tl.load(pb + r0 * HV, mask=r0 < nv, other=0.).to(tl.float32)
-    b1 = tl.load(pb + r1 * HV, mask=r1 < nv, other=0.).to(tl.float32)
-    b2 = tl.load(pb + r2 * HV, mask=r2 < nv, other=0.).to(tl.float32)
-    b3 = tl.load(pb + r3 * HV, mask=r3 < nv, other=0.).to(tl.float32)
-    # M = (I + A)^-1, A = beta_i <k_i e^{G_i-G_j}, k_j>: M_IJ = -D_I sum_{J <= L < I} A_IL M_LJ
-    A10 = K10 * b1[:, None]
-    A20 = K20 * b2[:, None]
-    A21 = K21 * b2[:, None]
-    A30 = K30 * b3[:, None]
-    A31 = K31 * b3[:, None]
-    A32 = K32 * b3[:, None]
-    M00 = _inv_unit_lower(K00 * b0[:, None], PREC)
-    M11 = _inv_unit_lower(K11 * b1[:, None], PREC)
-    M22 = _inv_unit_lower(K22 * b2[:, None], PREC)
-    M33 = _inv_unit_lower(K33 * b3[:, None], PREC)
-    M10 = -tl.dot(M11, tl.dot(A10, M00, input_precision=PREC), input_precision=PREC)
-    M21 = -tl.dot(M22, tl.dot(A21, M11, input_precision=PREC), input_precision=PREC)
-    M20 = -tl.dot(M22, tl.dot(A20, M00, input_precision=PREC) + tl.dot(A21, M10, input_precision=PREC),
-                  input_precision=PREC)
-    M32 = -tl.dot(M33, tl.dot(A32, M22, input_precision=PREC), input_precision=PREC)
-    M31 = -tl.dot(M33, tl.dot(A31, M11, input_precision=PREC) + tl.dot(A32, M21, input_precision=PREC),
-                  input_precision=PREC)
-    M30 = -tl.dot(M33, tl.dot(A30, M00, input_precision=PREC) + tl.dot(A31, M10, input_precision=PREC)
-                  + tl.dot(A32, M20, input_precision=PREC), input_precision=PREC)
+        tl.store(Kkk + pA, akk)
+    b = tl.load(beta + (t0 + r) * HV + hv, mask=r < nv, other=0.).to(tl.float32)
+    M = _unit_lower_inverse(akk * b[:, None], PREC)
     if SAVE:
-        _store_blocks(Mc + base * 4096, M00, M10, M11, M20, M21, M22, M30, M31, M32, M33)
+        tl.store(Mc + pA, M)
     wt = Wc.dtype.element_ty
     for kc in range(0, BK, BKS):
         oc = kc + tl.arange(0, BKS)
-        pGs = pG + oc[None, :]
-        gC = tl.load(pG + 63 * BK + oc)[None, :]
-        pK = Wc + base * 64 * BK + oc[None, :]
-        pKD = KDc + base * 64 * BK + oc[None, :]
-        pQG = QGc + base * 64 * BK + oc[None, :]
-        k0 = _tile(kh, t0, r0, nv, H * K, oc, K)
-        k1 = _tile(kh, t0, r1, nv, H * K, oc, K)
-        k2 = _tile(kh, t0, r2, nv, H * K, oc, K)
-        k3 = _tile(kh, t0, r3, nv, H * K, oc, K)
-        G0 = tl.load(pGs + r0[:, None] * BK)
-        G1 = tl.load(pGs + r1[:, None] * BK)
-        G2 = tl.load(pGs + r2[:, None] * BK)
-        G3 = tl.load(pGs + r3[:, None] * BK)
-        X0 = k0 * tl.exp(G0) * b0[:, None]
-        X1 = k1 * tl.exp(G1) * b1[:, None]
-        X2 = k2 * tl.exp(G2) * b2[:, None]
-        X3 = k3 * tl.exp(G3) * b3[:, None]
-        _store_m_times(pK, BK, M00, M10, M11, M20, M21, M22, M30, M31, M32, M33, X0, X1, X2, X3, PREC)
-        tl.store(pKD + r0[:, None] * BK, (k0 * tl.exp(gC - G0)).to(wt))
-        tl.store(pKD + r1[:, None] * BK, (k1 * tl.exp(gC - G1)).to(wt))
-        tl.store(pKD + r2[:, None] * BK, (k2 * tl.exp(gC - G2)).to(wt))
-        tl.store(pKD + r3[:, None] * BK, (k3 * tl.exp(gC - G3)).to(wt))
-        tl.store(pQG + r0[:, None] * BK, (_tile(qh, t0, r0, nv, H * K, oc, K) * scale * tl.exp(G0)).to(wt))
-        tl.store(pQG + r1[:, None] * BK, (_tile(qh, t0, r1, nv, H * K, oc, K) * scale * tl.exp(G1)).to(wt))
-        tl.store(pQG + r2[:, None] * BK, (_tile(qh, t0, r2, nv, H * K, oc, K) * scale * tl.exp(G2)).to(wt))
-        tl.store(pQG + r3[:, None] * BK, (_tile(qh, t0, r3, nv, H * K, oc, K) * scale * tl.exp(G3)).to(wt))
+        pK = base * 64 * BK + r[:, None] * BK + oc[None, :]
+        kt = _chunk_tile(kh, t0, nv, H * K, oc, K)
+        G = tl.load(pG + r[:, None] * BK + oc[None, :])
+        gC = tl.load(pG + 63 * BK + oc)
+        eG = tl.exp(G)
+        tl.store(Wc + pK, tl.dot(M, kt * eG * b[:, None], input_precision=PREC).to(wt))
+        tl.store(KDc + pK, (kt * tl.exp(gC[None, :] - G)).to(wt))
+        tl.store(QGc + pK, (_chunk_tile(qh, t0, nv, H * K, oc, K) * scale * eG).to(wt))
     vh = v + hv * V
     for vc in range(0, BVF, BVS):
         ov = vc + tl.arange(0, BVS)
-        pU = Uc + base * 64 * BVF + ov[None, :]
-        Y0 = _tile(vh, t0, r0, nv, HV * V, ov, V) * b0[:, None]
-        Y1 = _tile(vh, t0, r1, nv, HV * V, ov, V) * b1[:, None]
-        Y2 = _tile(vh, t0, r2, nv, HV * V, ov, V) * b2[:, None]
-        Y3 = _tile(vh, t0, r3, nv, HV * V, ov, V) * b3[:, None]
-        _store_m_times(pU, BVF, M00, M10, M11, M20, M21, M22, M30, M31, M32, M33, Y0, Y1, Y2, Y3, PREC)
+        vt = _chunk_tile(vh, t0, nv, HV * V, ov, V)
+        tl.store(Uc + base * 64 * BVF + r[:, None] * BVF + ov[None, :],
+                 tl.dot(M, vt * b[:, None], input_precision=PREC).to(wt))
+
 
 @triton.jit
 def _fwd_state(Wc, Uc, QGc, KDc, Aqk, Gc, o, h0, ht, Hc, VNc, cu, coff,
@@ -414,28 +318,30 @@ def _bwd_prep(q, k, v, beta, do, Gc, Kkk, Mc, Hc, DHc, VNc, DVNc, dv, Rs, Ps, DQ
     pG = Gc + base * 64 * BK
     pR = Rs + base * 64 * 64
     pP = Ps + base * 64 * 64
-    # V only: products over V only (dAqk, dM's value part, dv, dbeta's value part)
+    # products over V only (dAqk, dM's value part, dv, dbeta's value part). Products of two stored 16-bit tensors
+    # take them as they are (exact products, fp32 sums, twice the tensor-core rate of tf32 on upcast copies)
     M = tl.load(Mc + base * 64 * 64 + r[:, None] * 64 + r[None, :])
     bt = tl.load(beta + (t0 + r) * HV + hv, mask=rm, other=0.).to(tl.float32)
     dAqk = tl.zeros([64, 64], dtype=tl.float32)
-    dM = tl.zeros([64, 64], dtype=tl.float32)
+    dMv = tl.zeros([64, 64], dtype=tl.float32)
     db = tl.zeros([64], dtype=tl.float32)
     for iv in range(BVF // BV):
         ov = iv * BV + tl.arange(0, BV)
         mrv = rm[:, None] & (ov < V)[None, :]
         pV = base * 64 * BVF + r[:, None] * BVF + ov[None, :]
-        vn = tl.load(VNc + pV).to(tl.float32)
-        dvn = tl.load(DVNc + pV).to(tl.float32)
-        dO = tl.load(do + ((t0 + r) * HV + hv)[:, None] * V + ov[None, :], mask=mrv, other=0.).to(tl.float32)
-        vv = tl.load(v + ((t0 + r) * HV + hv)[:, None] * V + ov[None, :], mask=mrv, other=0.).to(tl.float32)
-        dAqk += tl.dot(dO, tl.trans(vn), input_precision=PREC)
-        dM += tl.dot(dvn, tl.trans(vv * bt[:, None]), input_precision=PREC)
-        dbv = tl.dot(tl.trans(M), dvn, input_precision=PREC)
+        vn = tl.load(VNc + pV)
+        dvn = tl.load(DVNc + pV)
+        dO = tl.load(do + ((t0 + r) * HV + hv)[:, None] * V + ov[None, :], mask=mrv, other=0.).to(vn.dtype)
+        vv = tl.load(v + ((t0 + r) * HV + hv)[:, None] * V + ov[None, :], mask=mrv, other=0.).to(vn.dtype)
+        dAqk = tl.dot(dO, tl.trans(vn), dAqk, input_precision=PREC)
+        dMv = tl.dot(dvn, tl.trans(vv), dMv, input_precision=PREC)
+        dbv = tl.dot(tl.trans(M), dvn.to(tl.float32), input_precision=PREC)
         tl.store(dv + ((t0 + r) * HV + hv)[:, None] * V + ov[None, :], (dbv * bt[:, None]).to(dv.dtype.element_ty),
                  mask=mrv)
-        db += tl.sum(vv * dbv, 1)
+        db += tl.sum(vv.to(tl.float32) * dbv, 1)
     tl.store(pR + r[:, None] * 64 + r[None, :], tl.where(r[:, None] >= r[None, :], dAqk, 0.))
-    # per K slice, per K slice, products with the states (dqg = dO S^T, dW = -dv' S^T, dkd = v' dS^T)
+    dM = dMv * bt[None, :]
+    # per K slice, products with the states (dqg = dO S^T, dW = -dv' S^T, dkd = v' dS^T)
     for kc in range(0, BK, KA):
         oc = kc + tl.arange(0, KA)
         mrc = rm[:, None] & (oc < K)[None, :]
@@ -447,16 +353,17 @@ def _bwd_prep(q, k, v, beta, do, Gc, Kkk, Mc, Hc, DHc, VNc, DVNc, dv, Rs, Ps, DQ
             ov = iv * BV + tl.arange(0, BV)
             pS = base * BK * BVF + oc[:, None] * BVF + ov[None, :]
             pV = base * 64 * BVF + r[:, None] * BVF + ov[None, :]
-            S = tl.load(Hc + pS).to(tl.float32)
-            dS = tl.load(DHc + pS).to(tl.float32)
-            vn = tl.load(VNc + pV).to(tl.float32)
-            dvn = tl.load(DVNc + pV).to(tl.float32)
+            S = tl.load(Hc + pS)
+            dS = tl.load(DHc + pS)
+            vn = tl.load(VNc + pV)
+            dvn = tl.load(DVNc + pV)
             dO = tl.load(do + ((t0 + r) * HV + hv)[:, None] * V + ov[None, :],
-                         mask=rm[:, None] & (ov < V)[None, :], other=0.).to(tl.float32)
-            dqg += tl.dot(dO, tl.trans(S), input_precision=PREC)
-            dW -= tl.dot(dvn, tl.trans(S), input_precision=PREC)
-            dkd += tl.dot(vn, tl.trans(dS), input_precision=PREC)
-            dgc += tl.sum(S * dS, 1)
+                         mask=rm[:, None] & (ov < V)[None, :], other=0.).to(vn.dtype)
+            dqg = tl.dot(dO, tl.trans(S), dqg, input_precision=PREC)
+            dW = tl.dot(dvn, tl.trans(S), dW, input_precision=PREC)
+            dkd = tl.dot(vn, tl.trans(dS), dkd, input_precision=PREC)
+            dgc += tl.sum(S.to(tl.float32) * dS.to(tl.float32), 1)
+        dW = -dW
         G = tl.load(pG + r[:, None] * BK + oc[None, :])
         gC = tl.load(pG + 63 * BK + oc)
         kk = tl.load(k + ((t0 + r) * H + h)[:, None] * K + oc[None, :], mask=mrc, other=0.).to(tl.float32)
@@ -479,6 +386,20 @@ def _bwd_prep(q, k, v, beta, do, Gc, Kkk, Mc, Hc, DHc, VNc, DVNc, dv, Rs, Ps, DQ
     tl.store(pP + r[:, None] * 64 + r[None, :], dA)
     db += tl.sum(dA * tl.load(Kkk + base * 4096 + r[:, None] * 64 + r[None, :]), 1)  # A = beta_i Kkk
     tl.store(dbeta + (t0 + r) * HV + hv, db.to(dbeta.dtype.element_ty), mask=rm)
+
+
+@triton.jit
+def _tile(p, t0, rows, nv, stride, oc, K):
+    """[16, len(oc)] fp32 tile of token rows t0 + rows of a token-major tensor (row stride `stride`), zeros past
+    nv rows / K columns."""
+    return tl.load(p + (t0 + rows)[:, None] * stride + oc[None, :], mask=(rows < nv)[:, None] & (oc < K)[None, :],
+                   other=0.).to(tl.float32)
+
+
+@triton.jit
+def _row(X, j):
+    """Row j of a [16, n] register tile, as an [n] vector."""
+    return tl.sum(tl.where(tl.arange(0, 16)[:, None] == j, X, 0.), 0)
 
 
 @triton.jit
@@ -543,8 +464,9 @@ def _bwd_intra(q, k, beta, Gc, Rs, Ps, DQs, DKs, DGs, dq, dk, dg, cu, cidx, scal
                BKS: tl.constexpr, PREC: tl.constexpr):
     """Gradients through A (P = dA) and Aqk (R = dAqk) for one chunk of one head, as 4 x 4 blocks of 16, one K
     slice at a time, added to the direct parts from `_bwd_prep`; writes dq, dk, dg (reverse in-chunk cumsum)."""
-    hv, t0, nv, base, pG, qh, kh, r0, r1, r2, r3 = _intra_program(q, k, Gc, cu, cidx, H, HV, K, BK)
-    c16 = r0
+    hv, t0, nv, base, pG, qh, kh = _intra_program(q, k, Gc, cu, cidx, H, HV, K, BK)
+    c16 = tl.arange(0, 16)
+    r0, r1, r2, r3 = c16, 16 + c16, 32 + c16, 48 + c16
     o = c16[:, None] * 64 + c16[None, :]
     pR = Rs + base * 4096 + o
     pP = Ps + base * 4096 + o

@@ -145,6 +145,19 @@ def test_chunk_strong_decay_takes_the_exact_path(decay):
     _check_against_reference(inp)
 
 
+def test_chunk_correlated_keys_couple_every_block():
+    """Nearly parallel keys, beta near 1 and slow decay make A = beta <k_i e^{G_i-G_j}, k_j> large in every
+    16-row block, so (I + A)^-1 depends on every block of the chunk (the last row block on the first through
+    all the ones between): with random keys those long-range terms are too small for the tolerance to see."""
+    inp = make_inputs(1, 128, 1, 1, 32, 16)
+    base = torch.randn(1, 1, 1, 32, device=DEV)
+    inp["k"] = l2norm(base + 0.3 * torch.randn(1, 128, 1, 32, device=DEV))
+    inp["beta"] = 0.7 + 0.3 * torch.rand(1, 128, 1, device=DEV)
+    inp["g"] = -0.02 * torch.rand(1, 128, 1, 32, device=DEV)
+    inp["h0"] = torch.randn(1, 1, 32, 16, device=DEV)
+    _check_against_reference(inp)
+
+
 @pytest.mark.parametrize("gate", ["default", "safe"])
 def test_chunk_gate_and_l2norm_in_kernel(gate):
     B, T, H, HV, K, V = 1, 70, 1, 1, 16, 16
