@@ -8,16 +8,18 @@ Math (per head, chunk C = 64, G = in-chunk cumulative log-decay, q~ = scale * q)
 Kernels (layout and staging ideas from fla-core 0.6.0 `fla/ops/kda/chunk_intra.py`, `fla/ops/common/chunk_delta_h.py`,
 `fla/ops/kda/chunk_bwd.py`; written independently, no code copied). Forward:
   `_fwd_cumsum` (chunk, head, K slice): fused gate activation + in-chunk cumsum G.
-  `_fwd_intra` (chunk, head): A and Aqk as 4 x 4 blocks of 16, each summed over K slices; off-diagonal blocks as
-     two bounded exponentials around the row block's first row (tensor-core dots), diagonal blocks the same around
-     the middle row when the tile's log-decays span <= 80 (always for K3's gate), else exactly; then
-     M = (I + A)^-1 by blocks in registers, W, U, q e^G, k e^{G_C-G}. (FLA splits this into three kernels.)
+  `_fwd_intra` (chunk, head): A and Aqk with 64-row tensor-core dots, summed over K slices: the off-diagonal
+     16-row blocks of column block J as (rows after J) x (block J) around G at J's last row, so both exponential
+     factors are <= 1; the diagonal blocks around their middle rows when every |G - G_mid| <= 40 (always for K3's
+     gate), else exactly; then M = (I + A)^-1 in a product form of ten 64 x 64 x 64 dots, W, U, q e^G,
+     k e^{G_C-G}. (FLA splits this into three kernels of 16-row tiles.)
   `_fwd_state` (sequence, head, V block): the serial pass over chunks. The columns of the state evolve
      independently (v' = U - W S is column-wise), so splitting V gives B*HV*V/BV programs instead of B*HV;
      the output is fused into the pass, so in inference the per-chunk states never reach memory.
 Backward: `_bwd_state` (reverse pass for dS and dv', same V split), `_bwd_prep` (chunk, head: dv, dbeta, dAqk,
 dA = -M^T dM M^T and the direct parts of dq, dk, dG), `_bwd_intra` (chunk, head: the gradients through the
-gated 16 x 16 block products, K slice by K slice, and the reverse in-chunk cumsum for dg; writes dq, dk, dg).
+gated 16 x 16 block products, K slice by K slice, and the reverse in-chunk cumsum for dg; writes dq, dk, dg; a
+64-row version like the forward's measured slower: kernels/kda/NOTES.md).
 Every reduction has a fixed order and there are no atomics: results are bitwise reproducible.
 Intermediates live in a chunk-padded layout [chunks, HV, 64, D] so that later kernels need no row masks.
 """
