@@ -41,7 +41,8 @@ CONFIG = {"fwd_state_bv": 16, "fwd_state_warps": 4, "fwd_state_stages": 3,
           "bwd_state_bv": 16, "bwd_state_warps": 4, "bwd_state_stages": 3,
           "intra_bk": 32, "intra_warps": 4, "intra_stages": 2,
           "bwd_intra_bk": 32, "bwd_intra_warps": 4, "bwd_intra_stages": 3,
-          "bwd_prep_bv": 32, "bwd_prep_warps": 4, "bwd_prep_stages": 1, "ka": 32}
+          "bwd_prep_bv": 32, "bwd_prep_warps": 4, "bwd_prep_stages": 1, "ka": 32,
+          "dot_precision": None}  # None: by input dtype (`_prec`); or force one of triton's (e.g. "tf32x3")
 
 
 @triton.jit
@@ -540,7 +541,10 @@ def _p2(x: int) -> int:
 
 
 def _prec(dtype: torch.dtype) -> str:
-    """fp32 dot precision: near-fp32 (3xTF32) for fp32 inputs, TF32 when the inputs are 16-bit anyway."""
+    """fp32 dot precision: CONFIG["dot_precision"] if set, else near-fp32 (3xTF32) for fp32 inputs and TF32 when
+    the inputs are 16-bit anyway."""
+    if CONFIG["dot_precision"] is not None:
+        return CONFIG["dot_precision"]
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 

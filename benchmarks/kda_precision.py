@@ -1,0 +1,101 @@
+"""KDA numerics: relative RMS error of o, the final state and every gradient against the fp64 recurrent reference,
+for ours (default dot precision and 3xTF32) and fla-core, all on the same inputs in one process.
+
+Setting of tests/kernels/test_kda.py::test_gpu_bf16_against_reference_and_fla: bf16 q/k/v/beta, B=2, T=300 (not a
+chunk multiple), H=HV=2, K=V=128, initial state, output gradient on o and the final state; two gates: `plain`
+(precomputed g = 0.5 logsigmoid(randn)) and `safe` (K3's gate in the kernel: lower_bound -5, A_log = 0,
+dt_bias = 0.1 randn). FLA's tolerances: o 5e-3, dq/dk/dv/dh0/ddt_bias 8e-3, dg/dbeta/dA_log 2e-2.
+Writes benchmarks/results/kda_precision.json (or $OUT/kda_precision.json when OUT is set).
+`--smoke`: CPU interpreter, fp32, small shapes, ours only, JSON in the working directory (checks the script).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import k3_kernels.kda.chunk as ours_mod  # noqa: E402
+from k3_kernels.kda import naive_kda_lowerbound_gate, naive_recurrent_kda  # noqa: E402
+
+DEV = "cpu" if SMOKE else "cuda"
+DTYPE = torch.float32 if SMOKE else torch.bfloat16
+B, T, H, K, V = (1, 100, 1, 32, 32) if SMOKE else (2, 300, 2, 128, 128)
+LOWER = -5.0
+
+
+def inputs(case: str, seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    x = dict(q=torch.randn(B, T, H, K, device=DEV).to(DTYPE),
+             k=F.normalize(torch.randn(B, T, H, K, device=DEV), dim=-1).to(DTYPE),
+             v=torch.randn(B, T, H, V, device=DEV).to(DTYPE),
+             g=torch.randn(B, T, H, K, device=DEV) if case == "safe"
+             else F.logsigmoid(torch.randn(B, T, H, K, device=DEV)) * 0.5,
+             beta=torch.rand(B, T, H, device=DEV).to(DTYPE),
+             h0=torch.randn(B, H, K, V, device=DEV))
+    if case == "safe":
+        x["A_log"] = torch.zeros(H, device=DEV)
+        x["dt_bias"] = torch.randn(H * K, device=DEV) * 0.1
+    return x
+
+
+def run(fn, x: dict, do: torch.Tensor, dht: torch.Tensor, **kw) -> tuple[dict, dict]:
+    leaves = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
+    extra = {n: leaves[n] for n in ("A_log", "dt_bias") if n in leaves}
+    o, ht = fn(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], initial_state=leaves["h0"],
+               output_final_state=True, **extra, **kw)
+    torch.autograd.backward([o, ht], [do.to(o.dtype), dht.to(ht.dtype)])
+    return {"o": o, "ht": ht}, {"d" + n: t.grad for n, t in leaves.items()}
+
+
+def reference(q, k, v, g, beta, initial_state, output_final_state, A_log=None, dt_bias=None):
+    """fp64 token-by-token recurrence; the safe gate applied in torch when A_log is given."""
+    q, k, v, g, beta = (t.double() for t in (q, k, v, g, beta))
+    if A_log is not None:
+        g = naive_kda_lowerbound_gate(g, A_log.double(), dt_bias.double(), LOWER)
+    return naive_recurrent_kda(q, k, v, g, beta, initial_state=initial_state.double(),
+                               output_final_state=output_final_state)
+
+
+def rel(ref: torch.Tensor, x: torch.Tensor) -> float:
+    d = ref.double() - x.double()
+    return d.pow(2).mean().sqrt().item() / max(ref.double().pow(2).mean().sqrt().item(), 1e-30)
+
+
+def main() -> None:
+    fla_kda = None
+    if not SMOKE:
+        from fla.ops.kda import chunk_kda as fla_kda
+    res = {"shape": dict(B=B, T=T, H=H, K=K, V=V, dtype=str(DTYPE)), "rows": []}
+    out_dir = os.environ.get("OUT") or (os.path.join(os.path.dirname(__file__), "results") if not SMOKE else ".")
+    os.makedirs(out_dir, exist_ok=True)
+    for case in ("plain", "safe"):
+        for seed in (0, 1):
+            x = inputs(case, seed)
+            do = torch.randn(B, T, H, V, device=DEV)
+            dht = torch.randn(B, H, K, V, device=DEV)
+            ref, dref = run(reference, {n: t.double() for n, t in x.items()}, do.double(), dht.double())
+            gate = dict(use_gate_in_kernel=True, lower_bound=LOWER) if case == "safe" else {}
+            impls = [("ours[default]", ours_mod.chunk_kda, gate, None), ("ours[tf32x3]", ours_mod.chunk_kda, gate, "tf32x3")]
+            if fla_kda is not None:
+                impls.append(("fla", fla_kda, dict(gate, safe_gate=True) if case == "safe" else {}, None))
+            for name, fn, kw, prec in impls:
+                ours_mod.CONFIG["dot_precision"] = prec
+                outs, grads = run(fn, x, do, dht, **kw)
+                row = dict(case=case, seed=seed, impl=name, o=rel(ref["o"], outs["o"]), ht=rel(ref["ht"], outs["ht"]),
+                           **{n: rel(dref[n], grads[n]) for n in dref if grads.get(n) is not None})
+                res["rows"].append(row)
+                print(json.dumps({k: (f"{v:.2e}" if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+            ours_mod.CONFIG["dot_precision"] = None
+            with open(os.path.join(out_dir, "kda_precision.json"), "w") as f:
+                json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
