@@ -34,7 +34,6 @@ from k3_kernels.launch import cdiv, next_pow2
 from .naive import l2norm, naive_kda_gate, naive_kda_lowerbound_gate
 
 BT = 64  # chunk size
-BC = 16  # sub-block size inside a chunk
 
 # launch settings (no autotuning, so the interpreter and the GPU run the same configs)
 CONFIG = {"fwd_state_bv": 16, "fwd_state_warps": 4, "fwd_state_stages": 3,
