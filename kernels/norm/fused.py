@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from k3_kernels.launch import cdiv, next_pow2, num_programs
+from k3_kernels.launch import CachedLaunch, cdiv, next_pow2, num_programs
 
 
 @triton.jit
@@ -86,6 +86,10 @@ def _rms_bwd_kernel(x_ptr, g_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dg_ptr, dw_pa
         tl.store(dw_part_ptr + pid * D + cols, tl.sum(dw_acc, axis=0), mask=cmask)
 
 
+_launch_fwd = CachedLaunch(_rms_fwd_kernel)
+_launch_bwd = CachedLaunch(_rms_bwd_kernel)
+
+
 @functools.lru_cache(maxsize=None)
 def _config(D: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_D, warps): a function of D alone."""
@@ -116,7 +120,7 @@ def _forward(x2: torch.Tensor, g2: torch.Tensor | None, weight: torch.Tensor | N
     rstd = torch.empty(M, device=x2.device, dtype=torch.float32) if store_rstd else None
     if M > 0:
         block_m, block_d, warps = _config(D)
-        _rms_fwd_kernel[(cdiv(M, block_m),)](
+        _launch_fwd((cdiv(M, block_m),),
             x2, g2, weight, y, rstd, M, D, x2.stride(0), g2.stride(0) if g2 is not None else 0, eps,
             HAS_W=weight is not None, GATED=g2 is not None, STORE_RSTD=store_rstd, BLOCK_M=block_m,
             BLOCK_D=block_d, num_warps=warps)
@@ -136,9 +140,9 @@ def _backward(ctx, dy: torch.Tensor):
     P = num_programs(cdiv(M, block_m), dev, 2)
     dw_part = torch.empty((P, D), device=dev, dtype=torch.float32) if weight is not None else None
     if M > 0:
-        _rms_bwd_kernel[(P,)](x2, g2, weight, dy, rstd, dx, dg, dw_part, M, D, x2.stride(0),
-                              g2.stride(0) if g2 is not None else 0, HAS_W=weight is not None,
-                              GATED=g2 is not None, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
+        _launch_bwd((P,), x2, g2, weight, dy, rstd, dx, dg, dw_part, M, D, x2.stride(0),
+                    g2.stride(0) if g2 is not None else 0, HAS_W=weight is not None, GATED=g2 is not None,
+                    BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
     elif dw_part is not None:
         dw_part.zero_()
     dw = None
