@@ -60,8 +60,8 @@ class CachedLaunch:
         self._direct = isinstance(kernel, triton.runtime.JITFunction)
 
     def __call__(self, grid: tuple, *args, **constexprs) -> None:
-        if not self._direct or self.kernel.pre_run_hooks or knobs.runtime.launch_enter_hook is not None \
-                or knobs.runtime.launch_exit_hook is not None:
+        if not self._direct or self.kernel.pre_run_hooks or _hooked(knobs.runtime.launch_enter_hook) \
+                or _hooked(knobs.runtime.launch_exit_hook):
             self.kernel[grid](*args, **constexprs)
             return
         device = _driver().get_current_device()
@@ -80,6 +80,11 @@ class CachedLaunch:
         g2 = grid[2] if len(grid) > 2 else 1
         run(grid[0], g1, g2, _driver().get_current_stream(device), function, metadata, None, None, None, *args,
             *tail)
+
+
+def _hooked(hook) -> bool:
+    """A launch hook is set: None or an empty `HookChain` (triton >= 3.5 never leaves it None) means no hook."""
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 @functools.lru_cache(maxsize=None)

@@ -33,7 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from k3_kernels.launch import cdiv, next_pow2, num_programs
+from k3_kernels.launch import next_pow2, num_programs
+from k3_kernels.reduce import colsum
 
 MAX_SOURCES = 16
 
@@ -242,20 +243,6 @@ def _attnres_bwd_kernel(
         tl.store(dow_part_ptr + pid * D + offs, dow_acc, mask=mask)
 
 
-@triton.jit
-def _colsum_kernel(part_ptr, out_ptr, P, D, BLOCK_P: tl.constexpr, BLOCK: tl.constexpr):
-    """out[d] = sum_p part[p, d]: BLOCK_P-row chunks (fixed tree) summed in chunk order (no atomics)."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < D
-    rows = tl.arange(0, BLOCK_P)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for p0 in range(0, P, BLOCK_P):
-        m = ((p0 + rows) < P)[:, None] & mask[None, :]
-        acc += tl.sum(tl.load(part_ptr + (p0 + rows)[:, None].to(tl.int64) * D + offs[None, :], mask=m, other=0.0),
-                      axis=0)
-    tl.store(out_ptr + offs, acc, mask=mask)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # launch configuration: depends on D only (batch invariance), never on the number of tokens
 
@@ -279,15 +266,6 @@ def _config(D: int) -> _Cfg:
     if block >= 2048:
         return _Cfg(block, 8, 8, 2, 2, 4)
     return _Cfg(block, 4, 4, 4, 2, 4)
-
-
-def colsum(part: torch.Tensor) -> torch.Tensor:
-    """Fixed-order column sum of a [P, D] fp32 partials buffer -> [D] fp32."""
-    P, D = part.shape
-    out = torch.empty(D, device=part.device, dtype=torch.float32)
-    BLOCK = 256
-    _colsum_kernel[(cdiv(D, BLOCK),)](part, out, P, D, BLOCK_P=32, BLOCK=BLOCK, num_warps=4)
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -490,7 +468,7 @@ class _AttnResFn(torch.autograd.Function):
         da = colsum(da_part)
         dq = (da * weight.float()).to(query.dtype) if ctx.needs_input_grad[0] else None
         dw = (da * query.float()).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        dow = colsum(dow_part).to(ow.dtype) if ow is not None and ctx.needs_input_grad[2] else None
+        dow = colsum(dow_part, ow.dtype) if ow is not None and ctx.needs_input_grad[2] else None
         return (dq, dw, dow, None, *grads)
 
 
