@@ -6,6 +6,7 @@ chunk multiple), H=HV=2, K=V=128, initial state, output gradient on o and the fi
 (precomputed g = 0.5 logsigmoid(randn)) and `safe` (K3's gate in the kernel: lower_bound -5, A_log = 0,
 dt_bias = 0.1 randn). FLA's tolerances: o 5e-3, dq/dk/dv/dh0/ddt_bias 8e-3, dg/dbeta/dA_log 2e-2.
 Writes benchmarks/results/kda_precision.json (or $OUT/kda_precision.json when OUT is set).
+`--cases plain,safe,safe_fla` (default plain,safe), `--seeds N` (default 2).
 `--smoke`: CPU interpreter, fp32, small shapes, ours only, JSON in the working directory (checks the script).
 """
 from __future__ import annotations
@@ -31,7 +32,16 @@ LOWER = -5.0
 
 
 def inputs(case: str, seed: int) -> dict[str, torch.Tensor]:
+    """`plain` / `safe`: our tests' distribution (randn q, unit-norm randn k, randn v; safe: A_log 0, dt_bias
+    0.1 randn). `safe_fla`: fla-core's own chunk test (uniform q/k/v with q and k l2-normalised, randn A_log and
+    dt_bias), with `scale` 0.1 as there."""
     torch.manual_seed(seed)
+    if case == "safe_fla":
+        return dict(q=F.normalize(torch.rand(B, T, H, K, device=DEV), dim=-1).to(DTYPE),
+                    k=F.normalize(torch.rand(B, T, H, K, device=DEV), dim=-1).to(DTYPE),
+                    v=torch.rand(B, T, H, V, device=DEV).to(DTYPE), g=torch.randn(B, T, H, K, device=DEV),
+                    beta=torch.randn(B, T, H, device=DEV).sigmoid().to(DTYPE), h0=torch.randn(B, H, K, V, device=DEV),
+                    A_log=torch.randn(H, device=DEV), dt_bias=torch.randn(H * K, device=DEV))
     x = dict(q=torch.randn(B, T, H, K, device=DEV).to(DTYPE),
              k=F.normalize(torch.randn(B, T, H, K, device=DEV), dim=-1).to(DTYPE),
              v=torch.randn(B, T, H, V, device=DEV).to(DTYPE),
@@ -54,12 +64,12 @@ def run(fn, x: dict, do: torch.Tensor, dht: torch.Tensor, **kw) -> tuple[dict, d
     return {"o": o, "ht": ht}, {"d" + n: t.grad for n, t in leaves.items()}
 
 
-def reference(q, k, v, g, beta, initial_state, output_final_state, A_log=None, dt_bias=None):
+def reference(q, k, v, g, beta, initial_state, output_final_state, A_log=None, dt_bias=None, scale=None):
     """fp64 token-by-token recurrence; the safe gate applied in torch when A_log is given."""
     q, k, v, g, beta = (t.double() for t in (q, k, v, g, beta))
     if A_log is not None:
         g = naive_kda_lowerbound_gate(g, A_log.double(), dt_bias.double(), LOWER)
-    return naive_recurrent_kda(q, k, v, g, beta, initial_state=initial_state.double(),
+    return naive_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state.double(),
                                output_final_state=output_final_state)
 
 
@@ -75,16 +85,20 @@ def main() -> None:
     res = {"shape": dict(B=B, T=T, H=H, K=K, V=V, dtype=str(DTYPE)), "rows": []}
     out_dir = os.environ.get("OUT") or (os.path.join(os.path.dirname(__file__), "results") if not SMOKE else ".")
     os.makedirs(out_dir, exist_ok=True)
-    for case in ("plain", "safe"):
-        for seed in (0, 1):
+    cases = sys.argv[sys.argv.index("--cases") + 1].split(",") if "--cases" in sys.argv else ["plain", "safe"]
+    seeds = range(int(sys.argv[sys.argv.index("--seeds") + 1])) if "--seeds" in sys.argv else range(2)
+    for case in cases:
+        for seed in seeds:
             x = inputs(case, seed)
             do = torch.randn(B, T, H, V, device=DEV)
             dht = torch.randn(B, H, K, V, device=DEV)
-            ref, dref = run(reference, {n: t.double() for n, t in x.items()}, do.double(), dht.double())
-            gate = dict(use_gate_in_kernel=True, lower_bound=LOWER) if case == "safe" else {}
-            impls = [("ours[default]", ours_mod.chunk_kda, gate, None), ("ours[tf32x3]", ours_mod.chunk_kda, gate, "tf32x3")]
+            scale = dict(scale=0.1) if case == "safe_fla" else {}
+            ref, dref = run(reference, {n: t.double() for n, t in x.items()}, do.double(), dht.double(), **scale)
+            gate = dict(use_gate_in_kernel=True, lower_bound=LOWER, **scale) if case != "plain" else {}
+            impls = [("ours[default]", ours_mod.chunk_kda, gate, None)]
             if fla_kda is not None:
-                impls.append(("fla", fla_kda, dict(gate, safe_gate=True) if case == "safe" else {}, None))
+                impls.append(("fla", fla_kda, dict(gate, safe_gate=True) if case != "plain" else {}, None))
+            impls.append(("ours[tf32x3]", ours_mod.chunk_kda, gate, "tf32x3"))
             for name, fn, kw, prec in impls:
                 ours_mod.CONFIG["dot_precision"] = prec
                 outs, grads = run(fn, x, do, dht, **kw)
