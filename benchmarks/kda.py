@@ -95,7 +95,9 @@ def run_pair(fla_kda, xs, do, cu=None, check=False, rep=100):
 
 
 def sweep(T: int) -> list:
-    """Pick the intra kernels' K slice / warps and the backward prep's warps / stages by timing our forward and forward+backward at length T."""
+    """Pick launch settings stage by stage (each keeps the best of its candidates): the forward intra kernel by our
+    forward, the backward kernels (intra, prep, the prep's K slice `ka`, state pass) by our forward+backward, at
+    length T."""
     xs = inputs(T)
     do = torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16)
     log = []
@@ -109,16 +111,20 @@ def sweep(T: int) -> list:
             ours_mod.chunk_kda(*xs)[0].backward(do)
         fb()
         return med(fb, rep=30, grad_to_none=xs)
-    space = [("intra", ("bk", "warps", "stages"), [(32, 4, 2), (32, 4, 3), (32, 4, 1)], t_fwd),
-             ("bwd_intra", ("bk", "warps", "stages"), [(32, 4, 3), (32, 4, 2)], t_fb)]
+    space = [("intra", ("bk", "warps", "stages"), [(32, 4, 2), (32, 4, 3)], t_fwd),
+             ("bwd_intra", ("bk", "warps", "stages"), [(32, 4, 3), (32, 4, 2), (64, 8, 2)], t_fb),
+             ("bwd_prep", ("bv", "warps", "stages"), [(32, 4, 1), (32, 4, 2), (64, 4, 1), (32, 8, 1), (16, 4, 1)],
+              t_fb),
+             ("", ("ka",), [(32,), (64,)], t_fb),
+             ("bwd_state", ("bv", "warps", "stages"), [(16, 4, 3), (16, 4, 2), (16, 2, 3), (32, 8, 3)], t_fb)]
     for stage, keys, cands, timer in space:
         best = None
         for cand in cands:
             ours_mod.CONFIG.update({"_".join(filter(None, (stage, k))): x for k, x in zip(keys, cand)})
             try:
                 t = timer()
-            except OutOfResources as e:  # e.g. shared memory at this config: skip it
-                log.append(dict(stage=stage, T=T, **dict(zip(keys, cand)), error=str(e)))
+            except (OutOfResources, triton.CompilationError) as e:  # e.g. shared memory, dot shape: skip it
+                log.append(dict(stage=stage, T=T, **dict(zip(keys, cand)), error=str(e)[:300]))
                 print("sweep", log[-1], flush=True)
                 continue
             log.append(dict(stage=stage, T=T, **dict(zip(keys, cand)), ms=t))
