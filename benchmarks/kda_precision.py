@@ -1,12 +1,13 @@
 """KDA numerics: relative RMS error of o, the final state and every gradient against the fp64 recurrent reference,
-for ours (default dot precision and 3xTF32) and fla-core, all on the same inputs in one process.
+for ours (the precision settings of `CONFIGS`) and fla-core, all on the same inputs in one process.
 
 Setting of tests/kernels/test_kda.py::test_gpu_bf16_against_reference_and_fla: bf16 q/k/v/beta, B=2, T=300 (not a
 chunk multiple), H=HV=2, K=V=128, initial state, output gradient on o and the final state; two gates: `plain`
 (precomputed g = 0.5 logsigmoid(randn)) and `safe` (K3's gate in the kernel: lower_bound -5, A_log = 0,
 dt_bias = 0.1 randn). FLA's tolerances: o 5e-3, dq/dk/dv/dh0/ddt_bias 8e-3, dg/dbeta/dA_log 2e-2.
 Writes benchmarks/results/kda_precision.json (or $OUT/kda_precision.json when OUT is set).
-`--cases plain,safe,safe_fla` (default plain,safe), `--seeds N` (default 2).
+`--cases plain,safe,safe_fla` (default plain,safe), `--seeds N` (default 2), `--configs default,tf32x3,...` (ours'
+precision settings, `CONFIGS`; default all), `--no-fla`.
 `--smoke`: CPU interpreter, fp32, small shapes, ours only, JSON in the working directory (checks the script).
 """
 from __future__ import annotations
@@ -78,9 +79,16 @@ def rel(ref: torch.Tensor, x: torch.Tensor) -> float:
     return d.pow(2).mean().sqrt().item() / max(ref.double().pow(2).mean().sqrt().item(), 1e-30)
 
 
+# precision settings of ours compared (CONFIG patches): the default, 3xTF32 everywhere, TF32 everywhere, and 3xTF32
+# in the backward prep kernel only
+CONFIGS = {"default": {}, "tf32x3": {"dot_precision": "tf32x3"}, "tf32": {"dot_precision": "tf32"},
+           "prep_x3": {"bwd_prep_precision": "tf32x3", "bwd_intra_precision": "tf32"}}
+
+
 def main() -> None:
     fla_kda = None
-    if not SMOKE:
+    configs = sys.argv[sys.argv.index("--configs") + 1].split(",") if "--configs" in sys.argv else list(CONFIGS)
+    if not SMOKE and "--no-fla" not in sys.argv:
         from fla.ops.kda import chunk_kda as fla_kda
     res = {"shape": dict(B=B, T=T, H=H, K=K, V=V, dtype=str(DTYPE)), "rows": []}
     out_dir = os.environ.get("OUT") or (os.path.join(os.path.dirname(__file__), "results") if not SMOKE else ".")
@@ -95,18 +103,21 @@ def main() -> None:
             scale = dict(scale=0.1) if case == "safe_fla" else {}
             ref, dref = run(reference, {n: t.double() for n, t in x.items()}, do.double(), dht.double(), **scale)
             gate = dict(use_gate_in_kernel=True, lower_bound=LOWER, **scale) if case != "plain" else {}
-            impls = [("ours[default]", ours_mod.chunk_kda, gate, None)]
+            impls = [(f"ours[{c}]", ours_mod.chunk_kda, gate, CONFIGS[c]) for c in configs]
             if fla_kda is not None:
-                impls.append(("fla", fla_kda, dict(gate, safe_gate=True) if case != "plain" else {}, None))
-            impls.append(("ours[tf32x3]", ours_mod.chunk_kda, gate, "tf32x3"))
-            for name, fn, kw, prec in impls:
-                ours_mod.CONFIG["dot_precision"] = prec
-                outs, grads = run(fn, x, do, dht, **kw)
+                impls.insert(1, ("fla", fla_kda, dict(gate, safe_gate=True) if case != "plain" else {}, {}))
+            for name, fn, kw, patch in impls:
+                saved = dict(ours_mod.CONFIG)
+                ours_mod.CONFIG.update(patch)
+                try:
+                    outs, grads = run(fn, x, do, dht, **kw)
+                finally:
+                    ours_mod.CONFIG.clear()
+                    ours_mod.CONFIG.update(saved)
                 row = dict(case=case, seed=seed, impl=name, o=rel(ref["o"], outs["o"]), ht=rel(ref["ht"], outs["ht"]),
                            **{n: rel(dref[n], grads[n]) for n in dref if grads.get(n) is not None})
                 res["rows"].append(row)
                 print(json.dumps({k: (f"{v:.2e}" if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
-            ours_mod.CONFIG["dot_precision"] = None
             with open(os.path.join(out_dir, "kda_precision.json"), "w") as f:
                 json.dump(res, f, indent=1)
 

@@ -38,10 +38,11 @@ BT = 64  # chunk size
 # launch settings (no autotuning, so the interpreter and the GPU run the same configs)
 CONFIG = {"fwd_state_bv": 16, "fwd_state_warps": 4, "fwd_state_stages": 3,
           "bwd_state_bv": 16, "bwd_state_warps": 4, "bwd_state_stages": 3,
-          "intra_bk": 32, "intra_warps": 4, "intra_stages": 2,
-          "bwd_intra_bk": 32, "bwd_intra_warps": 4, "bwd_intra_stages": 3,
-          "bwd_prep_bv": 32, "bwd_prep_warps": 4, "bwd_prep_stages": 1, "ka": 32,
-          "dot_precision": None}  # None: by input dtype (`_prec`); or force one of triton's (e.g. "tf32x3")
+          "intra_bk": 32, "intra_warps": 4, "intra_stages": 3,
+          "bwd_intra_bk": 32, "bwd_intra_warps": 4, "bwd_intra_stages": 2,
+          "bwd_prep_bv": 64, "bwd_prep_warps": 4, "bwd_prep_stages": 1, "ka": 32,
+          "dot_precision": None,  # None: by input dtype and kernel (`_prec`); or force one of triton's everywhere
+          "bwd_intra_precision": "tf32x3", "bwd_prep_precision": "tf32"}  # fp32-operand dots, 16-bit inputs
 
 
 @triton.jit
@@ -539,12 +540,17 @@ def _p2(x: int) -> int:
     return max(16, next_pow2(x))
 
 
-def _prec(dtype: torch.dtype) -> str:
-    """fp32 dot precision: CONFIG["dot_precision"] if set, else near-fp32 (3xTF32) for fp32 inputs and TF32 when
-    the inputs are 16-bit anyway."""
+def _prec(dtype: torch.dtype, kernel: str | None = None) -> str:
+    """fp32 dot precision: CONFIG["dot_precision"] if set; else near-fp32 (3xTF32) for fp32 inputs; for 16-bit
+    inputs CONFIG["<kernel>_precision"] where the kernel has one, else TF32. The backward intra kernel keeps 3xTF32:
+    it forms each in-chunk pair's gate gradient twice (row and column side) and the reverse cumsum cancels the two,
+    so TF32 rounding there left dg / ddt_bias 3-12x further from the fp64 reference than fla-core under K3's safe
+    gate (`benchmarks/results/kda_precision.json`)."""
     if CONFIG["dot_precision"] is not None:
         return CONFIG["dot_precision"]
-    return "tf32x3" if dtype == torch.float32 else "tf32"
+    if dtype == torch.float32:
+        return "tf32x3"
+    return (CONFIG.get(f"{kernel}_precision") if kernel else None) or "tf32"
 
 
 _PLANS: dict = {}
@@ -634,10 +640,12 @@ def _bwd(q, k, v, beta, do, dht, has_h0, scale, saved, plan):
     Ps = torch.empty_like(Rs)
     DQs, DKs, DGs = (torch.empty(NC, HV, BT, BK, device=dev, dtype=f32) for _ in range(3))
     _bwd_prep[(NC, HV)](q, k, v, beta, do, Gc, Kkk, Mc, Hc, DHc, VNc, DVNc, dv, Rs, Ps, DQs, DKs, DGs, dbeta, cu, cidx,
-                        scale, H, HV, K, V, BK=BK, KA=KA, BVF=BVF, BV=min(CONFIG["bwd_prep_bv"], BVF), PREC=prec,
+                        scale, H, HV, K, V, BK=BK, KA=KA, BVF=BVF, BV=min(CONFIG["bwd_prep_bv"], BVF),
+                        PREC=_prec(k.dtype, "bwd_prep"),
                         num_warps=CONFIG["bwd_prep_warps"], num_stages=CONFIG["bwd_prep_stages"])
     _bwd_intra[(NC, HV)](q, k, beta, Gc, Rs, Ps, DQs, DKs, DGs, dq, dk, dg, cu, cidx, scale, H, HV, K, BK=BK,
-                         BKS=min(CONFIG["bwd_intra_bk"], BK), PREC=prec, num_warps=CONFIG["bwd_intra_warps"],
+                         BKS=min(CONFIG["bwd_intra_bk"], BK), PREC=_prec(k.dtype, "bwd_intra"),
+                         num_warps=CONFIG["bwd_intra_warps"],
                          num_stages=CONFIG["bwd_intra_stages"])
     if HV != H:  # grouped value heads: sum the group's contributions in a fixed order
         dq = dq.view(B, T, H, HV // H, K).sum(3).to(q.dtype)
