@@ -7,7 +7,8 @@ chunk multiple), H=HV=2, K=V=128, initial state, output gradient on o and the fi
 dt_bias = 0.1 randn). FLA's tolerances: o 5e-3, dq/dk/dv/dh0/ddt_bias 8e-3, dg/dbeta/dA_log 2e-2.
 Writes benchmarks/results/kda_precision.json (or $OUT/kda_precision.json when OUT is set).
 `--cases plain,safe,safe_fla` (default plain,safe), `--seeds N` (default 2), `--configs default,tf32x3,...` (ours'
-precision settings, `CONFIGS`; default all), `--no-fla`.
+precision settings, `CONFIGS`; default all), `--no-fla`, `--time T` (then our forward+backward time at length T under
+each setting).
 `--smoke`: CPU interpreter, fp32, small shapes, ours only, JSON in the working directory (checks the script).
 """
 from __future__ import annotations
@@ -120,6 +121,29 @@ def main() -> None:
                 print(json.dumps({k: (f"{v:.2e}" if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
             with open(os.path.join(out_dir, "kda_precision.json"), "w") as f:
                 json.dump(res, f, indent=1)
+    if "--time" in sys.argv:  # what each setting costs: our forward+backward at B=1, H=16, K=V=128, length T
+        from triton.testing import do_bench
+        Tt = int(sys.argv[sys.argv.index("--time") + 1])
+        xs = [t.requires_grad_(True) for t in (torch.randn(1, Tt, 16, K, device=DEV, dtype=DTYPE),
+                                               F.normalize(torch.randn(1, Tt, 16, K, device=DEV), dim=-1).to(DTYPE),
+                                               torch.randn(1, Tt, 16, V, device=DEV, dtype=DTYPE),
+                                               F.logsigmoid(torch.randn(1, Tt, 16, K, device=DEV)) * 0.5,
+                                               torch.rand(1, Tt, 16, device=DEV, dtype=DTYPE))]
+        do = torch.randn(1, Tt, 16, V, device=DEV, dtype=DTYPE)
+        res[f"fwdbwd_ms_T{Tt}"] = {}
+        for c in configs:
+            saved = dict(ours_mod.CONFIG)
+            ours_mod.CONFIG.update(CONFIGS[c])
+            try:
+                ms = do_bench(lambda: ours_mod.chunk_kda(*xs)[0].backward(do), warmup=5, rep=100, grad_to_none=xs,
+                              return_mode="median")
+            finally:
+                ours_mod.CONFIG.clear()
+                ours_mod.CONFIG.update(saved)
+            res[f"fwdbwd_ms_T{Tt}"][c] = ms
+            print(json.dumps({"T": Tt, "config": c, "fwdbwd_ms": round(ms, 4)}), flush=True)
+        with open(os.path.join(out_dir, "kda_precision.json"), "w") as f:
+            json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":
