@@ -428,15 +428,10 @@ def _diag_grad(R, PB, qb, kb, Gb, PREC: tl.constexpr):
         e = tl.exp(Gb - gm[None, :])
         ei = tl.exp(gm[None, :] - Gb)
         kei = kb * ei
-        # R's diagonal (token i with itself, no decay) in plain fp32 outside the dots: its row and column parts
-        # cancel in dG (q_i R_ii k_i - k_i R_ii q_i), and rounded dot operands would leave that cancellation a
-        # TF32 error of the largest terms (under strong decay, dg / ddt_bias several times fla-core's error)
-        Rd = tl.sum(tl.where(c16[:, None] == c16[None, :], R, 0.), 1)[:, None]
-        Rs = tl.where(c16[:, None] > c16[None, :], R, 0.)
-        rowR = e * tl.dot(Rs, kei, input_precision=PREC) + Rd * kb
+        rowR = e * tl.dot(R, kei, input_precision=PREC)
         rowP = e * tl.dot(PB, kei, input_precision=PREC)
-        col = ei * (tl.dot(tl.trans(Rs), qb * e, input_precision=PREC) + tl.dot(tl.trans(PB), kb * e,
-                                                                               input_precision=PREC)) + Rd * qb
+        col = ei * (tl.dot(tl.trans(R), qb * e, input_precision=PREC) + tl.dot(tl.trans(PB), kb * e,
+                                                                              input_precision=PREC))
     else:
         rowR = tl.zeros_like(kb)
         rowP = tl.zeros_like(kb)
