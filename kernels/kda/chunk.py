@@ -42,7 +42,7 @@ CONFIG = {"fwd_state_bv": 16, "fwd_state_warps": 4, "fwd_state_stages": 3,
           "bwd_intra_bk": 32, "bwd_intra_warps": 4, "bwd_intra_stages": 2,
           "bwd_prep_bv": 64, "bwd_prep_warps": 4, "bwd_prep_stages": 1, "ka": 32,
           "dot_precision": None,  # None: by input dtype and kernel (`_prec`); or force one of triton's everywhere
-          "bwd_intra_precision": "tf32x3", "bwd_prep_precision": "tf32"}  # fp32-operand dots, 16-bit inputs
+          "bwd_intra_precision": None, "bwd_prep_precision": None}  # per kernel, 16-bit inputs (None: TF32)
 
 
 @triton.jit
@@ -406,32 +406,56 @@ def _row(X, j):
 
 
 @triton.jit
+def _rounded(x, PREC: tl.constexpr):
+    """x as the tensor cores read it in a TF32 dot (round to nearest, ties away): an operand passed rounded is read
+    unchanged, so the same rounded values can weight both sides of a gradient pair (see `_off_grad`)."""
+    if PREC == "tf32":
+        return ((x.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    else:
+        return x
+
+
+@triton.jit
 def _off_grad(R, PB, qI, kI, GI, gI, kJ, GJ, PREC: tl.constexpr):
-    """Gradients through one off-diagonal block (I > J) of Aqk (R = dAqk) and A (PB = beta_i dA_ij) over one K slice:
-    row parts (R, PB) @ (k_J e^{gI-G_J}) (times e^{G_I-gI} by the caller) and the column part
-    e^{gI-G_J} (R^T q_I + PB^T k_I) e^{G_I-gI}; gI is block I's first row, so no exponent is positive."""
+    """Gradients through one off-diagonal block (I > J) of Aqk (R = dAqk) and A (PB = beta_i dA_ij) over one K slice,
+    around gI (block I's first row, so no exponent is positive), with a_I = q_I e^{G_I-gI} (k_I for PB) and
+    b_J = k_J e^{gI-G_J} rounded as the dots read them. Returns the row parts R b_J, PB b_J (block I's dq / dk and dG
+    rows once scaled by the caller), the column part e^{gI-G_J} (R^T a_I + PB^T a_I') of dk_J, and its dG_J term
+    b_J (R^T a_I + PB^T a_I'). Each pair (i, j) adds the same a_i R_ij b_j to dG_i and subtracts it from dG_j, and the
+    reverse cumsum over tokens cancels the two: with one rounding of a and b for both sides the cancellation is
+    exact to fp32 (with independent roundings TF32 left dg / ddt_bias far off under strong decay)."""
     eJ = tl.exp(gI[None, :] - GJ)
     eI = tl.exp(GI - gI[None, :])
-    kJe = kJ * eJ
-    col = eJ * (tl.dot(tl.trans(R), qI * eI, input_precision=PREC) + tl.dot(tl.trans(PB), kI * eI, input_precision=PREC))
-    return tl.dot(R, kJe, input_precision=PREC), tl.dot(PB, kJe, input_precision=PREC), col
+    b = _rounded(kJ * eJ, PREC)
+    cs = tl.dot(tl.trans(R), _rounded(qI * eI, PREC), input_precision=PREC) + \
+        tl.dot(tl.trans(PB), _rounded(kI * eI, PREC), input_precision=PREC)
+    return tl.dot(R, b, input_precision=PREC), tl.dot(PB, b, input_precision=PREC), eJ * cs, b * cs
 
 
 @triton.jit
 def _diag_grad(R, PB, qb, kb, Gb, PREC: tl.constexpr):
     """Gradients through a diagonal block (R lower, PB strictly lower) over one K slice: row parts
-    sum_j (R, PB)_ij k_j e^{G_i-G_j} and the column part sum_i (R_ij q_i + PB_ij k_i) e^{G_i-G_j}; by two dots around
-    the middle row when |G - G_mid| <= 80 in the tile (as `_diag_block`), else exactly, column by column."""
+    sum_j (R, PB)_ij k_j e^{G_i-G_j}, the column part sum_i (R_ij q_i + PB_ij k_i) e^{G_i-G_j}, and the block's dG
+    terms; by dots around the middle row when |G - G_mid| <= 80 in the tile (operands rounded once, as in
+    `_off_grad`; R's diagonal, token with itself, in fp32 outside the dots: its dG terms cancel exactly, so they are
+    left out), else exactly, column by column."""
     c16 = tl.arange(0, 16)
     gm = _row(Gb, 8)
     if tl.max(tl.max(tl.abs(Gb - gm[None, :]), 1), 0) <= 80.:
         e = tl.exp(Gb - gm[None, :])
         ei = tl.exp(gm[None, :] - Gb)
-        kei = kb * ei
-        rowR = e * tl.dot(R, kei, input_precision=PREC)
-        rowP = e * tl.dot(PB, kei, input_precision=PREC)
-        col = ei * (tl.dot(tl.trans(R), qb * e, input_precision=PREC) + tl.dot(tl.trans(PB), kb * e,
-                                                                              input_precision=PREC))
+        b = _rounded(kb * ei, PREC)
+        aq = _rounded(qb * e, PREC)
+        ak = _rounded(kb * e, PREC)
+        Rd = tl.sum(tl.where(c16[:, None] == c16[None, :], R, 0.), 1)[:, None]
+        Rs = tl.where(c16[:, None] > c16[None, :], R, 0.)
+        Rb = tl.dot(Rs, b, input_precision=PREC)
+        Pb = tl.dot(PB, b, input_precision=PREC)
+        cs = tl.dot(tl.trans(Rs), aq, input_precision=PREC) + tl.dot(tl.trans(PB), ak, input_precision=PREC)
+        rowR = e * Rb + Rd * kb
+        rowP = e * Pb
+        col = ei * cs + Rd * qb
+        dG = aq * Rb + ak * Pb - b * cs
     else:
         rowR = tl.zeros_like(kb)
         rowP = tl.zeros_like(kb)
@@ -444,16 +468,17 @@ def _diag_grad(R, PB, qb, kb, Gb, PREC: tl.constexpr):
             rowR += Rj[:, None] * kj * e
             rowP += Pj[:, None] * kj * e
             col = tl.where(c16[:, None] == j, tl.sum((Rj[:, None] * qb + Pj[:, None] * kb) * e, 0)[None, :], col)
-    return rowR, rowP, col
+        dG = qb * rowR + kb * (rowP - col)
+    return rowR, rowP, col, dG
 
 
 @triton.jit
 def _bwd_out(DQs, DKs, DGs, dq, dk, dg, base, t0, rows, nv, hv, HV, K, oc, scale, BK: tl.constexpr, rowR, rowP, col,
-             qs, kb, tail):
+             dGi, tail):
     """Finish one 16-row block: dq, dk, and dg = reverse cumsum over the chunk of dG (tail = column sums of the later
     blocks' dG); returns the new tail."""
     pb = base * 64 * BK + rows[:, None] * BK + oc[None, :]
-    dG = tl.load(DGs + pb) + qs * rowR + kb * (rowP - col)
+    dG = tl.load(DGs + pb) + dGi
     po = ((t0 + rows) * HV + hv)[:, None] * K + oc[None, :]
     m = (rows < nv)[:, None] & (oc < K)[None, :]
     tl.store(dq + po, ((tl.load(DQs + pb) + rowR) * scale).to(dq.dtype.element_ty), mask=m)
@@ -502,38 +527,45 @@ def _bwd_intra(q, k, beta, Gc, Rs, Ps, DQs, DKs, DGs, dq, dk, dg, cu, cidx, scal
         g1 = tl.load(pG + 16 * BK + oc)
         g2 = tl.load(pG + 32 * BK + oc)
         g3 = tl.load(pG + 48 * BK + oc)
-        # off-diagonal blocks: row parts of block I collected before their common factor e^{G_I - g_I}
-        xR1, xP1, c0 = _off_grad(R10, P10, q1, k1, G1, g1, k0, G0, PREC)
-        xR2, xP2, cx = _off_grad(R20, P20, q2, k2, G2, g2, k0, G0, PREC)
+        # off-diagonal blocks: row parts of block I collected before their common factor e^{G_I - g_I}; column
+        # parts of block J (dk) and their dG terms (dGc) per pair
+        xR1, xP1, c0, d0 = _off_grad(R10, P10, q1, k1, G1, g1, k0, G0, PREC)
+        xR2, xP2, cx, dx = _off_grad(R20, P20, q2, k2, G2, g2, k0, G0, PREC)
         c0 += cx
-        a, b, c1 = _off_grad(R21, P21, q2, k2, G2, g2, k1, G1, PREC)
+        d0 += dx
+        a, b, c1, d1 = _off_grad(R21, P21, q2, k2, G2, g2, k1, G1, PREC)
         xR2 += a
         xP2 += b
-        xR3, xP3, cx = _off_grad(R30, P30, q3, k3, G3, g3, k0, G0, PREC)
+        xR3, xP3, cx, dx = _off_grad(R30, P30, q3, k3, G3, g3, k0, G0, PREC)
         c0 += cx
-        a, b, cx = _off_grad(R31, P31, q3, k3, G3, g3, k1, G1, PREC)
+        d0 += dx
+        a, b, cx, dx = _off_grad(R31, P31, q3, k3, G3, g3, k1, G1, PREC)
         xR3 += a
         xP3 += b
         c1 += cx
-        a, b, c2 = _off_grad(R32, P32, q3, k3, G3, g3, k2, G2, PREC)
+        d1 += dx
+        a, b, c2, d2 = _off_grad(R32, P32, q3, k3, G3, g3, k2, G2, PREC)
         xR3 += a
         xP3 += b
         e1 = tl.exp(G1 - g1[None, :])
         e2 = tl.exp(G2 - g2[None, :])
         e3 = tl.exp(G3 - g3[None, :])
         tail = tl.zeros([BKS], dtype=tl.float32)
-        rR, rP, cx = _diag_grad(R33, P33, q3, k3, G3, PREC)
+        rR, rP, cx, dG = _diag_grad(R33, P33, q3, k3, G3, PREC)
+        dG += _rounded(q3 * e3, PREC) * xR3 + _rounded(k3 * e3, PREC) * xP3
         tail = _bwd_out(DQs, DKs, DGs, dq, dk, dg, base, t0, r3, nv, hv, HV, K, oc, scale, BK, rR + xR3 * e3,
-                        rP + xP3 * e3, cx, q3, k3, tail)
-        rR, rP, cx = _diag_grad(R22, P22, q2, k2, G2, PREC)
+                        rP + xP3 * e3, cx, dG, tail)
+        rR, rP, cx, dG = _diag_grad(R22, P22, q2, k2, G2, PREC)
+        dG += _rounded(q2 * e2, PREC) * xR2 + _rounded(k2 * e2, PREC) * xP2 - d2
         tail = _bwd_out(DQs, DKs, DGs, dq, dk, dg, base, t0, r2, nv, hv, HV, K, oc, scale, BK, rR + xR2 * e2,
-                        rP + xP2 * e2, cx + c2, q2, k2, tail)
-        rR, rP, cx = _diag_grad(R11, P11, q1, k1, G1, PREC)
+                        rP + xP2 * e2, cx + c2, dG, tail)
+        rR, rP, cx, dG = _diag_grad(R11, P11, q1, k1, G1, PREC)
+        dG += _rounded(q1 * e1, PREC) * xR1 + _rounded(k1 * e1, PREC) * xP1 - d1
         tail = _bwd_out(DQs, DKs, DGs, dq, dk, dg, base, t0, r1, nv, hv, HV, K, oc, scale, BK, rR + xR1 * e1,
-                        rP + xP1 * e1, cx + c1, q1, k1, tail)
-        rR, rP, cx = _diag_grad(R00, P00, q0, k0, G0, PREC)
+                        rP + xP1 * e1, cx + c1, dG, tail)
+        rR, rP, cx, dG = _diag_grad(R00, P00, q0, k0, G0, PREC)
         tail = _bwd_out(DQs, DKs, DGs, dq, dk, dg, base, t0, r0, nv, hv, HV, K, oc, scale, BK, rR,
-                        rP, cx + c0, q0, k0, tail)
+                        rP, cx + c0, dG - d0, tail)
 
 
 def _p2(x: int) -> int:
@@ -542,10 +574,8 @@ def _p2(x: int) -> int:
 
 def _prec(dtype: torch.dtype, kernel: str | None = None) -> str:
     """fp32 dot precision: CONFIG["dot_precision"] if set; else near-fp32 (3xTF32) for fp32 inputs; for 16-bit
-    inputs CONFIG["<kernel>_precision"] where the kernel has one, else TF32. The backward intra kernel keeps 3xTF32:
-    it forms each in-chunk pair's gate gradient twice (row and column side) and the reverse cumsum cancels the two,
-    so TF32 rounding there left dg / ddt_bias 3-12x further from the fp64 reference than fla-core under K3's safe
-    gate (`benchmarks/results/kda_precision.json`)."""
+    inputs CONFIG["<kernel>_precision"] where set, else TF32 (the backward intra kernel rounds its operands once for
+    both sides of each gradient pair, `_rounded`, which is what makes TF32 accurate enough there)."""
     if CONFIG["dot_precision"] is not None:
         return CONFIG["dot_precision"]
     if dtype == torch.float32:

@@ -114,6 +114,7 @@ def _check_against_reference(inp, cu=None, gate=None, lower_bound=None, l2=False
     for n in inp:
         assert dours[n] is not None and dours[n].shape == inp[n].shape, n
         assert_close("d" + n, dref[n], dours[n], TOL[n])
+    return dref, dours
 
 
 @pytest.mark.parametrize("B,T,H,HV,K,V", [
@@ -166,6 +167,43 @@ def test_chunk_gate_and_l2norm_in_kernel(gate):
     inp["A_log"] = torch.rand(HV, device=DEV) * (1.5 if gate == "default" else 0.5)
     inp["dt_bias"] = torch.randn(HV * K, device=DEV) * 0.5
     _check_against_reference(inp, gate=gate, lower_bound=-5.0 if gate == "safe" else None, l2=True)
+
+
+def _tf32_operands(x):
+    """fp32 array rounded as the tensor cores read a TF32 operand (10-bit mantissa, round to nearest, ties away)."""
+    import numpy as np
+    if x.dtype != np.float32:
+        return x
+    return ((np.ascontiguousarray(x).view(np.uint32) + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+@pytest.mark.skipif(CUDA, reason="interpreter-only emulation; on the GPU, test_gpu_bf16_against_reference_and_fla[True] "
+                                 "runs the real TF32 dots")
+def test_chunk_tf32_safe_gate_gradients(monkeypatch):
+    """K3's safe gate decays fast (down to -5 per token), so every in-chunk pair (i, j) adds a large term to dG_i and
+    subtracts it from dG_j and the reverse cumsum over tokens cancels the two: rounded independently on the two
+    sides, TF32 dot operands left dg 6e-3 and ddt_bias 3.8e-2 from the fp64 reference (FLA's tolerance 8e-3; the H200
+    measured 7.3e-3 / 4.1e-2 with bf16 inputs). The interpreter computes dots in fp32, so this rounds the operands
+    of every dot asked for TF32 first, as the GPU does, and runs the backward in TF32 (what bf16 inputs get)."""
+    import k3_kernels.kda.chunk as chunk_mod
+    from triton.runtime import interpreter
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def tf32_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if str(input_precision).upper().endswith("TF32"):  # not TF32x3 / IEEE
+            a = interpreter.TensorHandle(_tf32_operands(a.data), a.dtype.scalar)
+            b = interpreter.TensorHandle(_tf32_operands(b.data), b.dtype.scalar)
+        return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", tf32_dot)
+    monkeypatch.setitem(chunk_mod.CONFIG, "dot_precision", "tf32")
+    B, T, H, HV, K, V = 2, 300, 2, 2, 128, 128
+    inp = make_inputs(B, T, H, HV, K, V, gate_raw=True)
+    inp["h0"] = torch.randn(B, HV, K, V, device=DEV)
+    inp["A_log"] = torch.zeros(HV, device=DEV)
+    inp["dt_bias"] = torch.randn(HV * K, device=DEV) * 0.1
+    dref, dours = _check_against_reference(inp, gate="safe", lower_bound=-5.0)
+    for n in ("g", "dt_bias"):  # rounding each pair once leaves them at dq's error level (~4e-4; fla-core's GPU: ~3e-3)
+        assert_close("d" + n + " (tight)", dref[n], dours[n], 2e-3)
 
 
 def test_chunk_matches_naive_chunk_without_grad():
