@@ -528,7 +528,7 @@ def _bwd_intra(q, k, beta, Gc, Rs, Ps, DQs, DKs, DGs, dq, dk, dg, cu, cidx, scal
         g2 = tl.load(pG + 32 * BK + oc)
         g3 = tl.load(pG + 48 * BK + oc)
         # off-diagonal blocks: row parts of block I collected before their common factor e^{G_I - g_I}; column
-        # parts of block J (dk) and their dG terms (dGc) per pair
+        # parts of block J (dk, c0..c2) and their dG terms (d0..d2) per pair
         xR1, xP1, c0, d0 = _off_grad(R10, P10, q1, k1, G1, g1, k0, G0, PREC)
         xR2, xP2, cx, dx = _off_grad(R20, P20, q2, k2, G2, g2, k0, G0, PREC)
         c0 += cx
