@@ -35,13 +35,13 @@ def num_programs(n: int, device: torch.device, per_sm: int) -> int:
 
 def _spec(arg) -> object:
     """A launch argument's part of the compile key, at least as fine as Triton's own specialisation (dtype and
-    16-byte alignment of tensors; == 1, divisibility by 16 and 32/64-bit range of ints; None is a constant)."""
+    16-byte alignment of tensors; == 1, divisibility by 16 and i32 / i64 / u64 range of ints; None is a constant)."""
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() % 16 == 0
     if isinstance(arg, bool) or arg is None:
         return arg
     if isinstance(arg, int):
-        return arg == 1, arg % 16 == 0, -2**31 <= arg < 2**31
+        return arg == 1, arg % 16 == 0, (-2**31 <= arg < 2**31) + (-2**63 <= arg < 2**63)
     return type(arg)
 
 

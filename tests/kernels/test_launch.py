@@ -35,6 +35,26 @@ def test_spec_refines_triton_specialisation():
     assert _spec(None) != _spec(False) and _spec(True) != _spec(1)
 
 
+def test_spec_equal_implies_triton_specialisation_equal():
+    """The property the cache relies on, checked against Triton's own specialiser (its CUDA backend runs on CPU):
+    two arguments with one key must get one specialisation, so a cached kernel is never reused where Triton would
+    have compiled another."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    backend = CUDABackend(GPUTarget("cuda", 90, 32))
+    buf = torch.empty(64, dtype=torch.float32)
+    values = [0, 1, 2, 15, 16, 17, 32, -1, -16, 2**31 - 16, 2**31, 2**31 + 16, 2**62, 2**63 - 16, 2**63, 2**63 + 16,
+              2**64 - 16, -2**31, -2**31 - 16, -2**63, 0.5, 3.0, True, False, None, buf, buf[1:], buf[2:], buf[4:],
+              buf[8:], buf.half(), buf.half()[8:], buf.bfloat16()[3:], torch.empty(0)]
+    for a in values:
+        for b in values:
+            if type(a) is type(b) and _spec(a) == _spec(b):
+                sa = native_specialize_impl(backend, a, False, True, True)
+                sb = native_specialize_impl(backend, b, False, True, True)
+                assert sa == sb, (a, b, sa, sb)
+
+
 def _run(launch, x, y, n, stride):
     out = torch.zeros(n, device=x.device)
     launch((triton.cdiv(n, 32),), x, y, out, 2.0, n, stride, HAS_Y=y is not None, BLOCK=32, num_warps=1)
