@@ -160,11 +160,15 @@ def breakdown(T: int, kda=None) -> dict:
     kda = kda or ours_mod.chunk_kda
     xs = inputs(T)
     do = torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16)
-    for _ in range(2):
+    def fb():
+        for x in xs:  # fresh gradients, as in the timed rows (no accumulation kernels in the table)
+            x.grad = None
         kda(*xs)[0].backward(do)
+    for _ in range(2):
+        fb()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        kda(*xs)[0].backward(do)
+        fb()
         torch.cuda.synchronize()
     out = {}
     for e in prof.key_averages():
