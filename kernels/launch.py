@@ -52,7 +52,8 @@ class CachedLaunch:
     launch in triton 3.6, the whole cost of a small norm). This keeps the compiled kernel returned by the first
     launch under a key that refines Triton's specialisation (`_spec`) plus the constexprs and launch options, and
     later launches go straight to its compiled launcher. Runtime arguments are positional, constexprs and launch
-    options keyword; the interpreter, launch hooks (profilers) and first calls take Triton's own path."""
+    options keyword; the interpreter, launch hooks (profilers), first calls and torch.compile tracing (which
+    captures `kernel[grid](...)` as a user-defined Triton kernel, not this cache) take Triton's own path."""
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -60,8 +61,8 @@ class CachedLaunch:
         self._direct = isinstance(kernel, triton.runtime.JITFunction)
 
     def __call__(self, grid: tuple, *args, **constexprs) -> None:
-        if not self._direct or self.kernel.pre_run_hooks or _hooked(knobs.runtime.launch_enter_hook) \
-                or _hooked(knobs.runtime.launch_exit_hook):
+        if not self._direct or torch.compiler.is_compiling() or self.kernel.pre_run_hooks \
+                or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
             self.kernel[grid](*args, **constexprs)
             return
         device = _driver().get_current_device()
