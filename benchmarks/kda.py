@@ -138,7 +138,10 @@ def sweep(T: int) -> list:
 
 def precision_costs(T: int) -> dict:
     """Our forward+backward at length T (ms) under each precision setting that `kda_precision.py` compares."""
-    from benchmarks.kda_precision import CONFIGS
+    try:
+        from benchmarks.kda_precision import CONFIGS
+    except ModuleNotFoundError:  # run as a script (python benchmarks/kda.py): its folder is on sys.path
+        from kda_precision import CONFIGS
     xs = inputs(T)
     do = torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16)
 
