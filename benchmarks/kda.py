@@ -9,8 +9,7 @@ Before timing, a short sweep at T=16K picks launch settings (warps, stages, V bl
 its timings), a profiler pass records device time per kernel, and each size up to 32K checks ours against
 fla-core (relative RMS of o and every gradient). Writes benchmarks/results/kda.json (or $OUT/kda.json when OUT
 is set) after every row. `--quick`: no sweep, 4K and 16K only (`--sweep` adds it back); `--rows a,b,varlen`: those
-rows only; `--no-breakdown`: skip the profiler pass; `--precision`: our forward+backward at 16K under each precision
-setting of `kda_precision.CONFIGS` (what 3xTF32 costs where).
+rows only; `--no-breakdown`: skip the profiler pass. (What each dot-precision setting costs: `kda_precision.py --time`.)
 """
 from __future__ import annotations
 
@@ -136,28 +135,6 @@ def sweep(T: int) -> list:
     return log
 
 
-def precision_costs(T: int) -> dict:
-    """Our forward+backward at length T (ms) under each precision setting that `kda_precision.py` compares."""
-    try:
-        from benchmarks.kda_precision import CONFIGS
-    except ModuleNotFoundError:  # run as a script (python benchmarks/kda.py): its folder is on sys.path
-        from kda_precision import CONFIGS
-    xs = inputs(T)
-    do = torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16)
-
-    def fb():
-        ours_mod.chunk_kda(*xs)[0].backward(do)
-    out = {}
-    saved = dict(ours_mod.CONFIG)
-    for name, patch in CONFIGS.items():
-        ours_mod.CONFIG.update(patch)
-        fb()
-        out[name] = med(fb, rep=30, grad_to_none=xs)
-        ours_mod.CONFIG.clear()
-        ours_mod.CONFIG.update(saved)
-    return out
-
-
 def breakdown(T: int, kda=None) -> dict:
     """Device time per kernel (ms) in one forward+backward at length T (torch.profiler); ours by default."""
     kda = kda or ours_mod.chunk_kda
@@ -201,9 +178,6 @@ def main() -> None:
     res["sweep"] = sweep(16384) if do_sweep else []
     res["config"] = dict(ours_mod.CONFIG)
     print("config", res["config"], f"sweep {time.time() - t0:.0f}s", flush=True)
-    if "--precision" in sys.argv:
-        res["precision_fwdbwd_ms_T16384"] = precision_costs(16384)
-        print("precision", res["precision_fwdbwd_ms_T16384"], flush=True)
     if "--no-breakdown" not in sys.argv:
         res["breakdown_T16384_fwdbwd_ms"] = breakdown(16384)
         print("breakdown", res["breakdown_T16384_fwdbwd_ms"], flush=True)

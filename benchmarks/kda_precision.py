@@ -13,6 +13,7 @@ each setting).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -86,6 +87,18 @@ CONFIGS = {"default": {}, "tf32x3": {"dot_precision": "tf32x3"}, "intra_x3": {"b
            "prep_x3": {"bwd_prep_precision": "tf32x3"}}
 
 
+@contextlib.contextmanager
+def patched(patch: dict):
+    """ours_mod.CONFIG with `patch` applied for the duration, restored after (also on error)."""
+    saved = dict(ours_mod.CONFIG)
+    ours_mod.CONFIG.update(patch)
+    try:
+        yield
+    finally:
+        ours_mod.CONFIG.clear()
+        ours_mod.CONFIG.update(saved)
+
+
 def main() -> None:
     fla_kda = None
     configs = sys.argv[sys.argv.index("--configs") + 1].split(",") if "--configs" in sys.argv else list(CONFIGS)
@@ -108,13 +121,8 @@ def main() -> None:
             if fla_kda is not None:
                 impls.insert(1, ("fla", fla_kda, dict(gate, safe_gate=True) if case != "plain" else {}, {}))
             for name, fn, kw, patch in impls:
-                saved = dict(ours_mod.CONFIG)
-                ours_mod.CONFIG.update(patch)
-                try:
+                with patched(patch):
                     outs, grads = run(fn, x, do, dht, **kw)
-                finally:
-                    ours_mod.CONFIG.clear()
-                    ours_mod.CONFIG.update(saved)
                 row = dict(case=case, seed=seed, impl=name, o=rel(ref["o"], outs["o"]), ht=rel(ref["ht"], outs["ht"]),
                            **{n: rel(dref[n], grads[n]) for n in dref if grads.get(n) is not None})
                 res["rows"].append(row)
@@ -132,14 +140,9 @@ def main() -> None:
         do = torch.randn(1, Tt, 16, V, device=DEV, dtype=DTYPE)
         res[f"fwdbwd_ms_T{Tt}"] = {}
         for c in configs:
-            saved = dict(ours_mod.CONFIG)
-            ours_mod.CONFIG.update(CONFIGS[c])
-            try:
+            with patched(CONFIGS[c]):
                 ms = do_bench(lambda: ours_mod.chunk_kda(*xs)[0].backward(do), warmup=5, rep=100, grad_to_none=xs,
                               return_mode="median")
-            finally:
-                ours_mod.CONFIG.clear()
-                ours_mod.CONFIG.update(saved)
             res[f"fwdbwd_ms_T{Tt}"][c] = ms
             print(json.dumps({"T": Tt, "config": c, "fwdbwd_ms": round(ms, 4)}), flush=True)
         with open(os.path.join(out_dir, "kda_precision.json"), "w") as f:
