@@ -488,6 +488,29 @@ def _bwd_out(DQs, DKs, DGs, dq, dk, dg, base, t0, rows, nv, hv, HV, K, oc, scale
 
 
 @triton.jit
+def _bwd_block(DQs, DKs, DGs, dq, dk, dg, base, t0, rows, nv, hv, HV, K, oc, scale, BK: tl.constexpr, R, PB, qb, kb, Gb,
+               gb, xR, xP, c, d, tail, PREC: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr):
+    """One 16-row block, last to first: its diagonal block (`_diag_grad`), plus (ROW) the row parts xR, xP that
+    `_off_grad` collected from the earlier column blocks, scaled by e^{G - gb} (gb: the block's first row), and
+    (COL) the column parts c, d of the later row blocks; then `_bwd_out`."""
+    rR, rP, cx, dG = _diag_grad(R, PB, qb, kb, Gb, PREC)
+    if ROW:
+        e = tl.exp(Gb - gb[None, :])
+        rR += xR * e
+        rP += xP * e
+        up = _rounded(qb * e, PREC) * xR + _rounded(kb * e, PREC) * xP
+        if COL:
+            dG += up - d
+        else:
+            dG += up
+    elif COL:
+        dG = dG - d
+    if COL:
+        cx += c
+    return _bwd_out(DQs, DKs, DGs, dq, dk, dg, base, t0, rows, nv, hv, HV, K, oc, scale, BK, rR, rP, cx, dG, tail)
+
+
+@triton.jit
 def _bwd_intra(q, k, beta, Gc, Rs, Ps, DQs, DKs, DGs, dq, dk, dg, cu, cidx, scale, H, HV, K, BK: tl.constexpr,
                BKS: tl.constexpr, PREC: tl.constexpr):
     """Gradients through A (P = dA) and Aqk (R = dAqk) for one chunk of one head, as 4 x 4 blocks of 16, one K
@@ -547,25 +570,15 @@ def _bwd_intra(q, k, beta, Gc, Rs, Ps, DQs, DKs, DGs, dq, dk, dg, cu, cidx, scal
         a, b, c2, d2 = _off_grad(R32, P32, q3, k3, G3, g3, k2, G2, PREC)
         xR3 += a
         xP3 += b
-        e1 = tl.exp(G1 - g1[None, :])
-        e2 = tl.exp(G2 - g2[None, :])
-        e3 = tl.exp(G3 - g3[None, :])
         tail = tl.zeros([BKS], dtype=tl.float32)
-        rR, rP, cx, dG = _diag_grad(R33, P33, q3, k3, G3, PREC)
-        dG += _rounded(q3 * e3, PREC) * xR3 + _rounded(k3 * e3, PREC) * xP3
-        tail = _bwd_out(DQs, DKs, DGs, dq, dk, dg, base, t0, r3, nv, hv, HV, K, oc, scale, BK, rR + xR3 * e3,
-                        rP + xP3 * e3, cx, dG, tail)
-        rR, rP, cx, dG = _diag_grad(R22, P22, q2, k2, G2, PREC)
-        dG += _rounded(q2 * e2, PREC) * xR2 + _rounded(k2 * e2, PREC) * xP2 - d2
-        tail = _bwd_out(DQs, DKs, DGs, dq, dk, dg, base, t0, r2, nv, hv, HV, K, oc, scale, BK, rR + xR2 * e2,
-                        rP + xP2 * e2, cx + c2, dG, tail)
-        rR, rP, cx, dG = _diag_grad(R11, P11, q1, k1, G1, PREC)
-        dG += _rounded(q1 * e1, PREC) * xR1 + _rounded(k1 * e1, PREC) * xP1 - d1
-        tail = _bwd_out(DQs, DKs, DGs, dq, dk, dg, base, t0, r1, nv, hv, HV, K, oc, scale, BK, rR + xR1 * e1,
-                        rP + xP1 * e1, cx + c1, dG, tail)
-        rR, rP, cx, dG = _diag_grad(R00, P00, q0, k0, G0, PREC)
-        tail = _bwd_out(DQs, DKs, DGs, dq, dk, dg, base, t0, r0, nv, hv, HV, K, oc, scale, BK, rR,
-                        rP, cx + c0, dG - d0, tail)
+        tail = _bwd_block(DQs, DKs, DGs, dq, dk, dg, base, t0, r3, nv, hv, HV, K, oc, scale, BK, R33, P33, q3, k3, G3,
+                          g3, xR3, xP3, c2, d2, tail, PREC, True, False)
+        tail = _bwd_block(DQs, DKs, DGs, dq, dk, dg, base, t0, r2, nv, hv, HV, K, oc, scale, BK, R22, P22, q2, k2, G2,
+                          g2, xR2, xP2, c2, d2, tail, PREC, True, True)
+        tail = _bwd_block(DQs, DKs, DGs, dq, dk, dg, base, t0, r1, nv, hv, HV, K, oc, scale, BK, R11, P11, q1, k1, G1,
+                          g1, xR1, xP1, c1, d1, tail, PREC, True, True)
+        tail = _bwd_block(DQs, DKs, DGs, dq, dk, dg, base, t0, r0, nv, hv, HV, K, oc, scale, BK, R00, P00, q0, k0, G0,
+                          g1, xR1, xP1, c0, d0, tail, PREC, False, True)
 
 
 def _p2(x: int) -> int:
