@@ -433,6 +433,13 @@ def _off_grad(R, PB, qI, kI, GI, gI, kJ, GJ, PREC: tl.constexpr):
 
 
 @triton.jit
+def _off_acc(xR, xP, c, d, R, PB, qI, kI, GI, gI, kJ, GJ, PREC: tl.constexpr):
+    """`_off_grad` of block (I, J) added to row block I's and column block J's running sums."""
+    a, b, cx, dx = _off_grad(R, PB, qI, kI, GI, gI, kJ, GJ, PREC)
+    return xR + a, xP + b, c + cx, d + dx
+
+
+@triton.jit
 def _diag_grad(R, PB, qb, kb, Gb, PREC: tl.constexpr):
     """Gradients through a diagonal block (R lower, PB strictly lower) over one K slice: row parts
     sum_j (R, PB)_ij k_j e^{G_i-G_j}, the column part sum_i (R_ij q_i + PB_ij k_i) e^{G_i-G_j}, and the block's dG
@@ -550,26 +557,14 @@ def _bwd_intra(q, k, beta, Gc, Rs, Ps, DQs, DKs, DGs, dq, dk, dg, cu, cidx, scal
         g1 = tl.load(pG + 16 * BK + oc)
         g2 = tl.load(pG + 32 * BK + oc)
         g3 = tl.load(pG + 48 * BK + oc)
-        # off-diagonal blocks: row parts of block I collected before their common factor e^{G_I - g_I}; column
-        # parts of block J (dk, c0..c2) and their dG terms (d0..d2) per pair
+        # off-diagonal blocks (I > J): row parts of block I collected before their common factor e^{G_I - g_I}
+        # (xR, xP); column parts of block J for dk (c) and their dG terms (d)
         xR1, xP1, c0, d0 = _off_grad(R10, P10, q1, k1, G1, g1, k0, G0, PREC)
-        xR2, xP2, cx, dx = _off_grad(R20, P20, q2, k2, G2, g2, k0, G0, PREC)
-        c0 += cx
-        d0 += dx
-        a, b, c1, d1 = _off_grad(R21, P21, q2, k2, G2, g2, k1, G1, PREC)
-        xR2 += a
-        xP2 += b
-        xR3, xP3, cx, dx = _off_grad(R30, P30, q3, k3, G3, g3, k0, G0, PREC)
-        c0 += cx
-        d0 += dx
-        a, b, cx, dx = _off_grad(R31, P31, q3, k3, G3, g3, k1, G1, PREC)
-        xR3 += a
-        xP3 += b
-        c1 += cx
-        d1 += dx
-        a, b, c2, d2 = _off_grad(R32, P32, q3, k3, G3, g3, k2, G2, PREC)
-        xR3 += a
-        xP3 += b
+        xR2, xP2, c1, d1 = _off_grad(R21, P21, q2, k2, G2, g2, k1, G1, PREC)
+        xR2, xP2, c0, d0 = _off_acc(xR2, xP2, c0, d0, R20, P20, q2, k2, G2, g2, k0, G0, PREC)
+        xR3, xP3, c2, d2 = _off_grad(R32, P32, q3, k3, G3, g3, k2, G2, PREC)
+        xR3, xP3, c0, d0 = _off_acc(xR3, xP3, c0, d0, R30, P30, q3, k3, G3, g3, k0, G0, PREC)
+        xR3, xP3, c1, d1 = _off_acc(xR3, xP3, c1, d1, R31, P31, q3, k3, G3, g3, k1, G1, PREC)
         tail = tl.zeros([BKS], dtype=tl.float32)
         tail = _bwd_block(DQs, DKs, DGs, dq, dk, dg, base, t0, r3, nv, hv, HV, K, oc, scale, BK, R33, P33, q3, k3, G3,
                           g3, xR3, xP3, c2, d2, tail, PREC, True, False)
