@@ -25,12 +25,16 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device; 4 for the CPU interpreter (grids sized from it stay small there)."""
+    if device.type == "cuda":
+        return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return 4
+
+
 def num_programs(n: int, device: torch.device, per_sm: int) -> int:
     """Persistent-grid size: at most `per_sm` programs per SM, at most n (4 under the CPU interpreter)."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return max(1, min(n, _num_sms(index) * per_sm))
-    return max(1, min(n, 4))
+    return max(1, min(n, num_sms(device) * (per_sm if device.type == "cuda" else 1)))
 
 
 def _spec(arg) -> object:

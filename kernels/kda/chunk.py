@@ -29,15 +29,15 @@ import torch
 import triton
 import triton.language as tl
 
-from k3_kernels.launch import cdiv, next_pow2
+from k3_kernels.launch import cdiv, next_pow2, num_sms
 
 from .naive import l2norm, naive_kda_gate, naive_kda_lowerbound_gate
 
 BT = 64  # chunk size
 
 # launch settings (no autotuning, so the interpreter and the GPU run the same configs)
-CONFIG = {"fwd_state_bv": 16, "fwd_state_warps": 4, "fwd_state_stages": 3,
-          "bwd_state_bv": 16, "bwd_state_warps": 4, "bwd_state_stages": 3,
+CONFIG = {"fwd_state_bv": None, "fwd_state_warps": 4, "fwd_state_stages": 3,  # bv None: by parallelism
+          "bwd_state_bv": None, "bwd_state_warps": 4, "bwd_state_stages": 3,  # (`_state_split`)
           "intra_bk": 32, "intra_warps": 4, "intra_stages": 3,
           "bwd_intra_bk": 32, "bwd_intra_warps": 4, "bwd_intra_stages": 2,
           "bwd_prep_bv": 64, "bwd_prep_warps": 4, "bwd_prep_stages": 1, "ka": 32,
@@ -591,6 +591,21 @@ def _prec(dtype: torch.dtype, kernel: str | None = None) -> str:
     return (CONFIG.get(f"{kernel}_precision") if kernel else None) or "tf32"
 
 
+def _state_split(direction: str, states: int, V: int, BVF: int, device: torch.device) -> tuple[int, int]:
+    """(V block, pipeline stages) of the serial state pass, one program per (sequence, head, V block). Every
+    program reloads its chunk's [64, K] operands, so wider blocks cut that traffic and narrower ones add programs:
+    the widest block that still gives half the multiprocessors a program. H200, state-pass ms by V block 16 / 32 /
+    64: B1 H16 T16K fwd 0.27 / 0.32 / 0.57, bwd 0.27 / 0.35 / 0.56; 8 packed sequences (32K tokens) fwd 1.15 /
+    0.65 / 0.65, bwd 1.52 / 0.84 / 0.69; B4 H16 T8K fwd 0.86 / 0.40 / 0.33, bwd 1.15 / 0.51 / 0.35. CONFIG's
+    `<direction>_state_bv` overrides it (the benchmark's sweep)."""
+    forced = CONFIG[f"{direction}_state_bv"]
+    if forced is not None:
+        return min(forced, BVF), CONFIG[f"{direction}_state_stages"]
+    sms = num_sms(device)
+    bv = next((b for b in (64, 32) if 2 * states * cdiv(V, b) >= sms), 16)
+    return min(bv, BVF), (2 if bv == 64 else CONFIG[f"{direction}_state_stages"])
+
+
 _PLANS: dict = {}
 
 
@@ -643,11 +658,11 @@ def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound
     ht = torch.empty(N, HV, K, V, device=dev, dtype=f32) if want_ht else None
     Hc = torch.empty(NC, HV, BK, BVF, device=dev, dtype=dt) if save else None
     VNc = torch.empty(NC, HV, BT, BVF, device=dev, dtype=dt) if save else None
-    BV = min(CONFIG["fwd_state_bv"], BVF)
+    BV, stages = _state_split("fwd", N * HV, V, BVF, dev)
     _fwd_state[(N, HV, cdiv(V, BV))](
         Wc, Uc, QGc, KDc, Aqk, Gc, o, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
         Hc if save else dummy, VNc if save else dummy, cu, coff, HV=HV, K=K, V=V, BK=BK, BVF=BVF, BV=BV,
-        HAS_H0=h0 is not None, STORE_HT=want_ht, SAVE=save, NUM_STAGES=CONFIG["fwd_state_stages"], PREC=prec,
+        HAS_H0=h0 is not None, STORE_HT=want_ht, SAVE=save, NUM_STAGES=stages, PREC=prec,
         num_warps=CONFIG["fwd_state_warps"])
     return o, ht, (Gc, Kkk, Mc, Aqk, Wc, QGc, KDc, Hc, VNc)
 
@@ -664,11 +679,11 @@ def _bwd(q, k, v, beta, do, dht, has_h0, scale, saved, plan):
     DHc = torch.empty(NC, HV, BK, BVF, device=dev, dtype=dt)
     DVNc = torch.empty(NC, HV, BT, BVF, device=dev, dtype=dt)
     dh0 = torch.empty(N, HV, K, V, device=dev, dtype=f32) if has_h0 else None
-    BV = min(CONFIG["bwd_state_bv"], BVF)
+    BV, stages = _state_split("bwd", N * HV, V, BVF, dev)
     _bwd_state[(N, HV, cdiv(V, BV))](
         QGc, Wc, KDc, Aqk, Gc, do, dht if dht is not None else Gc, dh0 if has_h0 else Gc, DHc, DVNc, cu, coff,
         HV=HV, K=K, V=V, BK=BK, BVF=BVF, BV=BV, HAS_DHT=dht is not None, HAS_H0=has_h0,
-        NUM_STAGES=CONFIG["bwd_state_stages"], PREC=prec, num_warps=CONFIG["bwd_state_warps"])
+        NUM_STAGES=stages, PREC=prec, num_warps=CONFIG["bwd_state_warps"])
     dq = torch.empty(B, T, HV, K, device=dev, dtype=f32 if HV != H else q.dtype)
     dk = torch.empty(B, T, HV, K, device=dev, dtype=f32 if HV != H else k.dtype)
     dv = torch.empty_like(v)

@@ -238,6 +238,27 @@ def test_chunk_deterministic_and_batch_invariant():
     assert torch.equal(dc["h0"], da["h0"][1:])
 
 
+def test_chunk_state_split_keeps_bits(monkeypatch):
+    """The state passes' V block is chosen from the batch's parallelism (`_state_split`), so it must not change a
+    single bit: every V block gives the same outputs and gradients (batch invariance rests on it)."""
+    from k3_kernels.kda import chunk as chunk_mod
+    cu = [0, 70, 150]
+    inp = make_inputs(1, cu[-1], 1, 1, 32, 64)
+    inp["h0"] = torch.randn(2, 1, 32, 64, device=DEV)
+    grads = {"o": torch.randn(1, cu[-1], 1, 64, device=DEV), "ht": torch.randn(2, 1, 32, 64, device=DEV)}
+    runs = []
+    for bv in (16, 32, 64):
+        monkeypatch.setitem(chunk_mod.CONFIG, "fwd_state_bv", bv)
+        monkeypatch.setitem(chunk_mod.CONFIG, "bwd_state_bv", bv)
+        runs.append(_run(chunk_kda, inp, grads, output_final_state=True, cu_seqlens=torch.tensor(cu, device=DEV)))
+    (a, da), rest = runs[0], runs[1:]
+    for b, db in rest:
+        for n in a:
+            assert torch.equal(a[n], b[n]), n
+        for n in da:
+            assert torch.equal(da[n], db[n]), "d" + n
+
+
 def test_chunk_bad_input_names_the_tensor():
     inp = make_inputs(1, 16, 2, 2, 16, 16)
     with pytest.raises(ValueError, match="beta"):
