@@ -116,7 +116,7 @@ def sweep(T: int) -> list:
              ("bwd_prep", ("bv", "warps", "stages"), [(32, 4, 1), (32, 4, 2), (64, 4, 1), (32, 8, 1), (16, 4, 1)],
               t_fb),
              ("", ("ka",), [(32,), (64,)], t_fb),
-             ("bwd_state", ("bv", "warps", "stages"), [(16, 4, 3), (16, 4, 2), (16, 2, 3), (32, 8, 3)], t_fb)]
+             ("bwd_state", ("bv", "warps", "stages"), [(None, 4, 3), (16, 4, 2), (16, 2, 3), (32, 8, 3)], t_fb)]
     for stage, keys, cands, timer in space:
         best = None
         for cand in cands:
