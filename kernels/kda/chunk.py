@@ -591,7 +591,7 @@ def _prec(dtype: torch.dtype, kernel: str | None = None) -> str:
     return (CONFIG.get(f"{kernel}_precision") if kernel else None) or "tf32"
 
 
-def _state_split(direction: str, states: int, V: int, BVF: int, device: torch.device) -> tuple[int, int]:
+def _state_split(direction: str, states: int, K: int, V: int, BVF: int, device: torch.device) -> tuple[int, int]:
     """(V block, pipeline stages) of the serial state pass, one program per (sequence, head, V block). Every
     program reloads its chunk's [64, K] operands, so wider blocks cut that traffic and narrower ones add programs:
     the widest block that still gives half the multiprocessors a program. H200, state-pass ms by V block 16 / 32 /
@@ -601,8 +601,8 @@ def _state_split(direction: str, states: int, V: int, BVF: int, device: torch.de
     forced = CONFIG[f"{direction}_state_bv"]
     if forced is not None:
         return min(forced, BVF), CONFIG[f"{direction}_state_stages"]
-    sms = num_sms(device)
-    bv = next((b for b in (64, 32) if 2 * states * cdiv(V, b) >= sms), 16)
+    sms = num_sms(device)  # (state tiles no larger than the measured [128, 64]: K > 128 keeps them narrower)
+    bv = next((b for b in (64, 32) if 2 * states * cdiv(V, b) >= sms and _p2(K) * b <= 128 * 64), 16)
     return min(bv, BVF), (2 if bv == 64 else CONFIG[f"{direction}_state_stages"])
 
 
@@ -658,7 +658,7 @@ def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound
     ht = torch.empty(N, HV, K, V, device=dev, dtype=f32) if want_ht else None
     Hc = torch.empty(NC, HV, BK, BVF, device=dev, dtype=dt) if save else None
     VNc = torch.empty(NC, HV, BT, BVF, device=dev, dtype=dt) if save else None
-    BV, stages = _state_split("fwd", N * HV, V, BVF, dev)
+    BV, stages = _state_split("fwd", N * HV, K, V, BVF, dev)
     _fwd_state[(N, HV, cdiv(V, BV))](
         Wc, Uc, QGc, KDc, Aqk, Gc, o, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
         Hc if save else dummy, VNc if save else dummy, cu, coff, HV=HV, K=K, V=V, BK=BK, BVF=BVF, BV=BV,
@@ -679,7 +679,7 @@ def _bwd(q, k, v, beta, do, dht, has_h0, scale, saved, plan):
     DHc = torch.empty(NC, HV, BK, BVF, device=dev, dtype=dt)
     DVNc = torch.empty(NC, HV, BT, BVF, device=dev, dtype=dt)
     dh0 = torch.empty(N, HV, K, V, device=dev, dtype=f32) if has_h0 else None
-    BV, stages = _state_split("bwd", N * HV, V, BVF, dev)
+    BV, stages = _state_split("bwd", N * HV, K, V, BVF, dev)
     _bwd_state[(N, HV, cdiv(V, BV))](
         QGc, Wc, KDc, Aqk, Gc, do, dht if dht is not None else Gc, dh0 if has_h0 else Gc, DHc, DVNc, cu, coff,
         HV=HV, K=K, V=V, BK=BK, BVF=BVF, BV=BV, HAS_DHT=dht is not None, HAS_H0=has_h0,
