@@ -131,12 +131,10 @@ def main() -> None:
                 json.dump(res, f, indent=1)
     if "--time" in sys.argv:  # what each setting costs: our forward+backward at B=1, H=16, K=V=128, length T
         from triton.testing import do_bench
+
+        from benchmarks.kda import inputs as timing_inputs  # the speed benchmark's inputs (repo root on the path)
         Tt = int(sys.argv[sys.argv.index("--time") + 1])
-        xs = [t.requires_grad_(True) for t in (torch.randn(1, Tt, 16, K, device=DEV, dtype=DTYPE),
-                                               F.normalize(torch.randn(1, Tt, 16, K, device=DEV), dim=-1).to(DTYPE),
-                                               torch.randn(1, Tt, 16, V, device=DEV, dtype=DTYPE),
-                                               F.logsigmoid(torch.randn(1, Tt, 16, K, device=DEV)) * 0.5,
-                                               torch.rand(1, Tt, 16, device=DEV, dtype=DTYPE))]
+        xs = timing_inputs(Tt)
         do = torch.randn(1, Tt, 16, V, device=DEV, dtype=DTYPE)
         res[f"fwdbwd_ms_T{Tt}"] = {}
         for c in configs:

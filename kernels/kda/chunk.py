@@ -92,12 +92,17 @@ def _intra_program(q, k, Gc, cu, cidx, H, HV, K, BK: tl.constexpr):
 
 
 @triton.jit
-def _chunk_tile(p, t0, nv, stride, oc, K):
-    """[64, len(oc)] fp32 tile of the chunk's token rows of a token-major tensor (row stride `stride`), zeros past
-    nv rows / K columns."""
-    r = tl.arange(0, 64)
-    return tl.load(p + (t0 + r)[:, None] * stride + oc[None, :], mask=(r < nv)[:, None] & (oc < K)[None, :],
+def _tile(p, t0, rows, nv, stride, oc, K):
+    """[len(rows), len(oc)] fp32 tile of token rows t0 + rows of a token-major tensor (row stride `stride`), zeros
+    past nv rows / K columns."""
+    return tl.load(p + (t0 + rows)[:, None] * stride + oc[None, :], mask=(rows < nv)[:, None] & (oc < K)[None, :],
                    other=0.).to(tl.float32)
+
+
+@triton.jit
+def _chunk_tile(p, t0, nv, stride, oc, K):
+    """`_tile` of all 64 rows of the chunk."""
+    return _tile(p, t0, tl.arange(0, 64), nv, stride, oc, K)
 
 
 @triton.jit
@@ -389,14 +394,6 @@ def _bwd_prep(q, k, v, beta, do, Gc, Kkk, Mc, Hc, DHc, VNc, DVNc, dv, Rs, Ps, DQ
     tl.store(pP + r[:, None] * 64 + r[None, :], dA)
     db += tl.sum(dA * tl.load(Kkk + base * 4096 + r[:, None] * 64 + r[None, :]), 1)  # A = beta_i Kkk
     tl.store(dbeta + (t0 + r) * HV + hv, db.to(dbeta.dtype.element_ty), mask=rm)
-
-
-@triton.jit
-def _tile(p, t0, rows, nv, stride, oc, K):
-    """[16, len(oc)] fp32 tile of token rows t0 + rows of a token-major tensor (row stride `stride`), zeros past
-    nv rows / K columns."""
-    return tl.load(p + (t0 + rows)[:, None] * stride + oc[None, :], mask=(rows < nv)[:, None] & (oc < K)[None, :],
-                   other=0.).to(tl.float32)
 
 
 @triton.jit
