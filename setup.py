@@ -8,4 +8,5 @@ setup(
     + [f"k3_kernels.{p}" for p in find_packages("kernels")]
     + ["k3_verl"],
     package_dir={"k3_kernels": "kernels", "k3_verl": "plugins/verl_k3"},
+    package_data={"k3_kernels": ["norm/csrc/*.cpp"]},  # built on first use (torch.utils.cpp_extension)
 )

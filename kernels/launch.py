@@ -65,8 +65,7 @@ class CachedLaunch:
         self._direct = isinstance(kernel, triton.runtime.JITFunction)
 
     def __call__(self, grid: tuple, *args, **constexprs) -> None:
-        if not self._direct or torch.compiler.is_compiling() or self.kernel.pre_run_hooks \
-                or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+        if not self._direct or torch.compiler.is_compiling() or self.kernel.pre_run_hooks or launch_hooks_set():
             self.kernel[grid](*args, **constexprs)
             return
         device = _driver().get_current_device()
@@ -85,6 +84,11 @@ class CachedLaunch:
         g2 = grid[2] if len(grid) > 2 else 1
         run(grid[0], g1, g2, _driver().get_current_stream(device), function, metadata, None, None, None, *args,
             *tail)
+
+
+def launch_hooks_set() -> bool:
+    """A Triton launch-enter or launch-exit hook (a profiler) is installed: such launches must go through Triton."""
+    return _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)
 
 
 def _hooked(hook) -> bool:

@@ -7,22 +7,24 @@ The weight gradient is a sum over rows: the persistent backward keeps one fp32 p
 number of programs, each walking a fixed set of rows), and `k3_kernels.reduce.colsum` sums that [P, D] buffer in
 a fixed order (no atomics) straight into the weight's dtype: bitwise reproducible run to run for a given batch.
 
-Host-side cost matters as much as the kernels at small row counts (a plain Triton launch is ~20 us of Python):
-launches go through `CachedLaunch` (Triton's per-call binding skipped), one kernel per forward, two per backward,
-launch configuration cached per D, absent operands passed as None, and the autograd
-wrapper skipped when no gradient is needed.
+Host-side cost matters as much as the kernels at a few thousand rows: the Python side of a Triton op
+(autograd.Function, argument binding, three launches, allocations) costs more host time than the kernels take.
+Forward and backward are therefore a C++ autograd node (`csrc/rms_norm_node.cpp`, the same contract as torch's own
+rms_norm) that launches these kernels: a specialisation's first launch goes through Triton here
+(`_compile_and_launch`), later ones straight to the driver. The launch configuration is a function of D alone
+(`config_of` in the node).
 """
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 
-from k3_kernels.launch import CachedLaunch, cdiv, next_pow2, num_programs
-from k3_kernels.reduce import colsum
+from k3_kernels.launch import launch_hooks_set, num_sms
+from k3_kernels.reduce import _colsum_kernel
 
 
 @triton.jit
@@ -87,17 +89,46 @@ def _rms_bwd_kernel(x_ptr, g_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dg_ptr, dw_pa
         tl.store(dw_part_ptr + pid * D + cols, tl.sum(dw_acc, axis=0), mask=cmask)
 
 
-_launch_fwd = CachedLaunch(_rms_fwd_kernel)
-_launch_bwd = CachedLaunch(_rms_bwd_kernel)
+_KERNELS = {"rms_fwd": _rms_fwd_kernel, "rms_bwd": _rms_bwd_kernel, "colsum": _colsum_kernel}
+_PARAM_KINDS = {"i32": "i", "i64": "l", "u64": "l", "fp32": "f"}
+
+
+def _compile_and_launch(name: str, grid: int, args: list, constexprs: dict):
+    """A kernel's launch from the C++ node when its specialisation is not cached there: Triton binds, compiles
+    and launches it; the compiled function, block size, shared memory and runtime parameters (kernel-argument
+    index, kind) go back so that later launches skip Python. None (come back here next time) under the
+    interpreter, with launch hooks set (profilers see every launch) and for launches the node does not set up
+    (clusters, scratch buffers, cooperative or PDL launches)."""
+    compiled = _KERNELS[name][(grid,)](*args, **constexprs)
+    if compiled is None or launch_hooks_set():
+        return None
+    if hasattr(compiled, "result"):
+        compiled = compiled.result()
+    md = compiled.metadata
+    if (getattr(md, "num_ctas", 1) != 1 or getattr(md, "global_scratch_size", 0)
+            or getattr(md, "profile_scratch_size", 0) or getattr(md, "launch_cooperative_grid", False)
+            or getattr(md, "launch_pdl", False)):
+        return None
+    params = []
+    for index, kind in enumerate(compiled.src.signature.values()):
+        if kind == "constexpr":
+            continue
+        if not (kind.startswith("*") or kind in _PARAM_KINDS):
+            return None
+        params.append((index, "p" if kind.startswith("*") else _PARAM_KINDS[kind]))
+    return compiled.function, 32 * md.num_warps, md.shared, params
 
 
 @functools.lru_cache(maxsize=None)
-def _config(D: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_D, warps): a function of D alone."""
-    block_d = next_pow2(D)
-    block_m = max(1, min(16, 2048 // block_d))
-    warps = 4 if block_d * block_m <= 2048 else (8 if block_d <= 4096 else 16)
-    return block_m, block_d, warps
+def _node():
+    """The C++ autograd node (csrc/rms_norm_node.cpp), built on first use (torch.utils.cpp_extension + ninja;
+    cached under TORCH_EXTENSIONS_DIR)."""
+    from torch.utils.cpp_extension import load
+    module = load(name="k3_rms_norm_node", sources=[os.path.join(os.path.dirname(__file__), "csrc",
+                                                                  "rms_norm_node.cpp")],
+                  extra_cflags=["-O2"], verbose=False)
+    module.set_compiler(_compile_and_launch)
+    return module
 
 
 def _rows(t: torch.Tensor, D: int, name: str) -> torch.Tensor:
@@ -114,69 +145,6 @@ def _rows(t: torch.Tensor, D: int, name: str) -> torch.Tensor:
         return t.reshape(-1, D)
 
 
-def _forward(x2: torch.Tensor, g2: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
-             store_rstd: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    M, D = x2.shape
-    y = torch.empty((M, D), device=x2.device, dtype=x2.dtype)
-    rstd = torch.empty(M, device=x2.device, dtype=torch.float32) if store_rstd else None
-    if M > 0:
-        block_m, block_d, warps = _config(D)
-        _launch_fwd((cdiv(M, block_m),),
-            x2, g2, weight, y, rstd, M, D, x2.stride(0), g2.stride(0) if g2 is not None else 0, eps,
-            HAS_W=weight is not None, GATED=g2 is not None, STORE_RSTD=store_rstd, BLOCK_M=block_m,
-            BLOCK_D=block_d, num_warps=warps)
-    return y, rstd
-
-
-def _backward(ctx, dy: torch.Tensor):
-    x2, g2, weight, rstd = ctx.saved_tensors
-    M, D = x2.shape
-    dy = dy.reshape(M, D)
-    if not dy.is_contiguous():
-        dy = dy.contiguous()
-    dev = x2.device
-    dx = torch.empty((M, D), device=dev, dtype=x2.dtype)
-    dg = torch.empty((M, D), device=dev, dtype=g2.dtype) if g2 is not None else None
-    block_m, block_d, warps = _config(D)
-    P = num_programs(cdiv(M, block_m), dev, 2)
-    dw_part = torch.empty((P, D), device=dev, dtype=torch.float32) if weight is not None else None
-    if M > 0:
-        _launch_bwd((P,), x2, g2, weight, dy, rstd, dx, dg, dw_part, M, D, x2.stride(0),
-                    g2.stride(0) if g2 is not None else 0, HAS_W=weight is not None, GATED=g2 is not None,
-                    BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
-    elif dw_part is not None:
-        dw_part.zero_()
-    dw = None
-    if weight is not None and ctx.needs_input_grad[2]:
-        dw = colsum(dw_part, weight.dtype)
-    shape = ctx.shape
-    if len(shape) != 2:
-        dx = dx.view(shape)
-        dg = dg.view(shape) if dg is not None else None
-    return dx, dg, dw, None
-
-
-_backward_once = once_differentiable(_backward)
-
-
-class _RMSNormFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, gate, weight, eps):
-        D = x.shape[-1]
-        x2 = _rows(x, D, "x")
-        g2 = _rows(gate, D, "gate") if gate is not None else None
-        y, rstd = _forward(x2, g2, weight, eps, True)
-        ctx.save_for_backward(x2, g2, weight, rstd)
-        ctx.shape = x.shape
-        return y if x.dim() == 2 else y.view(x.shape)
-
-    @staticmethod
-    def backward(ctx, dy):
-        if torch.is_grad_enabled():  # create_graph=True: a second derivative through the kernels is an error
-            return _backward_once(ctx, dy)
-        return _backward(ctx, dy)
-
-
 def _apply(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     D = x.shape[-1]
     if gate is not None and (gate.shape != x.shape or gate.device != x.device):
@@ -188,10 +156,13 @@ def _apply(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor | No
                              f"on {weight.device}")
         if not weight.is_contiguous():
             weight = weight.contiguous()
+    x2 = _rows(x, D, "x")
+    g2 = _rows(gate, D, "gate") if gate is not None else None
     if torch.is_grad_enabled() and (x.requires_grad or (gate is not None and gate.requires_grad)
                                     or (weight is not None and weight.requires_grad)):
-        return _RMSNormFn.apply(x, gate, weight, eps)
-    y, _ = _forward(_rows(x, D, "x"), _rows(gate, D, "gate") if gate is not None else None, weight, eps, False)
+        y = _node().rms_norm_node(x2, g2, weight, eps, 2, num_sms(x.device))
+    else:
+        y = _node().rms_norm_forward(x2, g2, weight, eps)
     return y if x.dim() == 2 else y.view(x.shape)
 
 

@@ -123,6 +123,44 @@ def test_bad_input_names_the_tensor():
         fz.gated_rms_norm(x, None, None)
 
 
+def test_node_key_equal_implies_triton_specialisation_equal():
+    """The C++ node's direct-launch cache reuses a compiled kernel for every launch with the same key: two argument
+    values with one key must get one specialisation from Triton's own specialiser (CUDA backend, run on CPU)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    backend = CUDABackend(GPUTarget("cuda", 90, 32))
+    key = fz._node().specialisation_key
+    buf = torch.empty(64, dtype=torch.float32)
+    values = [0, 1, 2, 15, 16, 17, 32, -1, -16, 2**31 - 16, 2**31, 2**31 + 16, 2**62, 2**63 - 16, -2**31,
+              -2**31 - 16, -2**63, 0.5, 3.0, None, buf, buf[1:], buf[2:], buf[4:], buf[8:], buf.half(),
+              buf.half()[8:], buf.bfloat16()[3:], torch.empty(0)]
+    keys = [key([v]) for v in values]
+    assert len(set(keys)) == 10  # ints: == 1, % 16 at 32 and at 64 bits, other; float; None; 4 tensor kinds
+    for a, ka in zip(values, keys):
+        for b, kb in zip(values, keys):
+            if ka == kb:
+                sa = native_specialize_impl(backend, a, False, True, True)
+                sb = native_specialize_impl(backend, b, False, True, True)
+                assert sa == sb, (a, b, sa, sb)
+
+
+@pytest.mark.gpu
+def test_gpu_node_launches_directly_after_first_call():
+    """After one forward+backward per specialisation, the node launches from its cache (no new entries on the
+    second call) and gives the same bits as the first call."""
+    node = fz._node()
+    x = torch.randn(64, 7168, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.ones(7168, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    first = torch.autograd.grad(fz.rms_norm(x, w), [x, w], dy)
+    cached = node.cached_kernels()
+    assert cached >= 3  # forward, backward, weight-gradient column sum
+    second = torch.autograd.grad(fz.rms_norm(x, w), [x, w], dy)
+    assert node.cached_kernels() == cached
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("D", [128, 7168])
 def test_gpu_matches_reference(D):
