@@ -25,6 +25,8 @@ Intermediates live in a chunk-padded layout [chunks, HV, 64, D] so that later ke
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -220,11 +222,11 @@ def _fwd_intra(q, k, v, beta, Gc, Aqk, Kkk, Mc, Wc, Uc, QGc, KDc, cu, cidx, scal
 
 
 @triton.jit
-def _fwd_state(Wc, Uc, QGc, KDc, Aqk, Gc, o, h0, ht, Hc, VNc, cu, coff,
+def _fwd_state(Wc, Uc, QGc, KDc, Aqk, Gc, o, h0, ht, Hc, VNc, cu, coff, seqs,
                HV, K, V, BK: tl.constexpr, BVF: tl.constexpr,
                BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, SAVE: tl.constexpr,
                NUM_STAGES: tl.constexpr, PREC: tl.constexpr):
-    n = tl.program_id(0).to(tl.int64)
+    n = tl.load(seqs + tl.program_id(0)).to(tl.int64)  # this launch's sequences (`_state_classes`)
     hv = tl.program_id(1).to(tl.int64)
     iv = tl.program_id(2)
     bos = tl.load(cu + n).to(tl.int64)
@@ -268,11 +270,11 @@ def _fwd_state(Wc, Uc, QGc, KDc, Aqk, Gc, o, h0, ht, Hc, VNc, cu, coff,
 
 
 @triton.jit
-def _bwd_state(QGc, Wc, KDc, Aqk, Gc, do, dht, dh0, DHc, DVNc, cu, coff,
+def _bwd_state(QGc, Wc, KDc, Aqk, Gc, do, dht, dh0, DHc, DVNc, cu, coff, seqs,
                HV, K, V, BK: tl.constexpr, BVF: tl.constexpr,
                BV: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, NUM_STAGES: tl.constexpr,
                PREC: tl.constexpr):
-    n = tl.program_id(0).to(tl.int64)
+    n = tl.load(seqs + tl.program_id(0)).to(tl.int64)  # this launch's sequences (`_state_classes`)
     hv = tl.program_id(1).to(tl.int64)
     iv = tl.program_id(2)
     bos = tl.load(cu + n).to(tl.int64)
@@ -606,10 +608,10 @@ def _state_split(direction: str, states: int, K: int, V: int, BVF: int, device: 
 _PLANS: dict = {}
 
 
-def _chunk_plan(cu: list[int] | None, B: int, T: int, device: torch.device
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(cu_seqlens int64 [N+1], chunk -> (sequence, chunk in sequence) int32 [NC, 2], chunk offsets int32 [N+1]).
-    Fixed-length batches are built on the device and cached (no host sync); packed ones from the host list."""
+def _chunk_plan(cu: list[int] | None, B: int, T: int, device: torch.device) -> tuple:
+    """(cu_seqlens int64 [N+1], chunk -> (sequence, chunk in sequence) int32 [NC, 2], chunk offsets int32 [N+1],
+    the state passes' sequence classes (`_state_classes`)). Fixed-length batches are built on the device and cached
+    (no host sync); packed ones from the host list."""
     if cu is None:
         key = (B, T, str(device))
         if key not in _PLANS:
@@ -617,20 +619,55 @@ def _chunk_plan(cu: list[int] | None, B: int, T: int, device: torch.device
             c = torch.arange(B * nt, device=device, dtype=torch.int32)
             _PLANS[key] = (torch.arange(B + 1, device=device, dtype=torch.int64) * T,
                            torch.stack([c // nt, c % nt], 1).contiguous(),
-                           torch.arange(B + 1, device=device, dtype=torch.int32) * nt)
+                           torch.arange(B + 1, device=device, dtype=torch.int32) * nt,
+                           ((torch.arange(B, device=device, dtype=torch.int32), B),))
         return _PLANS[key]
-    pairs, offs = [], [0]
+    pairs, offs, counts = [], [0], []
     for i in range(len(cu) - 1):
         nt = cdiv(cu[i + 1] - cu[i], BT)
         pairs.extend((i, t) for t in range(nt))
         offs.append(offs[-1] + nt)
+        counts.append(nt)
     cidx = torch.tensor(pairs, dtype=torch.int32).view(-1, 2)
+    classes = tuple((torch.tensor(c, dtype=torch.int32).to(device, non_blocking=True), len(c))
+                    for c in _state_classes(counts))
     return tuple(x.to(device, non_blocking=True) for x in (torch.tensor(cu, dtype=torch.int64), cidx,
-                                                           torch.tensor(offs, dtype=torch.int32)))
+                                                           torch.tensor(offs, dtype=torch.int32))) + (classes,)
+
+
+def _state_classes(chunks: list[int]) -> list[list[int]]:
+    """Sequences grouped for the serial state passes: those at least half as long as the longest (their chain sets
+    the pass's time) and the rest, launched side by side (`_side_by_side`) so that each group gets its own V block
+    (`_state_split`): a long sequence keeps narrow blocks and many programs per head, many short ones take wide
+    blocks that reload their operands fewer times. Outputs do not depend on the grouping (bitwise, any V block)."""
+    longest = max(chunks, default=0)
+    long_ = [i for i, c in enumerate(chunks) if 2 * c >= longest and c > 0]
+    rest = [i for i, c in enumerate(chunks) if not (2 * c >= longest and c > 0)]
+    return [g for g in (long_, rest) if g]
+
+
+_SIDE: dict = {}
+
+
+@contextlib.contextmanager
+def _side_by_side(index: int, device: torch.device):
+    """Launches of group `index` > 0 go to a side stream that starts after the work queued so far and joins the
+    current stream when the group's launches are done; group 0 and the CPU interpreter stay on the current one."""
+    if index == 0 or device.type != "cuda":
+        yield
+        return
+    main = torch.cuda.current_stream(device)
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(device)
+    side = _SIDE[device]
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        yield
+    main.wait_stream(side)
 
 
 def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound, plan, save):
-    cu, cidx, coff = plan
+    cu, cidx, coff, classes = plan
     H, K = q.shape[2], q.shape[3]
     HV, V = v.shape[2], v.shape[3]
     N, NC = coff.numel() - 1, cidx.shape[0]
@@ -655,17 +692,19 @@ def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound
     ht = torch.empty(N, HV, K, V, device=dev, dtype=f32) if want_ht else None
     Hc = torch.empty(NC, HV, BK, BVF, device=dev, dtype=dt) if save else None
     VNc = torch.empty(NC, HV, BT, BVF, device=dev, dtype=dt) if save else None
-    BV, stages = _state_split("fwd", N * HV, K, V, BVF, dev)
-    _fwd_state[(N, HV, cdiv(V, BV))](
-        Wc, Uc, QGc, KDc, Aqk, Gc, o, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
-        Hc if save else dummy, VNc if save else dummy, cu, coff, HV=HV, K=K, V=V, BK=BK, BVF=BVF, BV=BV,
-        HAS_H0=h0 is not None, STORE_HT=want_ht, SAVE=save, NUM_STAGES=stages, PREC=prec,
-        num_warps=CONFIG["fwd_state_warps"])
+    for i, (seqs, count) in enumerate(classes):
+        BV, stages = _state_split("fwd", count * HV, K, V, BVF, dev)
+        with _side_by_side(i, dev):
+            _fwd_state[(count, HV, cdiv(V, BV))](
+                Wc, Uc, QGc, KDc, Aqk, Gc, o, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
+                Hc if save else dummy, VNc if save else dummy, cu, coff, seqs, HV=HV, K=K, V=V, BK=BK, BVF=BVF,
+                BV=BV, HAS_H0=h0 is not None, STORE_HT=want_ht, SAVE=save, NUM_STAGES=stages, PREC=prec,
+                num_warps=CONFIG["fwd_state_warps"])
     return o, ht, (Gc, Kkk, Mc, Aqk, Wc, QGc, KDc, Hc, VNc)
 
 
 def _bwd(q, k, v, beta, do, dht, has_h0, scale, saved, plan):
-    cu, cidx, coff = plan
+    cu, cidx, coff, classes = plan
     Gc, Kkk, Mc, Aqk, Wc, QGc, KDc, Hc, VNc = saved
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -676,11 +715,13 @@ def _bwd(q, k, v, beta, do, dht, has_h0, scale, saved, plan):
     DHc = torch.empty(NC, HV, BK, BVF, device=dev, dtype=dt)
     DVNc = torch.empty(NC, HV, BT, BVF, device=dev, dtype=dt)
     dh0 = torch.empty(N, HV, K, V, device=dev, dtype=f32) if has_h0 else None
-    BV, stages = _state_split("bwd", N * HV, K, V, BVF, dev)
-    _bwd_state[(N, HV, cdiv(V, BV))](
-        QGc, Wc, KDc, Aqk, Gc, do, dht if dht is not None else Gc, dh0 if has_h0 else Gc, DHc, DVNc, cu, coff,
-        HV=HV, K=K, V=V, BK=BK, BVF=BVF, BV=BV, HAS_DHT=dht is not None, HAS_H0=has_h0,
-        NUM_STAGES=stages, PREC=prec, num_warps=CONFIG["bwd_state_warps"])
+    for i, (seqs, count) in enumerate(classes):
+        BV, stages = _state_split("bwd", count * HV, K, V, BVF, dev)
+        with _side_by_side(i, dev):
+            _bwd_state[(count, HV, cdiv(V, BV))](
+                QGc, Wc, KDc, Aqk, Gc, do, dht if dht is not None else Gc, dh0 if has_h0 else Gc, DHc, DVNc, cu,
+                coff, seqs, HV=HV, K=K, V=V, BK=BK, BVF=BVF, BV=BV, HAS_DHT=dht is not None, HAS_H0=has_h0,
+                NUM_STAGES=stages, PREC=prec, num_warps=CONFIG["bwd_state_warps"])
     dq = torch.empty(B, T, HV, K, device=dev, dtype=f32 if HV != H else q.dtype)
     dk = torch.empty(B, T, HV, K, device=dev, dtype=f32 if HV != H else k.dtype)
     dv = torch.empty_like(v)

@@ -129,7 +129,7 @@ def test_chunk_matches_reference(B, T, H, HV, K, V):
 
 
 def test_chunk_varlen_matches_reference():
-    cu = [0, 37, 100, 106]
+    cu = [0, 37, 100, 106, 300]  # the last is long enough to get its own state-pass group
     inp = make_inputs(1, cu[-1], 1, 1, 16, 16)
     inp["h0"] = torch.randn(len(cu) - 1, 1, 16, 16, device=DEV)
     _check_against_reference(inp, cu=cu)
@@ -257,6 +257,14 @@ def test_chunk_state_split_keeps_bits(monkeypatch):
             assert torch.equal(a[n], b[n]), n
         for n in da:
             assert torch.equal(da[n], db[n]), "d" + n
+
+
+def test_state_classes_group_long_and_short_sequences():
+    from k3_kernels.kda.chunk import _state_classes
+    assert _state_classes([9, 34, 254, 15, 102, 95, 5, 3]) == [[2], [0, 1, 3, 4, 5, 6, 7]]
+    assert _state_classes([4, 4, 3]) == [[0, 1, 2]]
+    assert _state_classes([0, 6, 2]) == [[1], [0, 2]]  # an empty sequence still gets its state (h0 -> ht)
+    assert _state_classes([0, 0]) == [[0, 1]]
 
 
 def test_chunk_bad_input_names_the_tensor():
