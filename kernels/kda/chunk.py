@@ -526,11 +526,41 @@ def _bwd_block(DQs, DKs, DGs, dq, dk, dg, base, t0, rows, nv, hv, HV, K, oc, sca
 
 
 @triton.jit
-def _bwd_intra(q, k, beta, Gc, Rs, Ps, DQs, DKs, DGs, dq, dk, dg, cu, cidx, scale, H, HV, K, BK: tl.constexpr,
-               BKS: tl.constexpr, PREC: tl.constexpr):
-    """Gradients through A (P = dA) and Aqk (R = dAqk) for one chunk of one head, as 4 x 4 blocks of 16, one K
-    slice at a time, added to the direct parts from `_bwd_prep`; writes dq, dk, dg (reverse in-chunk cumsum)."""
-    hv, t0, nv, base, pG, qh, kh = _intra_program(q, k, Gc, cu, cidx, H, HV, K, BK)
+def _bwd_whole(beta, Rs, Ps, DQs, DKs, DGs, dq, dk, dg, scale, HV, K, hv, t0, nv, base, pG, qh, kh, H,
+               BK: tl.constexpr, BKS: tl.constexpr, PREC: tl.constexpr):
+    """`_bwd_intra` for a chunk whose log-decay spans at most 80 in every channel: each K slice as 64-row dots around
+    the channel's midpoint Gr (every factor within e^{+-40}), as `_diag_grad` does for one 16-row block: operands
+    rounded once for both sides of each pair, R's diagonal in fp32 outside the dots."""
+    r = tl.arange(0, 64)
+    pA = base * 4096 + r[:, None] * 64 + r[None, :]
+    lower = r[:, None] > r[None, :]
+    R = tl.load(Rs + pA)
+    Rd = tl.sum(tl.where(r[:, None] == r[None, :], R, 0.), 1)[:, None]
+    Rl = tl.where(lower, R, 0.)
+    bt = tl.load(beta + (t0 + r) * HV + hv, mask=r < nv, other=0.).to(tl.float32)
+    PB = tl.where(lower, tl.load(Ps + pA), 0.) * bt[:, None]
+    for kc in range(0, BK, BKS):
+        oc = kc + tl.arange(0, BKS)
+        kt = _chunk_tile(kh, t0, nv, H * K, oc, K)
+        qt = _chunk_tile(qh, t0, nv, H * K, oc, K) * scale
+        G = tl.load(pG + r[:, None] * BK + oc[None, :])
+        Gr = (tl.max(G, 0) + tl.min(G, 0)) * 0.5
+        e = tl.exp(G - Gr[None, :])
+        ei = tl.exp(Gr[None, :] - G)
+        b = _rounded(kt * ei, PREC)
+        aq = _rounded(qt * e, PREC)
+        ak = _rounded(kt * e, PREC)
+        Rb = tl.dot(Rl, b, input_precision=PREC)
+        Pb = tl.dot(PB, b, input_precision=PREC)
+        cs = tl.dot(tl.trans(Rl), aq, input_precision=PREC) + tl.dot(tl.trans(PB), ak, input_precision=PREC)
+        _bwd_out(DQs, DKs, DGs, dq, dk, dg, base, t0, r, nv, hv, HV, K, oc, scale, BK, e * Rb + Rd * kt, e * Pb,
+                 ei * cs + Rd * qt, aq * Rb + ak * Pb - b * cs, tl.zeros([BKS], dtype=tl.float32))
+
+
+@triton.jit
+def _bwd_blocks(beta, Rs, Ps, DQs, DKs, DGs, dq, dk, dg, scale, HV, K, hv, t0, nv, base, pG, qh, kh, H,
+                BK: tl.constexpr, BKS: tl.constexpr, PREC: tl.constexpr):
+    """`_bwd_intra` for any chunk: 4 x 4 blocks of 16, each factor around a block's first or middle row."""
     c16 = tl.arange(0, 16)
     r0, r1, r2, r3 = c16, 16 + c16, 32 + c16, 48 + c16
     o = c16[:, None] * 64 + c16[None, :]
@@ -582,6 +612,27 @@ def _bwd_intra(q, k, beta, Gc, Rs, Ps, DQs, DKs, DGs, dq, dk, dg, cu, cidx, scal
                           g1, xR1, xP1, c1, d1, tail, PREC, True, True)
         tail = _bwd_block(DQs, DKs, DGs, dq, dk, dg, base, t0, r0, nv, hv, HV, K, oc, scale, BK, R00, P00, q0, k0, G0,
                           g1, xR1, xP1, c0, d0, tail, PREC, False, True)
+
+
+@triton.jit
+def _bwd_intra(q, k, beta, Gc, Rs, Ps, DQs, DKs, DGs, dq, dk, dg, cu, cidx, scale, H, HV, K, BK: tl.constexpr,
+               BKS: tl.constexpr, PREC: tl.constexpr):
+    """Gradients through A (P = dA) and Aqk (R = dAqk) for one chunk of one head, one K slice at a time, added to
+    the direct parts from `_bwd_prep`; writes dq, dk, dg (reverse in-chunk cumsum). A chunk whose log-decay spans
+    at most 80 in every channel (the span's test is the chunk's own data: batch invariant) takes 64-row dots
+    (`_bwd_whole`), any other the 16-row blocks (`_bwd_blocks`)."""
+    hv, t0, nv, base, pG, qh, kh = _intra_program(q, k, Gc, cu, cidx, H, HV, K, BK)
+    r = tl.arange(0, 64)
+    span = tl.zeros([], dtype=tl.float32)
+    for kc in range(0, BK, BKS):
+        G = tl.load(pG + r[:, None] * BK + (kc + tl.arange(0, BKS))[None, :])
+        span = tl.maximum(span, tl.max(tl.max(G, 0) - tl.min(G, 0), 0))
+    if span <= 80.:
+        _bwd_whole(beta, Rs, Ps, DQs, DKs, DGs, dq, dk, dg, scale, HV, K, hv, t0, nv, base, pG, qh, kh, H, BK, BKS,
+                   PREC)
+    else:
+        _bwd_blocks(beta, Rs, Ps, DQs, DKs, DGs, dq, dk, dg, scale, HV, K, hv, t0, nv, base, pG, qh, kh, H, BK, BKS,
+                    PREC)
 
 
 def _p2(x: int) -> int:
