@@ -185,24 +185,15 @@ def _fwd_intra(q, k, v, beta, Gc, Aqk, Kkk, Mc, Wc, Uc, QGc, KDc, cu, cidx, scal
         kt = _chunk_tile(kh, t0, nv, H * K, oc, K)
         qt = _chunk_tile(qh, t0, nv, H * K, oc, K)
         G, Gend, Gmid = _gate_refs(pG, oc, BK)
-        Gr = (tl.max(G, 0) + tl.min(G, 0)) * 0.5  # per channel: the chunk's G range around its midpoint
-        if tl.max(tl.max(tl.abs(G - Gr[None, :]), 1), 0) <= 40.:
-            # the whole chunk in two dots around Gr: every factor within e^{+-40}, every kept product <= 1
-            # (G_i <= G_j for i >= j); the entries above the diagonal (up to e^80, finite) are masked off
-            e = tl.exp(G - Gr[None, :])
-            rhs = tl.trans(kt * tl.exp(Gr[None, :] - G))
-            akk += tl.where(r[:, None] > r[None, :], tl.dot(kt * e, rhs, input_precision=PREC), 0.)
-            aqk += tl.where(r[:, None] >= r[None, :], tl.dot(qt * e, rhs, input_precision=PREC), 0.)
-        else:
-            kRt = tl.trans(kt * tl.exp(Gend - G))
-            for J in tl.static_range(3):
-                eJ = _later_factor(pG, G, oc, J, BK)
-                rhs = tl.where((blk == J)[None, :], kRt, 0.)
-                akk = tl.dot(kt * eJ, rhs, akk, input_precision=PREC)
-                aqk = tl.dot(qt * eJ, rhs, aqk, input_precision=PREC)
-            dkk, dqk = _diag_gated(kt, qt, G, Gmid, pG, kh, t0, nv, H * K, oc, K, BK, PREC)
-            akk += tl.where(same & (r[:, None] > r[None, :]), dkk, 0.)
-            aqk += tl.where(same & (r[:, None] >= r[None, :]), dqk, 0.)
+        kRt = tl.trans(kt * tl.exp(Gend - G))
+        for J in tl.static_range(3):
+            eJ = _later_factor(pG, G, oc, J, BK)
+            rhs = tl.where((blk == J)[None, :], kRt, 0.)
+            akk = tl.dot(kt * eJ, rhs, akk, input_precision=PREC)
+            aqk = tl.dot(qt * eJ, rhs, aqk, input_precision=PREC)
+        dkk, dqk = _diag_gated(kt, qt, G, Gmid, pG, kh, t0, nv, H * K, oc, K, BK, PREC)
+        akk += tl.where(same & (r[:, None] > r[None, :]), dkk, 0.)
+        aqk += tl.where(same & (r[:, None] >= r[None, :]), dqk, 0.)
     pA = base * 4096 + r[:, None] * 64 + r[None, :]
     tl.store(Aqk + pA, (aqk * scale).to(Aqk.dtype.element_ty))
     if SAVE:  # the un-scaled <k_i e^{G_i-G_j}, k_j>, for dbeta in the backward
