@@ -186,8 +186,8 @@ def test_chunk_tf32_safe_gate_gradients(monkeypatch, lower_bound):
     sides, TF32 dot operands left dg 6e-3 and ddt_bias 3.8e-2 from the fp64 reference (FLA's tolerance 8e-3; the H200
     measured 7.3e-3 / 4.1e-2 with bf16 inputs). The interpreter computes dots in fp32, so this rounds the operands
     of every dot asked for TF32 first, as the GPU does, and runs the backward in TF32 (what bf16 inputs get).
-    Lower bound -5: chunks span more than e^80 of decay (the 16-row-block paths); -1: at most e^64 (the whole-chunk
-    dots around each channel's midpoint, in the forward and the backward intra kernels)."""
+    Lower bound -5: chunks span more than e^80 of decay (the backward intra's 16-row blocks); -1: at most e^64 (its
+    whole-chunk dots around each channel's midpoint, `_bwd_whole`)."""
     import k3_kernels.kda.chunk as chunk_mod
     from triton.runtime import interpreter
     create_dot = interpreter.InterpreterBuilder.create_dot
