@@ -18,8 +18,10 @@ Kernels (layout and staging ideas from fla-core 0.6.0 `fla/ops/kda/chunk_intra.p
      the output is fused into the pass, so in inference the per-chunk states never reach memory.
 Backward: `_bwd_state` (reverse pass for dS and dv', same V split), `_bwd_prep` (chunk, head: dv, dbeta, dAqk,
 dA = -M^T dM M^T and the direct parts of dq, dk, dG), `_bwd_intra` (chunk, head: the gradients through the
-gated 16 x 16 block products, K slice by K slice, and the reverse in-chunk cumsum for dg; writes dq, dk, dg; a
-64-row version like the forward's measured slower: kernels/kda/NOTES.md).
+gated products, K slice by K slice, and the reverse in-chunk cumsum for dg; writes dq, dk, dg): a chunk whose
+log-decay spans at most 80 per channel as 64-row dots around each channel's midpoint (`_bwd_whole`), any other as
+16 x 16 blocks (`_bwd_blocks`; a 64-row version with per-block factors like the forward's measured slower:
+kernels/kda/NOTES.md).
 Every reduction has a fixed order and there are no atomics: results are bitwise reproducible.
 Intermediates live in a chunk-padded layout [chunks, HV, 64, D] so that later kernels need no row masks.
 """
