@@ -441,6 +441,25 @@ def _off_acc(xR, xP, c, d, R, PB, qI, kI, GI, gI, kJ, GJ, PREC: tl.constexpr):
 
 
 @triton.jit
+def _pair_grads(Rd, Rs, PB, q, k, G, ref, PREC: tl.constexpr):
+    """Gradients through the gated pairs of one row range over one K slice, by dots around a per-channel reference
+    `ref` (the caller keeps every |G - ref| small enough for e^{+-(G - ref)}): Rs = R strictly lower, Rd = R's
+    diagonal [n, 1] (a token with itself: in fp32 outside the dots, its dG terms cancel exactly, so they are left
+    out), PB strictly lower. The operands are rounded once (`_rounded`) and weight both sides of each pair. Returns
+    the row parts sum_j (R, PB)_ij k_j e^{G_i-G_j}, the column part sum_i (R_ij q_i + PB_ij k_i) e^{G_i-G_j} and the
+    dG terms."""
+    e = tl.exp(G - ref[None, :])
+    ei = tl.exp(ref[None, :] - G)
+    b = _rounded(k * ei, PREC)
+    aq = _rounded(q * e, PREC)
+    ak = _rounded(k * e, PREC)
+    Rb = tl.dot(Rs, b, input_precision=PREC)
+    Pb = tl.dot(PB, b, input_precision=PREC)
+    cs = tl.dot(tl.trans(Rs), aq, input_precision=PREC) + tl.dot(tl.trans(PB), ak, input_precision=PREC)
+    return e * Rb + Rd * k, e * Pb, ei * cs + Rd * q, aq * Rb + ak * Pb - b * cs
+
+
+@triton.jit
 def _diag_grad(R, PB, qb, kb, Gb, PREC: tl.constexpr):
     """Gradients through a diagonal block (R lower, PB strictly lower) over one K slice: row parts
     sum_j (R, PB)_ij k_j e^{G_i-G_j}, the column part sum_i (R_ij q_i + PB_ij k_i) e^{G_i-G_j}, and the block's dG
@@ -450,20 +469,8 @@ def _diag_grad(R, PB, qb, kb, Gb, PREC: tl.constexpr):
     c16 = tl.arange(0, 16)
     gm = _row(Gb, 8)
     if tl.max(tl.max(tl.abs(Gb - gm[None, :]), 1), 0) <= 80.:
-        e = tl.exp(Gb - gm[None, :])
-        ei = tl.exp(gm[None, :] - Gb)
-        b = _rounded(kb * ei, PREC)
-        aq = _rounded(qb * e, PREC)
-        ak = _rounded(kb * e, PREC)
-        Rd = tl.sum(tl.where(c16[:, None] == c16[None, :], R, 0.), 1)[:, None]
-        Rs = tl.where(c16[:, None] > c16[None, :], R, 0.)
-        Rb = tl.dot(Rs, b, input_precision=PREC)
-        Pb = tl.dot(PB, b, input_precision=PREC)
-        cs = tl.dot(tl.trans(Rs), aq, input_precision=PREC) + tl.dot(tl.trans(PB), ak, input_precision=PREC)
-        rowR = e * Rb + Rd * kb
-        rowP = e * Pb
-        col = ei * cs + Rd * qb
-        dG = aq * Rb + ak * Pb - b * cs
+        rowR, rowP, col, dG = _pair_grads(tl.sum(tl.where(c16[:, None] == c16[None, :], R, 0.), 1)[:, None],
+                                          tl.where(c16[:, None] > c16[None, :], R, 0.), PB, qb, kb, Gb, gm, PREC)
     else:
         rowR = tl.zeros_like(kb)
         rowP = tl.zeros_like(kb)
@@ -521,9 +528,9 @@ def _bwd_block(DQs, DKs, DGs, dq, dk, dg, base, t0, rows, nv, hv, HV, K, oc, sca
 @triton.jit
 def _bwd_whole(beta, Rs, Ps, DQs, DKs, DGs, dq, dk, dg, scale, HV, K, hv, t0, nv, base, pG, qh, kh, H,
                BK: tl.constexpr, BKS: tl.constexpr, PREC: tl.constexpr):
-    """`_bwd_intra` for a chunk whose log-decay spans at most 80 in every channel: each K slice as 64-row dots around
-    the channel's midpoint Gr (every factor within e^{+-40}), as `_diag_grad` does for one 16-row block: operands
-    rounded once for both sides of each pair, R's diagonal in fp32 outside the dots."""
+    """`_bwd_intra` for a chunk whose log-decay spans at most 80 in every channel: each K slice as 64-row
+    `_pair_grads` around the channel's midpoint (every factor within e^{+-40}), as `_diag_grad` does for one
+    16-row block."""
     r = tl.arange(0, 64)
     pA = base * 4096 + r[:, None] * 64 + r[None, :]
     lower = r[:, None] > r[None, :]
@@ -537,17 +544,9 @@ def _bwd_whole(beta, Rs, Ps, DQs, DKs, DGs, dq, dk, dg, scale, HV, K, hv, t0, nv
         kt = _chunk_tile(kh, t0, nv, H * K, oc, K)
         qt = _chunk_tile(qh, t0, nv, H * K, oc, K) * scale
         G = tl.load(pG + r[:, None] * BK + oc[None, :])
-        Gr = (tl.max(G, 0) + tl.min(G, 0)) * 0.5
-        e = tl.exp(G - Gr[None, :])
-        ei = tl.exp(Gr[None, :] - G)
-        b = _rounded(kt * ei, PREC)
-        aq = _rounded(qt * e, PREC)
-        ak = _rounded(kt * e, PREC)
-        Rb = tl.dot(Rl, b, input_precision=PREC)
-        Pb = tl.dot(PB, b, input_precision=PREC)
-        cs = tl.dot(tl.trans(Rl), aq, input_precision=PREC) + tl.dot(tl.trans(PB), ak, input_precision=PREC)
-        _bwd_out(DQs, DKs, DGs, dq, dk, dg, base, t0, r, nv, hv, HV, K, oc, scale, BK, e * Rb + Rd * kt, e * Pb,
-                 ei * cs + Rd * qt, aq * Rb + ak * Pb - b * cs, tl.zeros([BKS], dtype=tl.float32))
+        rowR, rowP, col, dG = _pair_grads(Rd, Rl, PB, qt, kt, G, (tl.max(G, 0) + tl.min(G, 0)) * 0.5, PREC)
+        _bwd_out(DQs, DKs, DGs, dq, dk, dg, base, t0, r, nv, hv, HV, K, oc, scale, BK, rowR, rowP, col, dG,
+                 tl.zeros([BKS], dtype=tl.float32))
 
 
 @triton.jit
