@@ -1,7 +1,14 @@
 import os
 
-import pytest
-import torch
+# The interpreter's tl.dot is numpy's matmul, i.e. OpenBLAS, whose sgemm kernel is picked per CPU at load time; the
+# Zen/Haswell kernels sum a column differently depending on the matrix width, which the bitwise tests (state-pass V
+# block) would read as a kernel bug. One AVX kernel everywhere keeps interpreter results the same on every x86 CI
+# machine (this one exports OPENBLAS_CORETYPE=Haswell, so it is overridden, not defaulted); it must be chosen before
+# numpy is first loaded (torch loads it).
+os.environ["OPENBLAS_CORETYPE"] = "Sandybridge"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     # Triton kernels run in Triton's interpreter on CPU; the variable must be set before triton is first imported
