@@ -12,7 +12,8 @@ Kernels (layout and staging ideas from fla-core 0.6.0 `fla/ops/kda/chunk_intra.p
      16-row blocks of column block J as (rows after J) x (block J) around G at J's last row, so both exponential
      factors are <= 1; the diagonal blocks around their middle rows when every |G - G_mid| <= 40 (always for K3's
      gate), else exactly; then M = (I + A)^-1 in a product form of ten 64 x 64 x 64 dots, W, U, q e^G,
-     k e^{G_C-G}. (FLA splits this into three kernels of 16-row tiles.)
+     k e^{G_C-G}; on CUDA each exponential is one `ex2.approx.ftz` (`_exp2`). (FLA splits this into three
+     kernels of 16-row tiles.)
   `_fwd_state` (sequence, head, V block): the serial pass over chunks. The columns of the state evolve
      independently (v' = U - W S is column-wise), so splitting V gives B*HV*V/BV programs instead of B*HV;
      the output is fused into the pass, so in inference the per-chunk states never reach memory.
