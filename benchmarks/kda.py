@@ -44,6 +44,13 @@ def inputs(T: int, seed: int = 0):
     return [x.requires_grad_(True) for x in (q, k, v, g, beta)]
 
 
+def packed_cu_seqlens() -> torch.Tensor:
+    """The varlen row's batch: 8 sequences packed into 32K tokens, cut at fixed random points."""
+    gen = torch.Generator().manual_seed(1)
+    cuts = torch.sort(torch.randperm(32767, generator=gen)[:7] + 1).values
+    return torch.cat([torch.tensor([0]), cuts, torch.tensor([32768])]).to(dev)
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
@@ -190,9 +197,7 @@ def main() -> None:
         with open(os.path.join(out_dir, "kda.json"), "w") as f:
             json.dump(res, f, indent=1)
     rows = res["chunk_kda"] = []
-    gen = torch.Generator().manual_seed(1)  # one packed varlen batch: 8 sequences, 32K tokens
-    cuts = torch.sort(torch.randperm(32767, generator=gen)[:7] + 1).values
-    cu = torch.cat([torch.tensor([0]), cuts, torch.tensor([32768])]).to(dev)
+    cu = packed_cu_seqlens()
     sizes = [4096, 16384] if quick else [4096, 16384, "varlen", 65536, 131072]
     if "--rows" in sys.argv:  # e.g. --rows 65536,131072,varlen
         sizes = [x if x == "varlen" else int(x) for x in sys.argv[sys.argv.index("--rows") + 1].split(",")]

@@ -1,0 +1,101 @@
+"""A/B of our chunk_kda across code versions on one GPU: each version's `k3_kernels` in a process of its own.
+
+A version is a directory holding a `kernels/` tree, e.g. a branch exported with
+`mkdir -p .ab/NAME && git archive BRANCH kernels | tar -x -C .ab/NAME` (ignore `.ab/` in `.git/info/exclude` and
+name it in the device call's `carry`). `python -m benchmarks.kda_ab main=. NAME=.ab/NAME [--repeat 2]` runs the
+versions in turn (A B A B with --repeat 2) and times ours only, the inputs of benchmarks/kda.py: forward (no_grad)
+and forward+backward medians at 16K with the benchmark's gate and with K3's safe gate at init (g = -5 sigmoid(x):
+every chunk spans more, as in training), the packed batch, 64K and 128K forward; plus the relative RMS error of o and
+every gradient against the fp64 recurrent reference at T=512. Versions differ in code only, so the numbers are
+comparable within one call; the fla-core comparison is benchmarks/kda.py's. Writes kda_ab.json to $OUT or
+benchmarks/results/.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+ROWS = {"16K": 16384, "16K_safe_gate": 16384, "varlen": 32768, "64K": 65536, "128K": 131072}  # row -> tokens
+
+
+def _time_version() -> dict:
+    """Worker: timings and errors of the `k3_kernels` first on the path."""
+    from benchmarks.kda import D, H, dev, inputs, med, packed_cu_seqlens, rel
+    from k3_kernels.kda import chunk_kda, naive_recurrent_kda
+
+    out = {}
+    for row, T in ROWS.items():
+        xs = inputs(T)
+        if row == "16K_safe_gate":
+            with torch.no_grad():
+                xs[3].copy_(-5 * torch.sigmoid(torch.randn_like(xs[3])))
+        kw = dict(cu_seqlens=packed_cu_seqlens()) if row == "varlen" else {}
+        with torch.no_grad():
+            chunk_kda(*xs, **kw)
+            out[f"{row}_fwd_ms"] = med(lambda: chunk_kda(*xs, **kw), rep=100 if T <= 32768 else 30)
+        if T <= 32768:
+            do = torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16)
+
+            def fwd_bwd():
+                chunk_kda(*xs, **kw)[0].backward(do)
+            fwd_bwd()
+            out[f"{row}_fwdbwd_ms"] = med(fwd_bwd, rep=50, grad_to_none=xs)
+        del xs
+        torch.cuda.empty_cache()
+    xs = inputs(512, seed=1)
+    do = torch.randn(1, 512, H, D, device=dev, dtype=torch.bfloat16)
+    o = chunk_kda(*xs)[0]
+    ours = [o] + list(torch.autograd.grad(o, xs, do))
+    ref_in = [x.detach().double().requires_grad_(True) for x in xs]
+    o_ref = naive_recurrent_kda(*ref_in)[0]
+    refs = [o_ref] + list(torch.autograd.grad(o_ref, ref_in, do.double()))
+    out["rel_rms_vs_fp64_T512"] = {n: rel(a, b) for n, a, b in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), ours, refs)}
+    return out
+
+
+def _run_version(path: str) -> dict:
+    """Run the worker in a fresh process with `path`/kernels importable as `k3_kernels`."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    kernels = os.path.join(os.path.abspath(path), "kernels")
+    with tempfile.TemporaryDirectory() as link_dir:
+        os.symlink(kernels, os.path.join(link_dir, "k3_kernels"))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([link_dir, repo, os.environ.get("PYTHONPATH", "")]))
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.kda_ab", "--worker"], cwd=repo, env=env,
+                              capture_output=True, text=True)
+    if proc.returncode:
+        return {"error": proc.stderr[-2000:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    if "--worker" in sys.argv:
+        print(json.dumps(_time_version()))
+        return
+    repeat = int(sys.argv[sys.argv.index("--repeat") + 1]) if "--repeat" in sys.argv else 1
+    versions = [a.split("=", 1) for a in sys.argv[1:] if "=" in a]
+    if not versions:
+        raise SystemExit("usage: python -m benchmarks.kda_ab NAME=DIR [NAME=DIR ...] [--repeat N]")
+    for name, path in versions:
+        if not os.path.isdir(os.path.join(path, "kernels")):
+            raise SystemExit(f"version {name}: directory {path!r} has no kernels/ tree")
+    res = {"device": torch.cuda.get_device_name(), "runs": []}
+    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    os.makedirs(out_dir, exist_ok=True)
+    for rep in range(repeat):
+        for name, path in versions:
+            res["runs"].append(dict(version=name, repeat=rep, **_run_version(path)))
+            print(json.dumps(res["runs"][-1]), flush=True)
+            with open(os.path.join(out_dir, "kda_ab.json"), "w") as f:  # after every run: a cut call keeps them
+                json.dump(res, f, indent=1)
+    print(f"\n{'version':>24} " + " ".join(f"{r + ' fwd':>18}" for r in ROWS))
+    for run in res["runs"]:
+        print(f"{run['version']:>24} " + " ".join(f"{run.get(r + '_fwd_ms', float('nan')):>18.4f}" for r in ROWS))
+
+
+if __name__ == "__main__":
+    main()
