@@ -1,0 +1,92 @@
+"""Offline sm_90a build of the KDA forward intra kernel (`_fwd_intra`), no GPU needed: registers, spills, shared
+memory and a histogram of the SASS instructions, for one or more code versions (directories holding a `kernels/`
+tree, as for benchmarks/kda_ab.py). Static counts, not timings: they say what a change did to the code, the GPU says what it cost.
+
+`python -m benchmarks.kda_sass main=. NAME=.ab/NAME` (run without TRITON_INTERPRET). The launch is
+the benchmark's (bf16 inputs, K = V = 128, K slices of 32, 4 warps, 3 stages, TF32 dots, no saving for backward),
+with the 16-byte divisibility hints the runtime gives these arguments: without them loads compile to scalar ones and
+the figures are not the runtime's.
+"""
+from __future__ import annotations
+
+import collections
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+ARG_TYPES = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*bf16", "Gc": "*fp32", "Aqk": "*bf16",
+             "Kkk": "*fp32", "Mc": "*fp32", "Wc": "*bf16", "Uc": "*bf16", "QGc": "*bf16", "KDc": "*bf16",
+             "cu": "*i64", "cidx": "*i32", "scale": "fp32", "H": "i32", "HV": "i32", "K": "i32", "V": "i32"}
+CONSTEXPRS = dict(BK=128, BKS=32, BVF=128, BVS=32, SAVE=False, PREC="tf32", FAST=True)
+TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def build(version_dir: str) -> dict:
+    """Compile `_fwd_intra` of version_dir/kernels in a fresh process (one `k3_kernels` per process)."""
+    kernels_dir = os.path.join(os.path.abspath(version_dir), "kernels")
+    if not os.path.isdir(kernels_dir):
+        raise SystemExit(f"{version_dir!r} has no kernels/ tree")
+    out = subprocess.run([sys.executable, "-m", "benchmarks.kda_sass", "--worker", kernels_dir], capture_output=True,
+                         text=True, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if out.returncode:
+        raise RuntimeError(f"build of {kernels_dir} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _worker(kernels_dir: str) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        os.symlink(os.path.abspath(kernels_dir), os.path.join(d, "k3_kernels"))
+        sys.path.insert(0, d)
+        fn = importlib.import_module("k3_kernels.kda.chunk")._fwd_intra
+        sig, consts, attrs = {}, {}, {}
+        for i, name in enumerate(fn.arg_names):
+            if name in CONSTEXPRS:
+                sig[name], consts[(i,)] = "constexpr", CONSTEXPRS[name]
+            else:
+                sig[name] = ARG_TYPES[name]
+                if name != "scale":
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=4, num_stages=3))
+        ptx, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        info = subprocess.run([os.path.join(TOOLS, "ptxas"), "-v", "--gpu-name", "sm_90a", ptx, "-o",
+                               os.path.join(d, "x.cubin")], capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([os.path.join(TOOLS, "cuobjdump"), "-sass", cubin], capture_output=True, text=True,
+                              check=True).stdout
+    ops = collections.Counter(m.group(1) for m in re.finditer(
+        r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M))
+    num = lambda pattern: int(re.search(pattern, info).group(1))  # noqa: E731
+    return dict(registers=num(r"Used (\d+) registers"), spill_stores_B=num(r"(\d+) bytes spill stores"),
+                spill_loads_B=num(r"(\d+) bytes spill loads"), shared_B=kernel.metadata.shared,
+                instructions=sum(ops.values()), top=dict(ops.most_common(20)))
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--worker"]:
+        print(json.dumps(_worker(sys.argv[2])))
+        return
+    versions = [a.split("=", 1) for a in sys.argv[1:]]
+    if not versions or any(len(v) != 2 for v in versions):
+        raise SystemExit("usage: python -m benchmarks.kda_sass NAME=DIR [NAME=DIR ...]")
+    for name, path in versions:
+        r = build(path)
+        print(f"{name}: {r['registers']} registers, spills {r['spill_stores_B']} B stored / {r['spill_loads_B']} B "
+              f"loaded, {r['shared_B']} B shared, {r['instructions']} SASS instructions")
+        print("   ", ", ".join(f"{op} {n}" for op, n in r["top"].items()))
+
+
+if __name__ == "__main__":
+    main()
