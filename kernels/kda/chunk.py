@@ -680,30 +680,19 @@ def _state_split(direction: str, states: int, K: int, V: int, BVF: int, device: 
     return min(bv, BVF), (2 if bv == 64 else CONFIG[f"{direction}_state_stages"])
 
 
-_PLANS: dict = {}
-
-
-def _chunk_plan(cu: list[int] | None, B: int, T: int, device: torch.device) -> tuple:
-    """(cu_seqlens int64 [N+1], chunk -> (sequence, chunk in sequence) int32 [NC, 2], chunk offsets int32 [N+1],
-    the state passes' sequence classes (`_state_classes`)). Fixed-length batches are built on the device and cached
-    (no host sync); packed ones from the host list, cached by content (`_packed_plan`)."""
-    if cu is None:
-        key = (B, T, str(device))
-        if key not in _PLANS:
-            nt = cdiv(T, BT)
-            c = torch.arange(B * nt, device=device, dtype=torch.int32)
-            _PLANS[key] = (torch.arange(B + 1, device=device, dtype=torch.int64) * T,
-                           torch.stack([c // nt, c % nt], 1).contiguous(),
-                           torch.arange(B + 1, device=device, dtype=torch.int32) * nt,
-                           ((torch.arange(B, device=device, dtype=torch.int32), B),))
-        return _PLANS[key]
-    return _packed_plan(tuple(cu), device)
-
-
 @functools.lru_cache(maxsize=32)
-def _packed_plan(cu: tuple[int, ...], device: torch.device) -> tuple:
-    """`_chunk_plan` of a packed batch. Every KDA layer of a model step packs the same batch, so all but the first
-    find it here (building it is ~0.1 ms of host time at 8 sequences / 512 chunks); the kernels only read it."""
+def _chunk_plan(cu: tuple[int, ...] | None, B: int, T: int, device: torch.device) -> tuple:
+    """(cu_seqlens int64 [N+1], chunk -> (sequence, chunk in sequence) int32 [NC, 2], chunk offsets int32 [N+1],
+    the state passes' sequence classes (`_state_classes`)), cached by content: every KDA layer of a model step sees
+    the same batch, and building a packed plan of 8 sequences / 512 chunks costs ~0.1 ms of host time. Fixed-length
+    batches are built on the device (no host sync), packed ones from the host tuple. The kernels only read it."""
+    if cu is None:
+        nt = cdiv(T, BT)
+        c = torch.arange(B * nt, device=device, dtype=torch.int32)
+        return (torch.arange(B + 1, device=device, dtype=torch.int64) * T,
+                torch.stack([c // nt, c % nt], 1).contiguous(),
+                torch.arange(B + 1, device=device, dtype=torch.int32) * nt,
+                ((torch.arange(B, device=device, dtype=torch.int32), B),))
     pairs, offs, counts = [], [0], []
     for i in range(len(cu) - 1):
         nt = cdiv(cu[i + 1] - cu[i], BT)
@@ -910,7 +899,7 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
         q, k = l2norm(q), l2norm(k)
     cu = None
     if cu_seqlens is not None:
-        cu = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
+        cu = tuple((cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist())
         if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
             raise ValueError(f"cu_seqlens must rise from 0 to {T}, got {cu}")
     gate = 0 if not use_gate_in_kernel else (2 if lower_bound is not None else 1)
