@@ -34,8 +34,10 @@ def _time_version() -> dict:
         if row == "16K_safe_gate":
             with torch.no_grad():
                 xs[3].copy_(-5 * torch.sigmoid(torch.randn_like(xs[3])))
-        cu = packed_cu_seqlens()
-        kw = dict(cu_seqlens=cu, cu_seqlens_cpu=cu.cpu()) if row == "varlen" else {}  # no host sync per call
+        kw = {}
+        if row == "varlen":  # with the host copy of cu_seqlens: no device sync per call
+            cu = packed_cu_seqlens()
+            kw = dict(cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
         with torch.no_grad():
             chunk_kda(*xs, **kw)
             out[f"{row}_fwd_ms"] = med(lambda: chunk_kda(*xs, **kw), rep=100 if T <= 32768 else 30)
@@ -59,17 +61,27 @@ def _time_version() -> dict:
     return out
 
 
-def _run_version(path: str) -> dict:
-    """Run the worker in a fresh process with `path`/kernels importable as `k3_kernels`."""
+def _kernels_of(version_dir: str) -> str:
+    kernels = os.path.join(os.path.abspath(version_dir), "kernels")
+    if not os.path.isdir(kernels):
+        raise SystemExit(f"version directory {version_dir!r} has no kernels/ tree")
+    return kernels
+
+
+def run_in_version(version_dir: str, module: str) -> dict:
+    """`python -m module --worker` in a fresh process whose `k3_kernels` is version_dir/kernels (one version
+    per process: Triton's jit caches are per function object); the worker prints a JSON dict as its last line.
+    TRITON_INTERPRET is dropped: versions are compared as the GPU builds them."""
+    kernels = _kernels_of(version_dir)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    kernels = os.path.join(os.path.abspath(path), "kernels")
     with tempfile.TemporaryDirectory() as link_dir:
         os.symlink(kernels, os.path.join(link_dir, "k3_kernels"))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([link_dir, repo, os.environ.get("PYTHONPATH", "")]))
-        proc = subprocess.run([sys.executable, "-m", "benchmarks.kda_ab", "--worker"], cwd=repo, env=env,
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["PYTHONPATH"] = os.pathsep.join([link_dir, repo, os.environ.get("PYTHONPATH", "")])
+        proc = subprocess.run([sys.executable, "-m", module, "--worker"], cwd=repo, env=env,
                               capture_output=True, text=True)
     if proc.returncode:
-        return {"error": proc.stderr[-2000:]}
+        return {"error": proc.stderr[-3000:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -81,15 +93,14 @@ def main() -> None:
     versions = [a.split("=", 1) for a in sys.argv[1:] if "=" in a]
     if not versions:
         raise SystemExit("usage: python -m benchmarks.kda_ab NAME=DIR [NAME=DIR ...] [--repeat N]")
-    for name, path in versions:
-        if not os.path.isdir(os.path.join(path, "kernels")):
-            raise SystemExit(f"version {name}: directory {path!r} has no kernels/ tree")
+    for _, path in versions:  # all checked before the first (long) run
+        _kernels_of(path)
     res = {"device": torch.cuda.get_device_name(), "runs": []}
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
     os.makedirs(out_dir, exist_ok=True)
     for rep in range(repeat):
         for name, path in versions:
-            res["runs"].append(dict(version=name, repeat=rep, **_run_version(path)))
+            res["runs"].append(dict(version=name, repeat=rep, **run_in_version(path, "benchmarks.kda_ab")))
             print(json.dumps(res["runs"][-1]), flush=True)
             with open(os.path.join(out_dir, "kda_ab.json"), "w") as f:  # after every run: a cut call keeps them
                 json.dump(res, f, indent=1)

@@ -2,7 +2,7 @@
 memory and a histogram of the SASS instructions, for one or more code versions (directories holding a `kernels/`
 tree, as for benchmarks/kda_ab.py). Static counts, not timings: they say what a change did to the code, the GPU says what it cost.
 
-`python -m benchmarks.kda_sass main=. NAME=.ab/NAME` (run without TRITON_INTERPRET). The launch is
+`python -m benchmarks.kda_sass main=. NAME=.ab/NAME`, each version built in its own process. The launch is
 the benchmark's (bf16 inputs, K = V = 128, K slices of 32, 4 warps, 3 stages, TF32 dots, no saving for backward),
 with the 16-byte divisibility hints the runtime gives these arguments: without them loads compile to scalar ones and
 the figures are not the runtime's.
@@ -22,6 +22,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from benchmarks.kda_ab import run_in_version
+
 ARG_TYPES = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*bf16", "Gc": "*fp32", "Aqk": "*bf16",
              "Kkk": "*fp32", "Mc": "*fp32", "Wc": "*bf16", "Uc": "*bf16", "QGc": "*bf16", "KDc": "*bf16",
              "cu": "*i64", "cidx": "*i32", "scale": "fp32", "H": "i32", "HV": "i32", "K": "i32", "V": "i32"}
@@ -29,34 +31,20 @@ CONSTEXPRS = dict(BK=128, BKS=32, BVF=128, BVS=32, SAVE=False, PREC="tf32", FAST
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
-def build(version_dir: str) -> dict:
-    """Compile `_fwd_intra` of version_dir/kernels in a fresh process (one `k3_kernels` per process)."""
-    kernels_dir = os.path.join(os.path.abspath(version_dir), "kernels")
-    if not os.path.isdir(kernels_dir):
-        raise SystemExit(f"{version_dir!r} has no kernels/ tree")
-    out = subprocess.run([sys.executable, "-m", "benchmarks.kda_sass", "--worker", kernels_dir], capture_output=True,
-                         text=True, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    if out.returncode:
-        raise RuntimeError(f"build of {kernels_dir} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def _worker(kernels_dir: str) -> dict:
+def _worker() -> dict:
+    """Build `_fwd_intra` of the `k3_kernels` on the path (benchmarks.kda_ab.run_in_version's)."""
+    fn = importlib.import_module("k3_kernels.kda.chunk")._fwd_intra
+    sig, consts, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in CONSTEXPRS:
+            sig[name], consts[(i,)] = "constexpr", CONSTEXPRS[name]
+        else:
+            sig[name] = ARG_TYPES[name]
+            if name != "scale":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=4, num_stages=3))
     with tempfile.TemporaryDirectory() as d:
-        os.symlink(os.path.abspath(kernels_dir), os.path.join(d, "k3_kernels"))
-        sys.path.insert(0, d)
-        fn = importlib.import_module("k3_kernels.kda.chunk")._fwd_intra
-        sig, consts, attrs = {}, {}, {}
-        for i, name in enumerate(fn.arg_names):
-            if name in CONSTEXPRS:
-                sig[name], consts[(i,)] = "constexpr", CONSTEXPRS[name]
-            else:
-                sig[name] = ARG_TYPES[name]
-                if name != "scale":
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-        kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                                options=dict(num_warps=4, num_stages=3))
         ptx, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
         with open(ptx, "w") as f:
             f.write(kernel.asm["ptx"])
@@ -76,13 +64,15 @@ def _worker(kernels_dir: str) -> dict:
 
 def main() -> None:
     if sys.argv[1:2] == ["--worker"]:
-        print(json.dumps(_worker(sys.argv[2])))
+        print(json.dumps(_worker()))
         return
     versions = [a.split("=", 1) for a in sys.argv[1:]]
     if not versions or any(len(v) != 2 for v in versions):
         raise SystemExit("usage: python -m benchmarks.kda_sass NAME=DIR [NAME=DIR ...]")
     for name, path in versions:
-        r = build(path)
+        r = run_in_version(path, "benchmarks.kda_sass")
+        if "error" in r:
+            raise SystemExit(f"{name}: build failed\n{r['error']}")
         print(f"{name}: {r['registers']} registers, spills {r['spill_stores_B']} B stored / {r['spill_loads_B']} B "
               f"loaded, {r['shared_B']} B shared, {r['instructions']} SASS instructions")
         print("   ", ", ".join(f"{op} {n}" for op, n in r["top"].items()))
