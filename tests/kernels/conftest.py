@@ -17,7 +17,8 @@ if not torch.cuda.is_available():
         def _bf16_as_fp32(h: _interp.TensorHandle) -> _interp.TensorHandle:
             if h.dtype.scalar != tl.bfloat16:
                 return h
-            return _interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+            bf16 = torch.from_numpy(np.ascontiguousarray(h.data).view(np.int16)).view(torch.bfloat16)
+            return _interp.TensorHandle(bf16.float().numpy(), tl.float32)
 
         def _create_dot(self, a, b, d, input_precision, max_num_imprecise_acc, _orig=_create_dot):
             return _orig(self, _bf16_as_fp32(a), _bf16_as_fp32(b), d, input_precision, max_num_imprecise_acc)
@@ -25,9 +26,8 @@ if not torch.cuda.is_available():
         def _cast_impl(self, src, dst_type, _orig=_cast_impl):
             if not (src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16):
                 return _orig(self, src, dst_type)
-            bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32)
-            rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
-            return _interp.TensorHandle(np.where(np.isnan(src.data), np.uint16(0x7FC0), rounded), tl.bfloat16)
+            bf16 = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).to(torch.bfloat16)  # RTNE
+            return _interp.TensorHandle(bf16.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
 
         _Builder.create_dot, _Builder.cast_impl, _Builder.k3_bf16_fix = _create_dot, _cast_impl, True
 
