@@ -25,7 +25,7 @@ ROWS = {"16K": 16384, "16K_safe_gate": 16384, "varlen": 32768, "64K": 65536, "12
 
 def _time_version() -> dict:
     """Worker: timings and errors of the `k3_kernels` first on the path."""
-    from benchmarks.kda import D, H, dev, inputs, med, packed_cu_seqlens, rel
+    from benchmarks.kda import D, H, breakdown, dev, inputs, med, packed_cu_seqlens, rel
     from k3_kernels.kda import chunk_kda, naive_recurrent_kda
 
     out = {}
@@ -50,6 +50,7 @@ def _time_version() -> dict:
             out[f"{row}_fwdbwd_ms"] = med(fwd_bwd, rep=50, grad_to_none=xs)
         del xs
         torch.cuda.empty_cache()
+    out["breakdown_16K_fwdbwd_ms"] = breakdown(16384)
     xs = inputs(512, seed=1)
     do = torch.randn(1, 512, H, D, device=dev, dtype=torch.bfloat16)
     o = chunk_kda(*xs)[0]

@@ -32,12 +32,20 @@ TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 
 
 def _worker() -> dict:
-    """Build `_fwd_intra` of the `k3_kernels` on the path (benchmarks.kda_ab.run_in_version's)."""
+    """Build `_fwd_intra` of the `k3_kernels` on the path (benchmarks.kda_ab.run_in_version's): one build, or one
+    per value of its `WHOLE` switch (whole-chunk dots / 16-row blocks) in versions that have it."""
     fn = importlib.import_module("k3_kernels.kda.chunk")._fwd_intra
+    if "WHOLE" not in fn.arg_names:
+        return {"": _build(fn, CONSTEXPRS)}
+    return {f"WHOLE={w}": _build(fn, dict(CONSTEXPRS, WHOLE=w)) for w in (True, False)}
+
+
+def _build(fn, constexprs: dict) -> dict:
+    """Registers, spills, shared memory and SASS histogram of one sm_90a build of fn."""
     sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
-        if name in CONSTEXPRS:
-            sig[name], consts[(i,)] = "constexpr", CONSTEXPRS[name]
+        if name in constexprs:
+            sig[name], consts[(i,)] = "constexpr", constexprs[name]
         else:
             sig[name] = ARG_TYPES[name]
             if name != "scale":
@@ -70,12 +78,14 @@ def main() -> None:
     if not versions or any(len(v) != 2 for v in versions):
         raise SystemExit("usage: python -m benchmarks.kda_sass NAME=DIR [NAME=DIR ...]")
     for name, path in versions:
-        r = run_in_version(path, "benchmarks.kda_sass")
-        if "error" in r:
-            raise SystemExit(f"{name}: build failed\n{r['error']}")
-        print(f"{name}: {r['registers']} registers, spills {r['spill_stores_B']} B stored / {r['spill_loads_B']} B "
-              f"loaded, {r['shared_B']} B shared, {r['instructions']} SASS instructions")
-        print("   ", ", ".join(f"{op} {n}" for op, n in r["top"].items()))
+        builds = run_in_version(path, "benchmarks.kda_sass")
+        if "error" in builds:
+            raise SystemExit(f"{name}: build failed\n{builds['error']}")
+        for variant, r in builds.items():
+            print(f"{name}{f' [{variant}]' if variant else ''}: {r['registers']} registers, spills "
+                  f"{r['spill_stores_B']} B stored / {r['spill_loads_B']} B loaded, {r['shared_B']} B shared, "
+                  f"{r['instructions']} SASS instructions")
+            print("   ", ", ".join(f"{op} {n}" for op, n in r["top"].items()))
 
 
 if __name__ == "__main__":

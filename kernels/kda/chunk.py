@@ -8,12 +8,13 @@ Math (per head, chunk C = 64, G = in-chunk cumulative log-decay, q~ = scale * q)
 Kernels (layout and staging ideas from fla-core 0.6.0 `fla/ops/kda/chunk_intra.py`, `fla/ops/common/chunk_delta_h.py`,
 `fla/ops/kda/chunk_bwd.py`; written independently, no code copied). Forward:
   `_fwd_cumsum` (chunk, head, K slice): fused gate activation + in-chunk cumsum G.
-  `_fwd_intra` (chunk, head): A and Aqk with 64-row tensor-core dots, summed over K slices: the off-diagonal
-     16-row blocks of column block J as (rows after J) x (block J) around G at J's last row, so both exponential
-     factors are <= 1; the diagonal blocks around their middle rows when every |G - G_mid| <= 40 (always for K3's
-     gate), else exactly; then M = (I + A)^-1 in a product form of ten 64 x 64 x 64 dots, W, U, q e^G,
-     k e^{G_C-G}; on CUDA each exponential is one `ex2.approx.ftz` (`_exp2`). (FLA splits this into three
-     kernels of 16-row tiles.)
+  `_fwd_intra` (chunk, head), two launches: A and Aqk with 64-row tensor-core dots, summed over K slices; a chunk
+     whose channels each span at most 80 of log-decay as one pair of dots per slice around each channel's midpoint
+     (the launch with WHOLE set), any other chunk as 16-row blocks (the other launch): off-diagonal blocks per
+     column block J around G at J's last row, so both exponential factors are <= 1, diagonal blocks around their
+     middle rows when every |G - G_mid| <= 40 (always for K3's gate), else exactly; then M = (I + A)^-1 in a
+     product form of ten 64 x 64 x 64 dots, W, U, q e^G, k e^{G_C-G}; on CUDA each exponential is one
+     `ex2.approx.ftz` (`_exp2`). (FLA splits this into three kernels of 16-row tiles.)
   `_fwd_state` (sequence, head, V block): the serial pass over chunks. The columns of the state evolve
      independently (v' = U - W S is column-wise), so splitting V gives B*HV*V/BV programs instead of B*HV;
      the output is fused into the pass, so in inference the per-chunk states never reach memory.
@@ -44,7 +45,7 @@ BT = 64  # chunk size
 # launch settings (no autotuning, so the interpreter and the GPU run the same configs)
 CONFIG = {"fwd_state_bv": None, "fwd_state_warps": 4, "fwd_state_stages": 3,  # bv None: by parallelism
           "bwd_state_bv": None, "bwd_state_warps": 4, "bwd_state_stages": 3,  # (`_state_split`)
-          "intra_bk": 32, "intra_warps": 4, "intra_stages": 3,
+          "intra_bk": 32, "intra_warps": 4, "intra_stages": 3, "intra_whole_maxnreg": 168,
           "bwd_intra_bk": 32, "bwd_intra_warps": 4, "bwd_intra_stages": 2,
           "bwd_prep_bv": 64, "bwd_prep_warps": 4, "bwd_prep_stages": 1, "ka": 32,
           "dot_precision": None,  # None: by input dtype and kernel (`_prec`); or force one of triton's everywhere
@@ -174,6 +175,55 @@ def _diag_gated(kt, qt, G2, Gmid2, pG, kh, t0, nv, stride, oc, K, BK: tl.constex
 
 
 @triton.jit
+def _whole_products(kh, qh, pG, t0, nv, stride, K, BK: tl.constexpr, BKS: tl.constexpr, PREC: tl.constexpr,
+                    FAST: tl.constexpr):
+    """(<k_i e^{G_i-G_j}, k_j>, <q_i e^{G_i-G_j}, k_j>) of a chunk whose channels each span at most 80 of log-decay:
+    per K slice one pair of 64-row dots around each channel's midpoint, so no factor leaves [e^-40, e^40]. Each
+    term is rounded relative to its own (bounded, i >= j) value, as in the 16-row blocks; the entries above the
+    diagonal are finite and masked here."""
+    r = tl.arange(0, 64)
+    akk = tl.zeros([64, 64], dtype=tl.float32)
+    aqk = tl.zeros([64, 64], dtype=tl.float32)
+    for kc in range(0, BK, BKS):
+        oc = kc + tl.arange(0, BKS)
+        ref = (tl.load(pG + oc) + tl.load(pG + 63 * BK + oc)) * (0.5 * LOG2E)
+        G = tl.load(pG + r[:, None] * BK + oc[None, :]) * LOG2E
+        kt = _chunk_tile(kh, t0, nv, stride, oc, K)
+        rhs = tl.trans(kt * _exp2(ref[None, :] - G, FAST))
+        e = _exp2(G - ref[None, :], FAST)
+        akk = tl.dot(kt * e, rhs, akk, input_precision=PREC)
+        aqk = tl.dot(_chunk_tile(qh, t0, nv, stride, oc, K) * e, rhs, aqk, input_precision=PREC)
+    return tl.where(r[:, None] > r[None, :], akk, 0.), tl.where(r[:, None] >= r[None, :], aqk, 0.)
+
+
+@triton.jit
+def _block_products(kh, qh, pG, t0, nv, stride, K, BK: tl.constexpr, BKS: tl.constexpr, PREC: tl.constexpr,
+                    FAST: tl.constexpr):
+    """`_whole_products` for any chunk: the off-diagonal 16-row blocks per column block J with both factors <= 1
+    around G at J's last row, the diagonal blocks around their middle rows (`_diag_gated`)."""
+    r = tl.arange(0, 64)
+    blk = r // 16
+    same = blk[:, None] == blk[None, :]
+    akk = tl.zeros([64, 64], dtype=tl.float32)
+    aqk = tl.zeros([64, 64], dtype=tl.float32)
+    for kc in range(0, BK, BKS):
+        oc = kc + tl.arange(0, BKS)
+        kt = _chunk_tile(kh, t0, nv, stride, oc, K)
+        qt = _chunk_tile(qh, t0, nv, stride, oc, K)
+        G, Gend, Gmid = _gate_refs(pG, oc, BK)
+        kRt = tl.trans(kt * _exp2(Gend - G, FAST))
+        for J in tl.static_range(3):
+            eJ = _later_factor(pG, G, oc, J, BK, FAST)
+            rhs = tl.where((blk == J)[None, :], kRt, 0.)
+            akk = tl.dot(kt * eJ, rhs, akk, input_precision=PREC)
+            aqk = tl.dot(qt * eJ, rhs, aqk, input_precision=PREC)
+        dkk, dqk = _diag_gated(kt, qt, G, Gmid, pG, kh, t0, nv, stride, oc, K, BK, PREC, FAST)
+        akk += tl.where(same & (r[:, None] > r[None, :]), dkk, 0.)
+        aqk += tl.where(same & (r[:, None] >= r[None, :]), dqk, 0.)
+    return akk, aqk
+
+
+@triton.jit
 def _unit_lower_inverse(A, PREC: tl.constexpr):
     """(I + A)^-1 for a strictly lower 64 x 64 A. With D its 16 x 16 diagonal blocks and L = A - D:
     (I + D)^-1 = (I - D)(I + D^2)(I + D^4)(I + D^8) (D^16 = 0), N = (I + D)^-1 L has N^4 = 0, and
@@ -192,33 +242,15 @@ def _unit_lower_inverse(A, PREC: tl.constexpr):
 
 
 @triton.jit
-def _fwd_intra(q, k, v, beta, Gc, Aqk, Kkk, Mc, Wc, Uc, QGc, KDc, cu, cidx, scale, H, HV, K, V,
-               BK: tl.constexpr, BKS: tl.constexpr, BVF: tl.constexpr, BVS: tl.constexpr, SAVE: tl.constexpr,
-               PREC: tl.constexpr, FAST: tl.constexpr):
-    """Everything inside one chunk of one head with 64-row tensor-core dots: A and Aqk (one pass over K slices:
-    off-diagonal 16-row blocks per column block J with both factors <= 1 around G at J's last row, diagonal blocks
-    around their middle rows), M = (I + A)^-1, then W = M (beta k e^G), U = M (beta v), q e^G (scaled),
-    k e^{G_C - G}."""
-    hv, t0, nv, base, pG, qh, kh = _intra_program(q, k, Gc, cu, cidx, H, HV, K, BK)
+def _intra_chunk(v, beta, pG, Aqk, Kkk, Mc, Wc, Uc, QGc, KDc, scale, hv, t0, nv, base, qh, kh, H, HV, K, V,
+                 BK: tl.constexpr, BKS: tl.constexpr, BVF: tl.constexpr, BVS: tl.constexpr, SAVE: tl.constexpr,
+                 WHOLE: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr):
+    """`_fwd_intra`'s work for its chunk."""
     r = tl.arange(0, 64)
-    blk = r // 16
-    same = blk[:, None] == blk[None, :]
-    akk = tl.zeros([64, 64], dtype=tl.float32)
-    aqk = tl.zeros([64, 64], dtype=tl.float32)
-    for kc in range(0, BK, BKS):
-        oc = kc + tl.arange(0, BKS)
-        kt = _chunk_tile(kh, t0, nv, H * K, oc, K)
-        qt = _chunk_tile(qh, t0, nv, H * K, oc, K)
-        G, Gend, Gmid = _gate_refs(pG, oc, BK)
-        kRt = tl.trans(kt * _exp2(Gend - G, FAST))
-        for J in tl.static_range(3):
-            eJ = _later_factor(pG, G, oc, J, BK, FAST)
-            rhs = tl.where((blk == J)[None, :], kRt, 0.)
-            akk = tl.dot(kt * eJ, rhs, akk, input_precision=PREC)
-            aqk = tl.dot(qt * eJ, rhs, aqk, input_precision=PREC)
-        dkk, dqk = _diag_gated(kt, qt, G, Gmid, pG, kh, t0, nv, H * K, oc, K, BK, PREC, FAST)
-        akk += tl.where(same & (r[:, None] > r[None, :]), dkk, 0.)
-        aqk += tl.where(same & (r[:, None] >= r[None, :]), dqk, 0.)
+    if WHOLE:
+        akk, aqk = _whole_products(kh, qh, pG, t0, nv, H * K, K, BK, BKS, PREC, FAST)
+    else:
+        akk, aqk = _block_products(kh, qh, pG, t0, nv, H * K, K, BK, BKS, PREC, FAST)
     pA = base * 4096 + r[:, None] * 64 + r[None, :]
     tl.store(Aqk + pA, (aqk * scale).to(Aqk.dtype.element_ty))
     if SAVE:  # the un-scaled <k_i e^{G_i-G_j}, k_j>, for dbeta in the backward
@@ -244,6 +276,24 @@ def _fwd_intra(q, k, v, beta, Gc, Aqk, Kkk, Mc, Wc, Uc, QGc, KDc, cu, cidx, scal
         vt = _chunk_tile(vh, t0, nv, HV * V, ov, V)
         tl.store(Uc + base * 64 * BVF + r[:, None] * BVF + ov[None, :],
                  tl.dot(M, vt * b[:, None], input_precision=PREC).to(wt))
+
+
+@triton.jit
+def _fwd_intra(q, k, v, beta, Gc, Aqk, Kkk, Mc, Wc, Uc, QGc, KDc, cu, cidx, scale, H, HV, K, V,
+               BK: tl.constexpr, BKS: tl.constexpr, BVF: tl.constexpr, BVS: tl.constexpr, SAVE: tl.constexpr,
+               WHOLE: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr):
+    """Everything inside one chunk of one head with 64-row tensor-core dots: A and Aqk, M = (I + A)^-1, then
+    W = M (beta k e^G), U = M (beta v), q e^G (scaled), k e^{G_C - G}. A launch does the chunks whose channels
+    each span at most 80 of log-decay (`_whole_products`) when WHOLE, the others (`_block_products`) when not:
+    the host launches both, each compiled for its path alone, and a program of the other kind returns at once.
+    (H200, 16K: one kernel with both paths, 255 registers and spills, ran 0.95 ms on the benchmark's gate and
+    1.10 on K3's safe gate; two launches 0.83 / 1.00, the whole-chunk one at 250 registers without spills; capped
+    at 168 registers (`intra_whole_maxnreg`, 3 programs per multiprocessor instead of 2) 0.80.)"""
+    hv, t0, nv, base, pG, qh, kh = _intra_program(q, k, Gc, cu, cidx, H, HV, K, BK)
+    ok = tl.arange(0, BK)  # G never rises: each channel spans its first row's G minus its last's
+    if (tl.max(tl.load(pG + ok) - tl.load(pG + 63 * BK + ok), 0) <= 80.) == WHOLE:
+        _intra_chunk(v, beta, pG, Aqk, Kkk, Mc, Wc, Uc, QGc, KDc, scale, hv, t0, nv, base, qh, kh, H, HV, K, V, BK,
+                     BKS, BVF, BVS, SAVE, WHOLE, PREC, FAST)
 
 
 @triton.jit
@@ -755,10 +805,13 @@ def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound
     _fwd_cumsum[(NC, HV, BK // KA)](g, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
                                     Gc, cu, cidx, float(lower_bound) if lower_bound is not None else 0., HV, K, BK=BK,
                                     KA=KA, GATE=gate, HAS_A=A_log is not None, HAS_DT=dt_bias is not None, num_warps=4)
-    _fwd_intra[(NC, HV)](q, k, v, beta, Gc, Aqk, Kkk if save else dummy, Mc if save else dummy, Wc, Uc, QGc, KDc, cu,
-                         cidx, scale, H, HV, K, V, BK=BK, BKS=min(CONFIG["intra_bk"], BK),
-                         BVS=min(CONFIG["intra_bk"], BVF), BVF=BVF, SAVE=save, PREC=prec, FAST=dev.type == "cuda",
-                         num_warps=CONFIG["intra_warps"], num_stages=CONFIG["intra_stages"])
+    for whole in (True, False):  # each chunk's program works in one of the two launches
+        cap = CONFIG["intra_whole_maxnreg"] if whole and dev.type == "cuda" else None
+        _fwd_intra[(NC, HV)](q, k, v, beta, Gc, Aqk, Kkk if save else dummy, Mc if save else dummy, Wc, Uc, QGc,
+                             KDc, cu, cidx, scale, H, HV, K, V, BK=BK, BKS=min(CONFIG["intra_bk"], BK),
+                             BVS=min(CONFIG["intra_bk"], BVF), BVF=BVF, SAVE=save, WHOLE=whole, PREC=prec,
+                             FAST=dev.type == "cuda", num_warps=CONFIG["intra_warps"],
+                             num_stages=CONFIG["intra_stages"], **({"maxnreg": cap} if cap else {}))
     o = torch.empty_like(v)
     ht = torch.empty(N, HV, K, V, device=dev, dtype=f32) if want_ht else None
     Hc = torch.empty(NC, HV, BK, BVF, device=dev, dtype=dt) if save else None

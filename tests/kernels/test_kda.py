@@ -124,11 +124,14 @@ def test_chunk_varlen_matches_reference():
 @pytest.mark.parametrize("decay", ["strong", "mixed"])
 def test_chunk_strong_decay_takes_the_exact_path(decay):
     """Log-decays so steep that a 16-step tile spans more than e^80 (every tile, or some channels of it): the
-    diagonal blocks fall back from the two-exponential dots to the exact column-by-column form."""
-    inp = make_inputs(1, 100, 1, 1, 32, 16)
-    steep = -15. * torch.rand(1, 100, 1, 32, device=DEV) - 5.
-    inp["g"] = steep if decay == "strong" else torch.where(torch.arange(32, device=DEV) < 16, steep, inp["g"])
-    inp["h0"] = torch.randn(1, 1, 32, 16, device=DEV)
+    diagonal blocks fall back from the two-exponential dots to the exact column-by-column form. "mixed" makes
+    only the first chunk's first K slice steep: the forward intra kernel then takes its 16-row blocks for that
+    slice and whole-chunk dots (span <= 80) for the other slice and for the second chunk."""
+    inp = make_inputs(1, 100, 1, 1, 64, 16)
+    steep = -15. * torch.rand(1, 100, 1, 64, device=DEV) - 5.
+    where = (torch.arange(100, device=DEV) < 64)[:, None] & (torch.arange(64, device=DEV) < 16)[None, :]
+    inp["g"] = steep if decay == "strong" else torch.where(where[None, :, None, :], steep, inp["g"])
+    inp["h0"] = torch.randn(1, 1, 64, 16, device=DEV)
     _check_against_reference(inp)
 
 
