@@ -34,14 +34,17 @@ TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 def _worker() -> dict:
     """Build `_fwd_intra` of the `k3_kernels` on the path (benchmarks.kda_ab.run_in_version's): one build, or one
     per value of its `WHOLE` switch (whole-chunk dots / 16-row blocks) in versions that have it."""
-    fn = importlib.import_module("k3_kernels.kda.chunk")._fwd_intra
+    mod = importlib.import_module("k3_kernels.kda.chunk")
+    fn = mod._fwd_intra
     if "WHOLE" not in fn.arg_names:
         return {"": _build(fn, CONSTEXPRS)}
-    return {f"WHOLE={w}": _build(fn, dict(CONSTEXPRS, WHOLE=w)) for w in (True, False)}
+    cap = mod.CONFIG.get("intra_whole_maxnreg")
+    return {f"WHOLE={w}": _build(fn, dict(CONSTEXPRS, WHOLE=w), cap if w else None) for w in (True, False)}
 
 
-def _build(fn, constexprs: dict) -> dict:
-    """Registers, spills, shared memory and SASS histogram of one sm_90a build of fn."""
+def _build(fn, constexprs: dict, maxnreg: int | None = None) -> dict:
+    """Registers, spills, shared memory and SASS histogram of one sm_90a build of fn (register cap: the
+    launch's)."""
     sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -51,7 +54,7 @@ def _build(fn, constexprs: dict) -> dict:
             if name != "scale":
                 attrs[(i,)] = [["tt.divisibility", 16]]
     kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=4, num_stages=3))
+                            options=dict(num_warps=4, num_stages=3, **({"maxnreg": maxnreg} if maxnreg else {})))
     with tempfile.TemporaryDirectory() as d:
         ptx, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
         with open(ptx, "w") as f:
