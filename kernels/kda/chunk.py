@@ -45,7 +45,8 @@ BT = 64  # chunk size
 # launch settings (no autotuning, so the interpreter and the GPU run the same configs)
 CONFIG = {"fwd_state_bv": None, "fwd_state_warps": 4, "fwd_state_stages": 3,  # bv None: by parallelism
           "bwd_state_bv": None, "bwd_state_warps": 4, "bwd_state_stages": 3,  # (`_state_split`)
-          "intra_bk": 32, "intra_warps": 4, "intra_stages": 3, "intra_whole_maxnreg": 168,
+          "intra_bk": 32, "intra_warps": 4, "intra_stages": 3,  # the 16-row-block launch of `_fwd_intra`
+          "intra_whole_warps": 4, "intra_whole_stages": 3, "intra_whole_maxnreg": 168,  # its whole-chunk launch
           "bwd_intra_bk": 32, "bwd_intra_warps": 4, "bwd_intra_stages": 2,
           "bwd_prep_bv": 64, "bwd_prep_warps": 4, "bwd_prep_stages": 1, "ka": 32,
           "dot_precision": None,  # None: by input dtype and kernel (`_prec`); or force one of triton's everywhere
@@ -806,12 +807,13 @@ def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound
                                     Gc, cu, cidx, float(lower_bound) if lower_bound is not None else 0., HV, K, BK=BK,
                                     KA=KA, GATE=gate, HAS_A=A_log is not None, HAS_DT=dt_bias is not None, num_warps=4)
     for whole in (True, False):  # each chunk's program works in one of the two launches
+        launch = "intra_whole" if whole else "intra"
         cap = CONFIG["intra_whole_maxnreg"] if whole and dev.type == "cuda" else None
         _fwd_intra[(NC, HV)](q, k, v, beta, Gc, Aqk, Kkk if save else dummy, Mc if save else dummy, Wc, Uc, QGc,
                              KDc, cu, cidx, scale, H, HV, K, V, BK=BK, BKS=min(CONFIG["intra_bk"], BK),
                              BVS=min(CONFIG["intra_bk"], BVF), BVF=BVF, SAVE=save, WHOLE=whole, PREC=prec,
-                             FAST=dev.type == "cuda", num_warps=CONFIG["intra_warps"],
-                             num_stages=CONFIG["intra_stages"], **({"maxnreg": cap} if cap else {}))
+                             FAST=dev.type == "cuda", num_warps=CONFIG[f"{launch}_warps"],
+                             num_stages=CONFIG[f"{launch}_stages"], **({"maxnreg": cap} if cap else {}))
     o = torch.empty_like(v)
     ht = torch.empty(N, HV, K, V, device=dev, dtype=f32) if want_ht else None
     Hc = torch.empty(NC, HV, BK, BVF, device=dev, dtype=dt) if save else None
