@@ -261,6 +261,7 @@ def _intra_chunk(v, beta, pG, Aqk, Kkk, Mc, Wc, Uc, QGc, KDc, scale, hv, t0, nv,
     if SAVE:
         tl.store(Mc + pA, M)
     wt = Wc.dtype.element_ty
+    Mw = M.to(wt)  # W and U take 16-bit operands with 16-bit inputs (as fla-core's recompute_w_u): stored as such
     for kc in range(0, BK, BKS):
         oc = kc + tl.arange(0, BKS)
         pK = base * 64 * BK + r[:, None] * BK + oc[None, :]
@@ -268,7 +269,7 @@ def _intra_chunk(v, beta, pG, Aqk, Kkk, Mc, Wc, Uc, QGc, KDc, scale, hv, t0, nv,
         G = tl.load(pG + r[:, None] * BK + oc[None, :]) * LOG2E
         gC = tl.load(pG + 63 * BK + oc) * LOG2E
         eG = _exp2(G, FAST)
-        tl.store(Wc + pK, tl.dot(M, kt * eG * b[:, None], input_precision=PREC).to(wt))
+        tl.store(Wc + pK, tl.dot(Mw, (kt * eG * b[:, None]).to(wt), input_precision=PREC).to(wt))
         tl.store(KDc + pK, (kt * _exp2(gC[None, :] - G, FAST)).to(wt))
         tl.store(QGc + pK, (_chunk_tile(qh, t0, nv, H * K, oc, K) * scale * eG).to(wt))
     vh = v + hv * V
@@ -276,7 +277,7 @@ def _intra_chunk(v, beta, pG, Aqk, Kkk, Mc, Wc, Uc, QGc, KDc, scale, hv, t0, nv,
         ov = vc + tl.arange(0, BVS)
         vt = _chunk_tile(vh, t0, nv, HV * V, ov, V)
         tl.store(Uc + base * 64 * BVF + r[:, None] * BVF + ov[None, :],
-                 tl.dot(M, vt * b[:, None], input_precision=PREC).to(wt))
+                 tl.dot(Mw, (vt * b[:, None]).to(wt), input_precision=PREC).to(wt))
 
 
 @triton.jit
