@@ -125,8 +125,8 @@ def test_chunk_varlen_matches_reference():
 def test_chunk_strong_decay_takes_the_exact_path(decay):
     """Log-decays so steep that a 16-step tile spans more than e^80 (every tile, or some channels of it): the
     diagonal blocks fall back from the two-exponential dots to the exact column-by-column form. "mixed" makes
-    only the first chunk's first K slice steep: the forward intra kernel then takes its 16-row blocks for that
-    slice and whole-chunk dots (span <= 80) for the other slice and for the second chunk."""
+    only the first chunk's first 16 channels steep: that chunk goes to the forward intra kernel's 16-row-block
+    launch, the second chunk (every channel spans <= 80) to its whole-chunk launch."""
     inp = make_inputs(1, 100, 1, 1, 64, 16)
     steep = -15. * torch.rand(1, 100, 1, 64, device=DEV) - 5.
     where = (torch.arange(100, device=DEV) < 64)[:, None] & (torch.arange(64, device=DEV) < 16)[None, :]
