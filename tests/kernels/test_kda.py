@@ -114,8 +114,9 @@ def test_chunk_matches_reference(B, T, H, HV, K, V):
     _check_against_reference(inp, scale=0.3 if K == 16 else None)
 
 
-def test_chunk_varlen_matches_reference():
-    cu = [0, 37, 100, 106, 300]  # the last is long enough to get its own state-pass group
+@pytest.mark.parametrize("cu", [[0, 37, 100, 106, 300],  # the last is long enough to get its own state-pass group
+                                [0, 0, 70, 70, 150]], ids=["groups", "empty"])  # empty sequences: h0 -> ht
+def test_chunk_varlen_matches_reference(cu):
     inp = make_inputs(1, cu[-1], 1, 1, 16, 16)
     inp["h0"] = torch.randn(len(cu) - 1, 1, 16, 16, device=DEV)
     _check_against_reference(inp, cu=cu)
