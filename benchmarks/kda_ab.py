@@ -5,8 +5,9 @@ A version is a directory holding a `kernels/` tree, e.g. a branch exported with
 name it in the device call's `carry`). `python -m benchmarks.kda_ab main=. NAME=.ab/NAME [--repeat 2]` runs the
 versions in turn (A B A B with --repeat 2) and times ours only, the inputs of benchmarks/kda.py: forward (no_grad)
 and forward+backward medians at 16K with the benchmark's gate and with K3's safe gate at init (g = -5 sigmoid(x):
-every chunk spans more, as in training), the packed batch, 64K and 128K forward; plus the relative RMS error of o and
-every gradient against the fp64 recurrent reference at T=512. Versions differ in code only, so the numbers are
+every chunk spans more, as in training), the packed batch, 64K and 128K forward; device time per kernel in one 16K
+forward+backward (benchmarks.kda.breakdown); and the relative RMS error of o and every gradient against the fp64
+recurrent reference at T=512. Versions differ in code only, so the numbers are
 comparable within one call; the fla-core comparison is benchmarks/kda.py's. Writes kda_ab.json to $OUT or
 benchmarks/results/.
 """

@@ -3,8 +3,8 @@ memory and a histogram of the SASS instructions, for one or more code versions (
 tree, as for benchmarks/kda_ab.py). Static counts, not timings: they say what a change did to the code, the GPU says what it cost.
 
 `python -m benchmarks.kda_sass main=. NAME=.ab/NAME`, each version built in its own process. The launch is
-the benchmark's (bf16 inputs, K = V = 128, K slices of 32, 4 warps, 3 stages, TF32 dots, no saving for backward),
-with the 16-byte divisibility hints the runtime gives these arguments: without them loads compile to scalar ones and
+the benchmark's (bf16 inputs, K = V = 128, K slices of 32, the version's CONFIG warps / stages / register cap, TF32
+dots, no saving for backward), with the 16-byte divisibility hints the runtime gives these arguments: without them loads compile to scalar ones and
 the figures are not the runtime's.
 """
 from __future__ import annotations
@@ -35,16 +35,19 @@ def _worker() -> dict:
     """Build `_fwd_intra` of the `k3_kernels` on the path (benchmarks.kda_ab.run_in_version's): one build, or one
     per value of its `WHOLE` switch (whole-chunk dots / 16-row blocks) in versions that have it."""
     mod = importlib.import_module("k3_kernels.kda.chunk")
-    fn = mod._fwd_intra
+    fn, cfg = mod._fwd_intra, mod.CONFIG
+    options = dict(num_warps=cfg.get("intra_warps", 4), num_stages=cfg.get("intra_stages", 3))
     if "WHOLE" not in fn.arg_names:
-        return {"": _build(fn, CONSTEXPRS)}
-    cap = mod.CONFIG.get("intra_whole_maxnreg")
-    return {f"WHOLE={w}": _build(fn, dict(CONSTEXPRS, WHOLE=w), cap if w else None) for w in (True, False)}
+        return {"": _build(fn, CONSTEXPRS, options)}
+    whole = dict(num_warps=cfg.get("intra_whole_warps", options["num_warps"]),
+                 num_stages=cfg.get("intra_whole_stages", options["num_stages"]),
+                 **({"maxnreg": cfg["intra_whole_maxnreg"]} if cfg.get("intra_whole_maxnreg") else {}))
+    return {f"WHOLE={w}": _build(fn, dict(CONSTEXPRS, WHOLE=w), whole if w else options) for w in (True, False)}
 
 
-def _build(fn, constexprs: dict, maxnreg: int | None = None) -> dict:
-    """Registers, spills, shared memory and SASS histogram of one sm_90a build of fn (register cap: the
-    launch's)."""
+def _build(fn, constexprs: dict, options: dict) -> dict:
+    """Registers, spills, shared memory and SASS histogram of one sm_90a build of fn with the launch's options
+    (warps, stages, register cap)."""
     sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -54,7 +57,7 @@ def _build(fn, constexprs: dict, maxnreg: int | None = None) -> dict:
             if name != "scale":
                 attrs[(i,)] = [["tt.divisibility", 16]]
     kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=4, num_stages=3, **({"maxnreg": maxnreg} if maxnreg else {})))
+                            options=options)
     with tempfile.TemporaryDirectory() as d:
         ptx, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
         with open(ptx, "w") as f:
