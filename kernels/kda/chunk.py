@@ -176,6 +176,16 @@ def _diag_gated(kt, qt, G2, Gmid2, pG, kh, t0, nv, stride, oc, K, BK: tl.constex
 
 
 @triton.jit
+def _whole_chunk(pG, BK: tl.constexpr):
+    """Whether every channel of the chunk whose G tile starts at pG spans at most 80 of log-decay, the test for the
+    whole-chunk dots of the forward and backward intra kernels (factors within e^{+-40} around each channel's
+    midpoint). G never rises, so a channel spans its first row's G minus its last's. Batch invariant: the chunk's
+    own data."""
+    ok = tl.arange(0, BK)
+    return tl.max(tl.load(pG + ok) - tl.load(pG + 63 * BK + ok), 0) <= 80.
+
+
+@triton.jit
 def _whole_products(kh, qh, pG, t0, nv, stride, K, BK: tl.constexpr, BKS: tl.constexpr, PREC: tl.constexpr,
                     FAST: tl.constexpr):
     """(<k_i e^{G_i-G_j}, k_j>, <q_i e^{G_i-G_j}, k_j>) of a chunk whose channels each span at most 80 of log-decay:
@@ -292,8 +302,7 @@ def _fwd_intra(q, k, v, beta, Gc, Aqk, Kkk, Mc, Wc, Uc, QGc, KDc, cu, cidx, scal
     1.10 on K3's safe gate; two launches 0.83 / 1.00, the whole-chunk one at 250 registers without spills; capped
     at 168 registers (`intra_whole_maxnreg`, 3 programs per multiprocessor instead of 2) 0.80.)"""
     hv, t0, nv, base, pG, qh, kh = _intra_program(q, k, Gc, cu, cidx, H, HV, K, BK)
-    ok = tl.arange(0, BK)  # G never rises: each channel spans its first row's G minus its last's
-    if (tl.max(tl.load(pG + ok) - tl.load(pG + 63 * BK + ok), 0) <= 80.) == WHOLE:
+    if _whole_chunk(pG, BK) == WHOLE:
         _intra_chunk(v, beta, pG, Aqk, Kkk, Mc, Wc, Uc, QGc, KDc, scale, hv, t0, nv, base, qh, kh, H, HV, K, V, BK,
                      BKS, BVF, BVS, SAVE, WHOLE, PREC, FAST)
 
@@ -689,12 +698,7 @@ def _bwd_intra(q, k, beta, Gc, Rs, Ps, DQs, DKs, DGs, dq, dk, dg, cu, cidx, scal
     at most 80 in every channel (the span's test is the chunk's own data: batch invariant) takes 64-row dots
     (`_bwd_whole`), any other the 16-row blocks (`_bwd_blocks`)."""
     hv, t0, nv, base, pG, qh, kh = _intra_program(q, k, Gc, cu, cidx, H, HV, K, BK)
-    r = tl.arange(0, 64)
-    span = tl.zeros([], dtype=tl.float32)
-    for kc in range(0, BK, BKS):
-        G = tl.load(pG + r[:, None] * BK + (kc + tl.arange(0, BKS))[None, :])
-        span = tl.maximum(span, tl.max(tl.max(G, 0) - tl.min(G, 0), 0))
-    if span <= 80.:
+    if _whole_chunk(pG, BK):
         _bwd_whole(beta, Rs, Ps, DQs, DKs, DGs, dq, dk, dg, scale, HV, K, hv, t0, nv, base, pG, qh, kh, H, BK, BKS,
                    PREC)
     else:
