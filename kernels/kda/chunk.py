@@ -17,7 +17,10 @@ Kernels (layout and staging ideas from fla-core 0.6.0 `fla/ops/kda/chunk_intra.p
      `ex2.approx.ftz` (`_exp2`). (FLA splits this into three kernels of 16-row tiles.)
   `_fwd_state` (sequence, head, V block): the serial pass over chunks. The columns of the state evolve
      independently (v' = U - W S is column-wise), so splitting V gives B*HV*V/BV programs instead of B*HV;
-     the output is fused into the pass, so in inference the per-chunk states never reach memory.
+     the output is fused into the pass, so in inference the per-chunk states never reach memory. A packed batch
+     whose sequences fall into two classes (`_state_classes`: the long ones and the rest) is done class by class:
+     cumsum and intra of the long class, then its state pass on a high-priority side stream (`_forked`) while the
+     rest's cumsum, intra and state pass run on the current stream.
 Backward: `_bwd_state` (reverse pass for dS and dv', same V split), `_bwd_prep` (chunk, head: dv, dbeta, dAqk,
 dA = -M^T dM M^T and the direct parts of dq, dk, dG), `_bwd_intra` (chunk, head: the gradients through the
 gated products, K slice by K slice, and the reverse in-chunk cumsum for dg; writes dq, dk, dg): a chunk whose
@@ -44,6 +47,7 @@ BT = 64  # chunk size
 
 # launch settings (no autotuning, so the interpreter and the GPU run the same configs)
 CONFIG = {"fwd_state_bv": None, "fwd_state_warps": 4, "fwd_state_stages": 3,  # bv None: by parallelism
+          "fwd_state_overlap_stages": None,  # the forked state pass of a packed batch's long class (None: as above)
           "bwd_state_bv": None, "bwd_state_warps": 4, "bwd_state_stages": 3,  # (`_state_split`)
           "intra_bk": 32, "intra_warps": 4, "intra_stages": 3,  # the 16-row-block launch of `_fwd_intra`
           "intra_whole_warps": 4, "intra_whole_stages": 3, "intra_whole_maxnreg": 168,  # its whole-chunk launch
@@ -62,10 +66,11 @@ def _chunk_rows(cu, cidx, c):
 
 
 @triton.jit
-def _fwd_cumsum(g, A_log, dt_bias, Gc, cu, cidx, lower_bound, HV, K, BK: tl.constexpr, KA: tl.constexpr,
+def _fwd_cumsum(g, A_log, dt_bias, Gc, cu, cidx, c_first, lower_bound, HV, K, BK: tl.constexpr, KA: tl.constexpr,
                 GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr):
-    """Gate activation (optional) and in-chunk cumulative sum of one K slice, fp32, chunk layout."""
-    c = tl.program_id(0).to(tl.int64)
+    """Gate activation (optional) and in-chunk cumulative sum of one K slice, fp32, chunk layout; the launch covers
+    the chunks from c_first on."""
+    c = tl.program_id(0).to(tl.int64) + c_first
     hv = tl.program_id(1).to(tl.int64)
     oc = tl.program_id(2) * KA + tl.arange(0, KA)
     _, t0, nv = _chunk_rows(cu, cidx, c)
@@ -88,10 +93,10 @@ def _fwd_cumsum(g, A_log, dt_bias, Gc, cu, cidx, lower_bound, HV, K, BK: tl.cons
 
 
 @triton.jit
-def _intra_program(q, k, Gc, cu, cidx, H, HV, K, BK: tl.constexpr):
-    """This (chunk, value head) program's value head, first token, valid rows, chunk-layout base, G tile pointer
-    and its q/k heads."""
-    c = tl.program_id(0).to(tl.int64)
+def _intra_program(q, k, Gc, cu, cidx, c_first, H, HV, K, BK: tl.constexpr):
+    """This (chunk c_first + program, value head) program's value head, first token, valid rows, chunk-layout
+    base, G tile pointer and its q/k heads."""
+    c = tl.program_id(0).to(tl.int64) + c_first
     hv = tl.program_id(1).to(tl.int64)
     _, t0, nv = _chunk_rows(cu, cidx, c)
     base = c * HV + hv
@@ -291,7 +296,7 @@ def _intra_chunk(v, beta, pG, Aqk, Kkk, Mc, Wc, Uc, QGc, KDc, scale, hv, t0, nv,
 
 
 @triton.jit
-def _fwd_intra(q, k, v, beta, Gc, Aqk, Kkk, Mc, Wc, Uc, QGc, KDc, cu, cidx, scale, H, HV, K, V,
+def _fwd_intra(q, k, v, beta, Gc, Aqk, Kkk, Mc, Wc, Uc, QGc, KDc, cu, cidx, c_first, scale, H, HV, K, V,
                BK: tl.constexpr, BKS: tl.constexpr, BVF: tl.constexpr, BVS: tl.constexpr, SAVE: tl.constexpr,
                WHOLE: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr):
     """Everything inside one chunk of one head with 64-row tensor-core dots: A and Aqk, M = (I + A)^-1, then
@@ -301,7 +306,7 @@ def _fwd_intra(q, k, v, beta, Gc, Aqk, Kkk, Mc, Wc, Uc, QGc, KDc, cu, cidx, scal
     (H200, 16K: one kernel with both paths, 255 registers and spills, ran 0.95 ms on the benchmark's gate and
     1.10 on K3's safe gate; two launches 0.83 / 1.00, the whole-chunk one at 250 registers without spills; capped
     at 168 registers (`intra_whole_maxnreg`, 3 programs per multiprocessor instead of 2) 0.80.)"""
-    hv, t0, nv, base, pG, qh, kh = _intra_program(q, k, Gc, cu, cidx, H, HV, K, BK)
+    hv, t0, nv, base, pG, qh, kh = _intra_program(q, k, Gc, cu, cidx, c_first, H, HV, K, BK)
     if _whole_chunk(pG, BK) == WHOLE:
         _intra_chunk(v, beta, pG, Aqk, Kkk, Mc, Wc, Uc, QGc, KDc, scale, hv, t0, nv, base, qh, kh, H, HV, K, V, BK,
                      BKS, BVF, BVS, SAVE, WHOLE, PREC, FAST)
@@ -318,7 +323,7 @@ def _fwd_state(Wc, Uc, QGc, KDc, Aqk, Gc, o, h0, ht, Hc, VNc, cu, coff, seqs,
     bos = tl.load(cu + n).to(tl.int64)
     eos = tl.load(cu + n + 1).to(tl.int64)
     c0 = tl.load(coff + n).to(tl.int64)
-    nt = tl.load(coff + n + 1).to(tl.int64) - c0
+    nt = (eos - bos + 63) // 64
     r = tl.arange(0, 64)
     ok = tl.arange(0, BK)
     km = ok < K
@@ -366,7 +371,7 @@ def _bwd_state(QGc, Wc, KDc, Aqk, Gc, do, dht, dh0, DHc, DVNc, cu, coff, seqs,
     bos = tl.load(cu + n).to(tl.int64)
     eos = tl.load(cu + n + 1).to(tl.int64)
     c0 = tl.load(coff + n).to(tl.int64)
-    nt = tl.load(coff + n + 1).to(tl.int64) - c0
+    nt = (eos - bos + 63) // 64
     r = tl.arange(0, 64)
     ok = tl.arange(0, BK)
     km = ok < K
@@ -697,7 +702,7 @@ def _bwd_intra(q, k, beta, Gc, Rs, Ps, DQs, DKs, DGs, dq, dk, dg, cu, cidx, scal
     the direct parts from `_bwd_prep`; writes dq, dk, dg (reverse in-chunk cumsum). A chunk whose log-decay spans
     at most 80 in every channel (the span's test is the chunk's own data: batch invariant) takes 64-row dots
     (`_bwd_whole`), any other the 16-row blocks (`_bwd_blocks`)."""
-    hv, t0, nv, base, pG, qh, kh = _intra_program(q, k, Gc, cu, cidx, H, HV, K, BK)
+    hv, t0, nv, base, pG, qh, kh = _intra_program(q, k, Gc, cu, cidx, 0, H, HV, K, BK)
     if _whole_chunk(pG, BK):
         _bwd_whole(beta, Rs, Ps, DQs, DKs, DGs, dq, dk, dg, scale, HV, K, hv, t0, nv, base, pG, qh, kh, H, BK, BKS,
                    PREC)
@@ -738,28 +743,31 @@ def _state_split(direction: str, states: int, K: int, V: int, BVF: int, device: 
 
 @functools.lru_cache(maxsize=32)
 def _chunk_plan(cu: tuple[int, ...] | None, B: int, T: int, device: torch.device) -> tuple:
-    """(cu_seqlens int64 [N+1], chunk -> (sequence, chunk in sequence) int32 [NC, 2], chunk offsets int32 [N+1],
-    the state passes' sequence classes (`_state_classes`)), cached by content: every KDA layer of a model step sees
-    the same batch, and building a packed plan of 8 sequences / 512 chunks costs ~0.1 ms of host time. Fixed-length
-    batches are built on the device (no host sync), packed ones from the host tuple. The kernels only read it."""
+    """(cu_seqlens int64 [N+1], chunk -> (sequence, chunk in sequence) int32 [NC, 2], each sequence's first chunk
+    int32 [N], the sequence classes of `_state_classes` as (sequences int32, count, first chunk, chunks)), cached by
+    content: every KDA layer of a model step sees the same batch, and building a packed plan of 8 sequences / 512
+    chunks costs ~0.1 ms of host time. Chunks are numbered class by class, so that a class's chunks are one range
+    for the forward's per-class launches (`_fwd`). Fixed-length batches are built on the device (no host sync),
+    packed ones from the host tuple. The kernels only read it."""
     if cu is None:
         nt = cdiv(T, BT)
         c = torch.arange(B * nt, device=device, dtype=torch.int32)
         return (torch.arange(B + 1, device=device, dtype=torch.int64) * T,
                 torch.stack([c // nt, c % nt], 1).contiguous(),
-                torch.arange(B + 1, device=device, dtype=torch.int32) * nt,
-                ((torch.arange(B, device=device, dtype=torch.int32), B),))
-    pairs, offs, counts = [], [0], []
-    for i in range(len(cu) - 1):
-        nt = cdiv(cu[i + 1] - cu[i], BT)
-        pairs.extend((i, t) for t in range(nt))
-        offs.append(offs[-1] + nt)
-        counts.append(nt)
+                torch.arange(B, device=device, dtype=torch.int32) * nt,
+                ((torch.arange(B, device=device, dtype=torch.int32), B, 0, B * nt),))
+    counts = [cdiv(cu[i + 1] - cu[i], BT) for i in range(len(cu) - 1)]
+    pairs, first, classes = [], [0] * len(counts), []
+    for group in _state_classes(counts):
+        start = len(pairs)
+        for i in group:
+            first[i] = len(pairs)
+            pairs.extend((i, t) for t in range(counts[i]))
+        classes.append((torch.tensor(group, dtype=torch.int32).to(device, non_blocking=True), len(group), start,
+                        len(pairs) - start))
     cidx = torch.tensor(pairs, dtype=torch.int32).view(-1, 2)
-    classes = tuple((torch.tensor(c, dtype=torch.int32).to(device, non_blocking=True), len(c))
-                    for c in _state_classes(counts))
     return tuple(x.to(device, non_blocking=True) for x in (torch.tensor(cu, dtype=torch.int64), cidx,
-                                                           torch.tensor(offs, dtype=torch.int32))) + (classes,)
+                                                           torch.tensor(first, dtype=torch.int32))) + (tuple(classes),)
 
 
 def _state_classes(chunks: list[int]) -> list[list[int]]:
@@ -793,11 +801,35 @@ def _side_by_side(index: int, device: torch.device):
     main.wait_stream(side)
 
 
+_PRIORITY: dict = {}
+
+
+def _priority_stream(device: torch.device) -> torch.cuda.Stream:
+    """The device's high-priority side stream: its blocks are placed first as multiprocessors free up."""
+    if device not in _PRIORITY:
+        _PRIORITY[device] = torch.cuda.Stream(device, priority=-1)
+    return _PRIORITY[device]
+
+
+@contextlib.contextmanager
+def _forked(fork: bool, device: torch.device):
+    """With `fork`, launches inside go to the high-priority side stream, after the work queued so far; the caller
+    makes the current stream wait for that stream once its own later launches are queued (`_fwd`), so the two
+    overlap. Otherwise (and in the CPU interpreter) they stay on the current stream."""
+    if not fork:
+        yield
+        return
+    side = _priority_stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        yield
+
+
 def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound, plan, save):
     cu, cidx, coff, classes = plan
     H, K = q.shape[2], q.shape[3]
     HV, V = v.shape[2], v.shape[3]
-    N, NC = coff.numel() - 1, cidx.shape[0]
+    N, NC = coff.numel(), cidx.shape[0]
     BK, BVF = _p2(K), _p2(V)
     KA = min(CONFIG["ka"], BK, BVF)
     dev, dt, f32, prec = q.device, k.dtype, torch.float32, _prec(k.dtype)
@@ -808,29 +840,38 @@ def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound
     Wc, QGc, KDc = (torch.empty(NC, HV, BT, BK, device=dev, dtype=dt) for _ in range(3))
     Uc = torch.empty(NC, HV, BT, BVF, device=dev, dtype=dt)
     dummy = Gc
-    _fwd_cumsum[(NC, HV, BK // KA)](g, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
-                                    Gc, cu, cidx, float(lower_bound) if lower_bound is not None else 0., HV, K, BK=BK,
-                                    KA=KA, GATE=gate, HAS_A=A_log is not None, HAS_DT=dt_bias is not None, num_warps=4)
-    for whole in (True, False):  # each chunk's program works in one of the two launches
-        launch = "intra_whole" if whole else "intra"
-        cap = CONFIG["intra_whole_maxnreg"] if whole and dev.type == "cuda" else None
-        _fwd_intra[(NC, HV)](q, k, v, beta, Gc, Aqk, Kkk if save else dummy, Mc if save else dummy, Wc, Uc, QGc,
-                             KDc, cu, cidx, scale, H, HV, K, V, BK=BK, BKS=min(CONFIG["intra_bk"], BK),
-                             BVS=min(CONFIG["intra_bk"], BVF), BVF=BVF, SAVE=save, WHOLE=whole, PREC=prec,
-                             FAST=dev.type == "cuda", num_warps=CONFIG[f"{launch}_warps"],
-                             num_stages=CONFIG[f"{launch}_stages"], **({"maxnreg": cap} if cap else {}))
     o = torch.empty_like(v)
     ht = torch.empty(N, HV, K, V, device=dev, dtype=f32) if want_ht else None
     Hc = torch.empty(NC, HV, BK, BVF, device=dev, dtype=dt) if save else None
     VNc = torch.empty(NC, HV, BT, BVF, device=dev, dtype=dt) if save else None
-    for i, (seqs, count) in enumerate(classes):
+    overlap = len(classes) > 1 and dev.type == "cuda"
+    for i, (seqs, count, c_first, chunks) in enumerate(classes):
+        if chunks:
+            _fwd_cumsum[(chunks, HV, BK // KA)](
+                g, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy, Gc, cu, cidx,
+                c_first, float(lower_bound) if lower_bound is not None else 0., HV, K, BK=BK, KA=KA, GATE=gate,
+                HAS_A=A_log is not None, HAS_DT=dt_bias is not None, num_warps=4)
+        for whole in (True, False):  # each chunk's program works in one of the two launches
+            launch = "intra_whole" if whole else "intra"
+            cap = CONFIG["intra_whole_maxnreg"] if whole and dev.type == "cuda" else None
+            if chunks:
+                _fwd_intra[(chunks, HV)](
+                    q, k, v, beta, Gc, Aqk, Kkk if save else dummy, Mc if save else dummy, Wc, Uc, QGc, KDc, cu, cidx,
+                    c_first, scale, H, HV, K, V, BK=BK, BKS=min(CONFIG["intra_bk"], BK),
+                    BVS=min(CONFIG["intra_bk"], BVF), BVF=BVF, SAVE=save, WHOLE=whole, PREC=prec,
+                    FAST=dev.type == "cuda", num_warps=CONFIG[f"{launch}_warps"],
+                    num_stages=CONFIG[f"{launch}_stages"], **({"maxnreg": cap} if cap else {}))
         BV, stages = _state_split("fwd", count * HV, K, V, BVF, dev)
-        with _side_by_side(i, dev):
+        if overlap and i == 0:
+            stages = CONFIG["fwd_state_overlap_stages"] or stages
+        with _forked(overlap and i == 0, dev):
             _fwd_state[(count, HV, cdiv(V, BV))](
                 Wc, Uc, QGc, KDc, Aqk, Gc, o, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
                 Hc if save else dummy, VNc if save else dummy, cu, coff, seqs, HV=HV, K=K, V=V, BK=BK, BVF=BVF,
                 BV=BV, HAS_H0=h0 is not None, STORE_HT=want_ht, SAVE=save, NUM_STAGES=stages, PREC=prec,
                 num_warps=CONFIG["fwd_state_warps"])
+    if overlap:
+        torch.cuda.current_stream(dev).wait_stream(_priority_stream(dev))
     return o, ht, (Gc, Kkk, Mc, Aqk, Wc, QGc, KDc, Hc, VNc)
 
 
@@ -839,14 +880,14 @@ def _bwd(q, k, v, beta, do, dht, has_h0, scale, saved, plan):
     Gc, Kkk, Mc, Aqk, Wc, QGc, KDc, Hc, VNc = saved
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    N, NC = coff.numel() - 1, cidx.shape[0]
+    N, NC = coff.numel(), cidx.shape[0]
     BK, BVF = _p2(K), _p2(V)
     KA = min(CONFIG["ka"], BK)
     dev, dt, f32, prec = q.device, k.dtype, torch.float32, _prec(k.dtype)
     DHc = torch.empty(NC, HV, BK, BVF, device=dev, dtype=dt)
     DVNc = torch.empty(NC, HV, BT, BVF, device=dev, dtype=dt)
     dh0 = torch.empty(N, HV, K, V, device=dev, dtype=f32) if has_h0 else None
-    for i, (seqs, count) in enumerate(classes):
+    for i, (seqs, count, _, _) in enumerate(classes):
         BV, stages = _state_split("bwd", count * HV, K, V, BVF, dev)
         with _side_by_side(i, dev):
             _bwd_state[(count, HV, cdiv(V, BV))](

@@ -233,14 +233,17 @@ def test_chunk_deterministic_and_batch_invariant():
 
 def test_packed_plan_shared_by_equal_batches():
     """Every KDA layer of a step packs the same batch: equal cu_seqlens (new tuples) get the one cached plan, another
-    batch its own, with the right chunk -> (sequence, chunk) map and per-sequence chunk offsets."""
+    batch its own, with the right chunk -> (sequence, chunk) map, each sequence's first chunk, and chunks numbered
+    class by class (`_state_classes`: the long sequences first), each class one range."""
     from k3_kernels.kda.chunk import _chunk_plan
     dev = torch.device(DEV)
     a, b = _chunk_plan((0, 70, 150), 1, 150, dev), _chunk_plan(tuple([0, 70, 150]), 1, 150, dev)
-    c = _chunk_plan((0, 130, 150), 1, 150, dev)
+    c = _chunk_plan((0, 10, 150), 1, 150, dev)
     assert a is b and c is not a
-    assert c[1].tolist() == [[0, 0], [0, 1], [0, 2], [1, 0]] and c[2].tolist() == [0, 3, 4]
-    assert a[1].tolist() == [[0, 0], [0, 1], [1, 0], [1, 1]] and a[2].tolist() == [0, 2, 4]
+    assert a[1].tolist() == [[0, 0], [0, 1], [1, 0], [1, 1]] and a[2].tolist() == [0, 2]
+    assert [(s.tolist(), n, first, chunks) for s, n, first, chunks in a[3]] == [([0, 1], 2, 0, 4)]
+    assert c[1].tolist() == [[1, 0], [1, 1], [1, 2], [0, 0]] and c[2].tolist() == [3, 0]
+    assert [(s.tolist(), n, first, chunks) for s, n, first, chunks in c[3]] == [([1], 1, 0, 3), ([0], 1, 3, 1)]
 
 
 def test_chunk_state_split_keeps_bits(monkeypatch):
