@@ -47,8 +47,9 @@ BT = 64  # chunk size
 
 # launch settings (no autotuning, so the interpreter and the GPU run the same configs)
 CONFIG = {"fwd_state_bv": None, "fwd_state_warps": 4, "fwd_state_stages": 3,  # bv None: by parallelism
-          "fwd_state_overlap_bv": None, "fwd_state_overlap_stages": None,  # the forked state pass of a packed
-          # batch's long class (None: as for the others)
+          # a packed batch's two classes (`_fwd`: the long one's pass forked beside the rest's work; None: by
+          # parallelism, as above)
+          "fwd_state_long_bv": 64, "fwd_state_long_stages": 2, "fwd_state_rest_bv": None, "fwd_state_rest_stages": None,
           "bwd_state_bv": None, "bwd_state_warps": 4, "bwd_state_stages": 3,  # (`_state_split`)
           "intra_bk": 32, "intra_warps": 4, "intra_stages": 3,  # the 16-row-block launch of `_fwd_intra`
           "intra_whole_warps": 4, "intra_whole_stages": 3, "intra_whole_maxnreg": 168,  # its whole-chunk launch
@@ -863,9 +864,10 @@ def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound
                     FAST=dev.type == "cuda", num_warps=CONFIG[f"{launch}_warps"],
                     num_stages=CONFIG[f"{launch}_stages"], **({"maxnreg": cap} if cap else {}))
         BV, stages = _state_split("fwd", count * HV, K, V, BVF, dev)
-        if overlap and i == 0:
-            BV = min(CONFIG["fwd_state_overlap_bv"] or BV, BVF)
-            stages = CONFIG["fwd_state_overlap_stages"] or stages
+        if overlap:
+            which = "long" if i == 0 else "rest"
+            BV = min(CONFIG[f"fwd_state_{which}_bv"] or BV, BVF)
+            stages = CONFIG[f"fwd_state_{which}_stages"] or stages
         with _forked(overlap and i == 0, dev):
             _fwd_state[(count, HV, cdiv(V, BV))](
                 Wc, Uc, QGc, KDc, Aqk, Gc, o, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
