@@ -20,7 +20,8 @@ Kernels (layout and staging ideas from fla-core 0.6.0 `fla/ops/kda/chunk_intra.p
      the output is fused into the pass, so in inference the per-chunk states never reach memory. A packed batch
      whose sequences fall into two classes (`_state_classes`: the long ones and the rest) is done class by class:
      cumsum and intra of the long class, then its state pass on a high-priority side stream (`_forked`) while the
-     rest's cumsum, intra and state pass run on the current stream.
+     rest's cumsum, intra and state pass run on the current stream; the forked pass takes wide V blocks (few
+     programs: most multiprocessors stay with the rest's intra work; CONFIG `fwd_state_long_*`).
 Backward: `_bwd_state` (reverse pass for dS and dv', same V split), `_bwd_prep` (chunk, head: dv, dbeta, dAqk,
 dA = -M^T dM M^T and the direct parts of dq, dk, dG), `_bwd_intra` (chunk, head: the gradients through the
 gated products, K slice by K slice, and the reverse in-chunk cumsum for dg; writes dq, dk, dg): a chunk whose
