@@ -26,7 +26,8 @@ from benchmarks.kda_ab import run_in_version
 
 ARG_TYPES = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*bf16", "Gc": "*fp32", "Aqk": "*bf16",
              "Kkk": "*fp32", "Mc": "*fp32", "Wc": "*bf16", "Uc": "*bf16", "QGc": "*bf16", "KDc": "*bf16",
-             "cu": "*i64", "cidx": "*i32", "scale": "fp32", "H": "i32", "HV": "i32", "K": "i32", "V": "i32"}
+             "cu": "*i64", "cidx": "*i32", "c_first": "i32", "scale": "fp32", "H": "i32", "HV": "i32", "K": "i32",
+             "V": "i32"}
 CONSTEXPRS = dict(BK=128, BKS=32, BVF=128, BVS=32, SAVE=False, PREC="tf32", FAST=True)
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
