@@ -7,7 +7,8 @@ versions in turn (A B A B with --repeat 2) and times ours only, the inputs of be
 and forward+backward medians at 16K with the benchmark's gate and with K3's safe gate at init (g = -5 sigmoid(x):
 every chunk spans more, as in training), the packed batch, 64K and 128K forward; device time per kernel in one 16K
 forward+backward (benchmarks.kda.breakdown); and the relative RMS error of o and every gradient against the fp64
-recurrent reference at T=512. Versions differ in code only, so the numbers are
+recurrent reference at T=512. `--rows varlen,16K` times those rows only (a shorter run per version: more versions
+fit in one device call). Versions differ in code only, so the numbers are
 comparable within one call; the fla-core comparison is benchmarks/kda.py's. Writes kda_ab.json to $OUT or
 benchmarks/results/.
 """
@@ -24,13 +25,14 @@ import torch
 ROWS = {"16K": 16384, "16K_safe_gate": 16384, "varlen": 32768, "64K": 65536, "128K": 131072}  # row -> tokens
 
 
-def _time_version() -> dict:
-    """Worker: timings and errors of the `k3_kernels` first on the path."""
+def _time_version(rows: list[str]) -> dict:
+    """Worker: timings and errors of the `k3_kernels` first on the path, for the named rows of ROWS."""
     from benchmarks.kda import D, H, breakdown, dev, inputs, med, packed_cu_seqlens, rel
     from k3_kernels.kda import chunk_kda, naive_recurrent_kda
 
     out = {}
-    for row, T in ROWS.items():
+    for row in rows:
+        T = ROWS[row]
         xs = inputs(T)
         if row == "16K_safe_gate":
             with torch.no_grad():
@@ -70,8 +72,8 @@ def _kernels_of(version_dir: str) -> str:
     return kernels
 
 
-def run_in_version(version_dir: str, module: str) -> dict:
-    """`python -m module --worker` in a fresh process whose `k3_kernels` is version_dir/kernels (one version
+def run_in_version(version_dir: str, module: str, args: tuple[str, ...] = ()) -> dict:
+    """`python -m module --worker *args` in a fresh process whose `k3_kernels` is version_dir/kernels (one version
     per process: Triton's jit caches are per function object); the worker prints a JSON dict as its last line.
     TRITON_INTERPRET is dropped: versions are compared as the GPU builds them."""
     kernels = _kernels_of(version_dir)
@@ -80,21 +82,29 @@ def run_in_version(version_dir: str, module: str) -> dict:
         os.symlink(kernels, os.path.join(link_dir, "k3_kernels"))
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         env["PYTHONPATH"] = os.pathsep.join([link_dir, repo, os.environ.get("PYTHONPATH", "")])
-        proc = subprocess.run([sys.executable, "-m", module, "--worker"], cwd=repo, env=env,
+        proc = subprocess.run([sys.executable, "-m", module, "--worker", *args], cwd=repo, env=env,
                               capture_output=True, text=True)
     if proc.returncode:
         return {"error": proc.stderr[-3000:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _option(name: str, default: str | None = None) -> str | None:
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
+
+
 def main() -> None:
+    rows = _option("--rows", ",".join(ROWS)).split(",")
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        raise SystemExit(f"--rows: unknown row(s) {unknown}; rows are {list(ROWS)}")
     if "--worker" in sys.argv:
-        print(json.dumps(_time_version()))
+        print(json.dumps(_time_version(rows)))
         return
-    repeat = int(sys.argv[sys.argv.index("--repeat") + 1]) if "--repeat" in sys.argv else 1
+    repeat = int(_option("--repeat", "1"))
     versions = [a.split("=", 1) for a in sys.argv[1:] if "=" in a]
     if not versions:
-        raise SystemExit("usage: python -m benchmarks.kda_ab NAME=DIR [NAME=DIR ...] [--repeat N]")
+        raise SystemExit("usage: python -m benchmarks.kda_ab NAME=DIR [NAME=DIR ...] [--repeat N] [--rows a,b]")
     for _, path in versions:  # all checked before the first (long) run
         _kernels_of(path)
     res = {"device": torch.cuda.get_device_name(), "runs": []}
@@ -102,13 +112,14 @@ def main() -> None:
     os.makedirs(out_dir, exist_ok=True)
     for rep in range(repeat):
         for name, path in versions:
-            res["runs"].append(dict(version=name, repeat=rep, **run_in_version(path, "benchmarks.kda_ab")))
+            timed = run_in_version(path, "benchmarks.kda_ab", ("--rows", ",".join(rows)))
+            res["runs"].append(dict(version=name, repeat=rep, **timed))
             print(json.dumps(res["runs"][-1]), flush=True)
             with open(os.path.join(out_dir, "kda_ab.json"), "w") as f:  # after every run: a cut call keeps them
                 json.dump(res, f, indent=1)
-    print(f"\n{'version':>24} " + " ".join(f"{r + ' fwd':>18}" for r in ROWS))
+    print(f"\n{'version':>24} " + " ".join(f"{r + ' fwd':>18}" for r in rows))
     for run in res["runs"]:
-        print(f"{run['version']:>24} " + " ".join(f"{run.get(r + '_fwd_ms', float('nan')):>18.4f}" for r in ROWS))
+        print(f"{run['version']:>24} " + " ".join(f"{run.get(r + '_fwd_ms', float('nan')):>18.4f}" for r in rows))
 
 
 if __name__ == "__main__":
