@@ -8,12 +8,15 @@ and forward+backward medians at 16K with the benchmark's gate and with K3's safe
 every chunk spans more, as in training), the packed batch, 64K and 128K forward; device time per kernel in one 16K
 forward+backward (benchmarks.kda.breakdown); and the relative RMS error of o and every gradient against the fp64
 recurrent reference at T=512. `--rows varlen,16K` times those rows only (a shorter run per version: more versions
-fit in one device call). Versions differ in code only, so the numbers are
-comparable within one call; the fla-core comparison is benchmarks/kda.py's. Writes kda_ab.json to $OUT or
+fit in one device call). `NAME=DIR+key=value+...` runs DIR's code with those entries of its
+`k3_kernels.kda.chunk.CONFIG` set (Python literals: `o2=.ab/x+fwd_state_pieces=4+fwd_state_rest_bv=None`), so
+launch settings need no copy of the tree. Versions differ in code or settings only, so the numbers are comparable
+within one call; the fla-core comparison is benchmarks/kda.py's. Writes kda_ab.json to $OUT or
 benchmarks/results/.
 """
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -25,10 +28,17 @@ import torch
 ROWS = {"16K": 16384, "16K_safe_gate": 16384, "varlen": 32768, "64K": 65536, "128K": 131072}  # row -> tokens
 
 
-def _time_version(rows: list[str]) -> dict:
-    """Worker: timings and errors of the `k3_kernels` first on the path, for the named rows of ROWS."""
+def _time_version(rows: list[str], config: dict) -> dict:
+    """Worker: timings and errors of the `k3_kernels` first on the path with `config` set in its CONFIG, for the
+    named rows of ROWS."""
     from benchmarks.kda import D, H, breakdown, dev, inputs, med, packed_cu_seqlens, rel
+    from k3_kernels.kda import chunk as chunk_mod
     from k3_kernels.kda import chunk_kda, naive_recurrent_kda
+
+    unknown = sorted(set(config) - set(chunk_mod.CONFIG))
+    if unknown:
+        raise SystemExit(f"CONFIG has no key(s) {unknown} in this version")
+    chunk_mod.CONFIG.update(config)
 
     out = {}
     for row in rows:
@@ -93,27 +103,45 @@ def _option(name: str, default: str | None = None) -> str | None:
     return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
 
 
+def _version(arg: str) -> tuple[str, str, dict]:
+    """`NAME=DIR+key=value+...` -> (name, directory, CONFIG entries); values are Python literals."""
+    name, spec = arg.split("=", 1)
+    path, *settings = spec.split("+")
+    config = {}
+    for setting in settings:
+        key, sep, value = setting.partition("=")
+        try:
+            config[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            sep = ""
+        if not sep or not key:
+            raise SystemExit(f"version {name!r}: setting {setting!r} is not key=<Python literal>")
+    return name, path, config
+
+
 def main() -> None:
     rows = _option("--rows", ",".join(ROWS)).split(",")
     unknown = [r for r in rows if r not in ROWS]
     if unknown:
         raise SystemExit(f"--rows: unknown row(s) {unknown}; rows are {list(ROWS)}")
     if "--worker" in sys.argv:
-        print(json.dumps(_time_version(rows)))
+        print(json.dumps(_time_version(rows, json.loads(_option("--config", "{}")))))
         return
     repeat = int(_option("--repeat", "1"))
-    versions = [a.split("=", 1) for a in sys.argv[1:] if "=" in a]
+    versions = [_version(a) for a in sys.argv[1:] if "=" in a]
     if not versions:
-        raise SystemExit("usage: python -m benchmarks.kda_ab NAME=DIR [NAME=DIR ...] [--repeat N] [--rows a,b]")
-    for _, path in versions:  # all checked before the first (long) run
+        raise SystemExit("usage: python -m benchmarks.kda_ab NAME=DIR[+key=value...] [NAME=DIR ...] [--repeat N] "
+                         "[--rows a,b]")
+    for _, path, _ in versions:  # all checked before the first (long) run
         _kernels_of(path)
     res = {"device": torch.cuda.get_device_name(), "runs": []}
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
     os.makedirs(out_dir, exist_ok=True)
     for rep in range(repeat):
-        for name, path in versions:
-            timed = run_in_version(path, "benchmarks.kda_ab", ("--rows", ",".join(rows)))
-            res["runs"].append(dict(version=name, repeat=rep, **timed))
+        for name, path, config in versions:
+            timed = run_in_version(path, "benchmarks.kda_ab", ("--rows", ",".join(rows), "--config",
+                                                                json.dumps(config)))
+            res["runs"].append(dict(version=name, repeat=rep, config=config, **timed))
             print(json.dumps(res["runs"][-1]), flush=True)
             with open(os.path.join(out_dir, "kda_ab.json"), "w") as f:  # after every run: a cut call keeps them
                 json.dump(res, f, indent=1)

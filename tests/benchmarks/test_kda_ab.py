@@ -1,0 +1,26 @@
+"""benchmarks/kda_ab.py's version specs: what it runs must be what was asked for (no GPU needed here)."""
+import os
+
+import pytest
+
+from benchmarks.kda_ab import _version, run_in_version
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_version_spec_parses_config_settings():
+    assert _version("m=.") == ("m", ".", {})
+    assert _version("p4=.ab/x+fwd_state_pieces=4+fwd_state_rest_bv=None+fwd_state_cut_last=True") == (
+        "p4", ".ab/x", {"fwd_state_pieces": 4, "fwd_state_rest_bv": None, "fwd_state_cut_last": True})
+
+
+@pytest.mark.parametrize("bad", ["a=.+fwd_state_pieces", "a=.+fwd_state_pieces=four", "a=.+=3"])
+def test_version_spec_rejects_a_bad_setting_by_name(bad):
+    with pytest.raises(SystemExit, match="is not key=<Python literal>"):
+        _version(bad)
+
+
+def test_worker_refuses_a_config_key_the_version_lacks():
+    """A misspelt key must fail the version's run (named in its error), not silently time the defaults."""
+    res = run_in_version(REPO, "benchmarks.kda_ab", ("--rows", "16K", "--config", '{"fwd_state_peices": 4}'))
+    assert "fwd_state_peices" in res["error"]
