@@ -37,7 +37,8 @@ def _worker() -> dict:
     per value of its `WHOLE` switch (whole-chunk dots / 16-row blocks) in versions that have it."""
     mod = importlib.import_module("k3_kernels.kda.chunk")
     fn, cfg = mod._fwd_intra, mod.CONFIG
-    options = dict(num_warps=cfg.get("intra_warps", 4), num_stages=cfg.get("intra_stages", 3))
+    options = dict(num_warps=cfg.get("intra_warps", 4), num_stages=cfg.get("intra_stages", 3),
+                   **({"maxnreg": cfg["intra_maxnreg"]} if cfg.get("intra_maxnreg") else {}))
     if "WHOLE" not in fn.arg_names:
         return {"": _build(fn, CONSTEXPRS, options)}
     whole = dict(num_warps=cfg.get("intra_whole_warps", options["num_warps"]),

@@ -52,7 +52,7 @@ CONFIG = {"fwd_state_bv": None, "fwd_state_warps": 4, "fwd_state_stages": 3,  # 
           # parallelism, as above)
           "fwd_state_long_bv": 64, "fwd_state_long_stages": 2, "fwd_state_rest_bv": None, "fwd_state_rest_stages": None,
           "bwd_state_bv": None, "bwd_state_warps": 4, "bwd_state_stages": 3,  # (`_state_split`)
-          "intra_bk": 32, "intra_warps": 4, "intra_stages": 3,  # the 16-row-block launch of `_fwd_intra`
+          "intra_bk": 32, "intra_warps": 4, "intra_stages": 3, "intra_maxnreg": None,  # the 16-row-block launch
           "intra_whole_warps": 4, "intra_whole_stages": 3, "intra_whole_maxnreg": 168,  # its whole-chunk launch
           "bwd_intra_bk": 32, "bwd_intra_warps": 4, "bwd_intra_stages": 2,
           "bwd_prep_bv": 64, "bwd_prep_warps": 4, "bwd_prep_stages": 1, "ka": 32,
@@ -856,7 +856,7 @@ def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound
                 HAS_A=A_log is not None, HAS_DT=dt_bias is not None, num_warps=4)
         for whole in (True, False):  # each chunk's program works in one of the two launches
             launch = "intra_whole" if whole else "intra"
-            cap = CONFIG["intra_whole_maxnreg"] if whole and dev.type == "cuda" else None
+            cap = CONFIG[f"{launch}_maxnreg"] if dev.type == "cuda" else None  # register cap (None: none)
             if chunks:
                 _fwd_intra[(chunks, HV)](
                     q, k, v, beta, Gc, Aqk, Kkk if save else dummy, Mc if save else dummy, Wc, Uc, QGc, KDc, cu, cidx,
