@@ -775,9 +775,9 @@ def _chunk_plan(cu: tuple[int, ...] | None, B: int, T: int, device: torch.device
 
 def _state_classes(chunks: list[int]) -> list[list[int]]:
     """Sequences grouped for the serial state passes: those at least half as long as the longest (their chain sets
-    the pass's time) and the rest, launched side by side (`_side_by_side`) so that each group gets its own V block
-    (`_state_split`): a long sequence keeps narrow blocks and many programs per head, many short ones take wide
-    blocks that reload their operands fewer times. Outputs do not depend on the grouping (bitwise, any V block)."""
+    the pass's time) and the rest, whose passes overlap (the forward forks the long class's, `_forked`; the backward
+    runs the two side by side, `_side_by_side`) and take V blocks of their own (`_state_split`, CONFIG
+    `fwd_state_long_*` / `fwd_state_rest_*`). Outputs do not depend on the grouping (bitwise, any V block)."""
     longest = max(chunks, default=0)
     long_ = [i for i, c in enumerate(chunks) if 2 * c >= longest and c > 0]
     rest = [i for i, c in enumerate(chunks) if not (2 * c >= longest and c > 0)]
