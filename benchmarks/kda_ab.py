@@ -5,14 +5,14 @@ A version is a directory holding a `kernels/` tree, e.g. a branch exported with
 name it in the device call's `carry`). `python -m benchmarks.kda_ab main=. NAME=.ab/NAME [--repeat 2]` runs the
 versions in turn (A B A B with --repeat 2) and times ours only, the inputs of benchmarks/kda.py: forward (no_grad)
 and forward+backward medians at 16K with the benchmark's gate and with K3's safe gate at init (g = -5 sigmoid(x):
-every chunk spans more, as in training), the packed batch, 64K and 128K forward; device time per kernel in one 16K
-forward+backward (benchmarks.kda.breakdown); and the relative RMS error of o and every gradient against the fp64
-recurrent reference at T=512. `--rows varlen,16K` times those rows only (a shorter run per version: more versions
-fit in one device call). `NAME=DIR+key=value+...` runs DIR's code with those entries of its
-`k3_kernels.kda.chunk.CONFIG` set (Python literals: `o2=.ab/x+fwd_state_pieces=4+fwd_state_rest_bv=None`), so
-launch settings need no copy of the tree. Versions differ in code or settings only, so the numbers are comparable
-within one call; the fla-core comparison is benchmarks/kda.py's. Writes kda_ab.json to $OUT or
-benchmarks/results/.
+every chunk spans more, as in training) and on the packed batch; forward on 32 packed sequences (`varlen_many`),
+64K and 128K; device time per kernel in one 16K forward+backward (benchmarks.kda.breakdown); and the relative RMS
+error of o and every gradient against the fp64 recurrent reference at T=512. `--rows varlen,16K` times those rows
+only (a shorter run per version: more versions fit in one device call). `NAME=DIR+key=value+...` runs DIR's code
+with those entries of its `k3_kernels.kda.chunk.CONFIG` set (Python literals:
+`p64=.ab/x+fwd_state_piece_chunks=64+fwd_state_rest_bv=None`), so launch settings need no copy of the tree.
+Versions differ in code or settings only, so the numbers are comparable within one call; the fla-core comparison
+is benchmarks/kda.py's. Writes kda_ab.json to $OUT or benchmarks/results/.
 """
 from __future__ import annotations
 
@@ -25,7 +25,18 @@ import tempfile
 
 import torch
 
-ROWS = {"16K": 16384, "16K_safe_gate": 16384, "varlen": 32768, "64K": 65536, "128K": 131072}  # row -> tokens
+ROWS = {"16K": 16384, "16K_safe_gate": 16384, "varlen": 32768, "varlen_many": 65536, "64K": 65536,
+        "128K": 131072}  # row -> tokens
+
+
+def many_cu_seqlens() -> torch.Tensor:
+    """The `varlen_many` row's batch, a guard for packing changes tuned on the benchmark's 8-sequence batch: 32
+    sequences with log-uniform lengths in [128, 8192] (several long ones, as in RL rollouts), scaled to 65536
+    tokens (on the host)."""
+    gen = torch.Generator().manual_seed(2)
+    lengths = torch.exp(torch.empty(32).uniform_(0, 6, generator=gen)) * 128
+    cuts = torch.cumsum(lengths / lengths.sum() * 65536, 0).round().long()
+    return torch.cat([torch.tensor([0]), cuts[:-1], torch.tensor([65536])])
 
 
 def _time_version(rows: list[str], config: dict) -> dict:
@@ -48,8 +59,8 @@ def _time_version(rows: list[str], config: dict) -> dict:
             with torch.no_grad():
                 xs[3].copy_(-5 * torch.sigmoid(torch.randn_like(xs[3])))
         kw = {}
-        if row == "varlen":  # with the host copy of cu_seqlens: no device sync per call
-            cu = packed_cu_seqlens()
+        if row.startswith("varlen"):  # with the host copy of cu_seqlens: no device sync per call
+            cu = (packed_cu_seqlens() if row == "varlen" else many_cu_seqlens()).to(dev)
             kw = dict(cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
         with torch.no_grad():
             chunk_kda(*xs, **kw)

@@ -3,7 +3,9 @@ import os
 
 import pytest
 
-from benchmarks.kda_ab import _version, run_in_version
+import torch
+
+from benchmarks.kda_ab import _version, many_cu_seqlens, run_in_version
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -24,3 +26,11 @@ def test_worker_refuses_a_config_key_the_version_lacks():
     """A misspelt key must fail the version's run (named in its error), not silently time the defaults."""
     res = run_in_version(REPO, "benchmarks.kda_ab", ("--rows", "16K", "--config", '{"fwd_state_peices": 4}'))
     assert "fwd_state_peices" in res["error"]
+
+
+def test_many_sequences_row_is_a_long_tailed_packed_batch():
+    cu = many_cu_seqlens()
+    lengths = cu.diff()
+    assert cu[0] == 0 and cu[-1] == 65536 and len(lengths) == 32 and bool((lengths > 0).all())
+    assert lengths.max() > 8 * lengths.median()  # a few long sequences among many short ones
+    assert torch.equal(cu, many_cu_seqlens())  # the same batch every run
