@@ -1,7 +1,7 @@
 """KDA numerics: relative RMS error of o, the final state and every gradient against the fp64 recurrent reference,
 for ours (the precision settings of `CONFIGS`) and fla-core, all on the same inputs in one process.
 
-Setting of tests/kernels/test_kda.py::test_gpu_bf16_against_reference_and_fla: bf16 q/k/v/beta, B=2, T=300 (not a
+Setting of tests/kernels/test_kda.py::test_gpu_bf16_against_reference: bf16 q/k/v/beta, B=2, T=300 (not a
 chunk multiple), H=HV=2, K=V=128, initial state, output gradient on o and the final state; two gates: `plain`
 (precomputed g = 0.5 logsigmoid(randn)) and `safe` (K3's gate in the kernel: lower_bound -5, A_log = 0,
 dt_bias = 0.1 randn). FLA's tolerances: o 5e-3, dq/dk/dv/dh0/ddt_bias 8e-3, dg/dbeta/dA_log 2e-2.
