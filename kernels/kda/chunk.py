@@ -784,48 +784,40 @@ def _state_classes(chunks: list[int]) -> list[list[int]]:
     return [g for g in (long_, rest) if g]
 
 
-_SIDE: dict = {}
+_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device, priority: int) -> torch.cuda.Stream:
+    """The device's side stream of that priority, made once (-1: high, its blocks are placed first as
+    multiprocessors free up; 0: as the default stream)."""
+    if (device, priority) not in _STREAMS:
+        _STREAMS[device, priority] = torch.cuda.Stream(device, priority=priority)
+    return _STREAMS[device, priority]
+
+
+@contextlib.contextmanager
+def _forked(fork: bool, device: torch.device, priority: int = -1):
+    """With `fork` (on CUDA), launches inside go to the side stream of that priority, after the work queued so far;
+    the caller makes the current stream wait for it once its own later launches are queued (`_fwd`), so they
+    overlap. Otherwise (and in the CPU interpreter) they stay on the current stream."""
+    if not fork or device.type != "cuda":
+        yield
+        return
+    side = _side_stream(device, priority)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        yield
 
 
 @contextlib.contextmanager
 def _side_by_side(index: int, device: torch.device):
-    """Launches of group `index` > 0 go to a side stream that starts after the work queued so far and joins the
-    current stream when the group's launches are done; group 0 and the CPU interpreter stay on the current one."""
-    if index == 0 or device.type != "cuda":
+    """Launches of group `index` > 0 go to the normal-priority side stream (`_forked`), which the current stream
+    joins when the group's launches are queued; group 0 and the CPU interpreter stay on the current stream."""
+    side = index > 0 and device.type == "cuda"
+    with _forked(side, device, priority=0):
         yield
-        return
-    main = torch.cuda.current_stream(device)
-    if device not in _SIDE:
-        _SIDE[device] = torch.cuda.Stream(device)
-    side = _SIDE[device]
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        yield
-    main.wait_stream(side)
-
-
-_PRIORITY: dict = {}
-
-
-def _priority_stream(device: torch.device) -> torch.cuda.Stream:
-    """The device's high-priority side stream: its blocks are placed first as multiprocessors free up."""
-    if device not in _PRIORITY:
-        _PRIORITY[device] = torch.cuda.Stream(device, priority=-1)
-    return _PRIORITY[device]
-
-
-@contextlib.contextmanager
-def _forked(fork: bool, device: torch.device):
-    """With `fork`, launches inside go to the high-priority side stream, after the work queued so far; the caller
-    makes the current stream wait for that stream once its own later launches are queued (`_fwd`), so the two
-    overlap. Otherwise (and in the CPU interpreter) they stay on the current stream."""
-    if not fork:
-        yield
-        return
-    side = _priority_stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        yield
+    if side:
+        torch.cuda.current_stream(device).wait_stream(_side_stream(device, 0))
 
 
 def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound, plan, save):
@@ -849,15 +841,14 @@ def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound
     VNc = torch.empty(NC, HV, BT, BVF, device=dev, dtype=dt) if save else None
     overlap = len(classes) > 1 and dev.type == "cuda"
     for i, (seqs, count, c_first, chunks) in enumerate(classes):
-        if chunks:
+        if chunks:  # a class of empty sequences only has no chunk work, just its state pass (h0 -> ht)
             _fwd_cumsum[(chunks, HV, BK // KA)](
                 g, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy, Gc, cu, cidx,
                 c_first, float(lower_bound) if lower_bound is not None else 0., HV, K, BK=BK, KA=KA, GATE=gate,
                 HAS_A=A_log is not None, HAS_DT=dt_bias is not None, num_warps=4)
-        for whole in (True, False):  # each chunk's program works in one of the two launches
-            launch = "intra_whole" if whole else "intra"
-            cap = CONFIG[f"{launch}_maxnreg"] if dev.type == "cuda" else None  # register cap (None: none)
-            if chunks:
+            for whole in (True, False):  # each chunk's program works in one of the two launches
+                launch = "intra_whole" if whole else "intra"
+                cap = CONFIG[f"{launch}_maxnreg"] if dev.type == "cuda" else None  # register cap (None: none)
                 _fwd_intra[(chunks, HV)](
                     q, k, v, beta, Gc, Aqk, Kkk if save else dummy, Mc if save else dummy, Wc, Uc, QGc, KDc, cu, cidx,
                     c_first, scale, H, HV, K, V, BK=BK, BKS=min(CONFIG["intra_bk"], BK),
@@ -876,7 +867,7 @@ def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound
                 BV=BV, HAS_H0=h0 is not None, STORE_HT=want_ht, SAVE=save, NUM_STAGES=stages, PREC=prec,
                 num_warps=CONFIG["fwd_state_warps"])
     if overlap:
-        torch.cuda.current_stream(dev).wait_stream(_priority_stream(dev))
+        torch.cuda.current_stream(dev).wait_stream(_side_stream(dev, -1))
     return o, ht, (Gc, Kkk, Mc, Aqk, Wc, QGc, KDc, Hc, VNc)
 
 
