@@ -18,10 +18,11 @@ Kernels (layout and staging ideas from fla-core 0.6.0 `fla/ops/kda/chunk_intra.p
   `_fwd_state` (sequence, head, V block): the serial pass over chunks. The columns of the state evolve
      independently (v' = U - W S is column-wise), so splitting V gives B*HV*V/BV programs instead of B*HV;
      the output is fused into the pass, so in inference the per-chunk states never reach memory. A packed batch
-     whose sequences fall into two classes (`_state_classes`: the long ones and the rest) is done class by class:
-     cumsum and intra of the long class, then its state pass on a high-priority side stream (`_forked`) while the
-     rest's cumsum, intra and state pass run on the current stream; the forked pass takes wide V blocks (few
-     programs: most multiprocessors stay with the rest's intra work; CONFIG `fwd_state_long_*`).
+     whose sequences fall into classes by length (`_state_classes`, longest first) is done class by class:
+     cumsum and intra of a class, then its state pass on a high-priority side stream of its own (`_forked`) while
+     the later classes' work runs on the current stream (the last class's pass too); a forked pass takes wide V
+     blocks (few programs: most multiprocessors stay with the later classes' intra work; CONFIG
+     `fwd_state_forked_*`).
 Backward: `_bwd_state` (reverse pass for dS and dv', same V split), `_bwd_prep` (chunk, head: dv, dbeta, dAqk,
 dA = -M^T dM M^T and the direct parts of dq, dk, dG), `_bwd_intra` (chunk, head: the gradients through the
 gated products, K slice by K slice, and the reverse in-chunk cumsum for dg; writes dq, dk, dg): a chunk whose
@@ -48,9 +49,11 @@ BT = 64  # chunk size
 
 # launch settings (no autotuning, so the interpreter and the GPU run the same configs)
 CONFIG = {"fwd_state_bv": None, "fwd_state_warps": 4, "fwd_state_stages": 3,  # bv None: by parallelism
-          # a packed batch's two classes (`_fwd`: the long one's pass forked beside the rest's work; None: by
-          # parallelism, as above)
-          "fwd_state_long_bv": 64, "fwd_state_long_stages": 2, "fwd_state_rest_bv": None, "fwd_state_rest_stages": None,
+          # a packed batch's classes (`_state_classes`, at most `state_classes`, read when a batch's plan is first
+          # built): the passes of all but the last forked beside the later classes' work (`_fwd`), and the last's
+          # (None: by parallelism, as above)
+          "state_classes": 3, "fwd_state_forked_bv": 64, "fwd_state_forked_stages": 2, "fwd_state_rest_bv": None,
+          "fwd_state_rest_stages": None,
           "bwd_state_bv": None, "bwd_state_warps": 4, "bwd_state_stages": 3,  # (`_state_split`)
           "intra_bk": 32, "intra_warps": 4, "intra_stages": 3, "intra_maxnreg": None,  # the 16-row-block launch
           "intra_whole_warps": 4, "intra_whole_stages": 3, "intra_whole_maxnreg": 168,  # its whole-chunk launch
@@ -761,7 +764,7 @@ def _chunk_plan(cu: tuple[int, ...] | None, B: int, T: int, device: torch.device
                 ((torch.arange(B, device=device, dtype=torch.int32), B, 0, B * nt),))
     counts = [cdiv(cu[i + 1] - cu[i], BT) for i in range(len(cu) - 1)]
     pairs, first, classes = [], [0] * len(counts), []
-    for group in _state_classes(counts):
+    for group in _state_classes(counts, CONFIG["state_classes"]):
         start = len(pairs)
         for i in group:
             first[i] = len(pairs)
@@ -773,37 +776,46 @@ def _chunk_plan(cu: tuple[int, ...] | None, B: int, T: int, device: torch.device
                                                            torch.tensor(first, dtype=torch.int32))) + (tuple(classes),)
 
 
-def _state_classes(chunks: list[int]) -> list[list[int]]:
-    """Sequences grouped for the serial state passes: those at least half as long as the longest (their chain sets
-    the pass's time) and the rest, whose passes overlap (the forward forks the long class's, `_forked`; the backward
-    runs the two side by side, `_side_by_side`) and take V blocks of their own (`_state_split`, CONFIG
-    `fwd_state_long_*` / `fwd_state_rest_*`). Outputs do not depend on the grouping (bitwise, any V block)."""
-    longest = max(chunks, default=0)
-    long_ = [i for i, c in enumerate(chunks) if 2 * c >= longest and c > 0]
-    rest = [i for i, c in enumerate(chunks) if not (2 * c >= longest and c > 0)]
-    return [g for g in (long_, rest) if g]
+def _state_classes(chunks: list[int], most: int) -> list[list[int]]:
+    """Sequences grouped by length for the serial state passes, longest first: each class holds the sequences at
+    least half as long as its longest (their chains set the pass's time), at most `most` classes, the last taking
+    every sequence left (empty ones too: they still get their state, h0 -> ht). Each class gets its own V block
+    (`_state_split`): a long sequence keeps narrow blocks and many programs per head, many short ones take wide
+    blocks that reload their operands fewer times; the forward starts a class's pass as soon as its own intra work
+    is done (`_fwd`). Outputs do not depend on the grouping (bitwise, any V block)."""
+    left = [i for i, c in enumerate(chunks) if c > 0]
+    classes = []
+    while left and len(classes) < most - 1:
+        longest = max(chunks[i] for i in left)
+        top = [i for i in left if 2 * chunks[i] >= longest]
+        if len(top) == len(left):
+            break
+        classes.append(top)
+        left = [i for i in left if 2 * chunks[i] < longest]
+    rest = sorted(left + [i for i, c in enumerate(chunks) if c == 0])
+    return classes + ([rest] if rest else [])
 
 
 _STREAMS: dict = {}
 
 
-def _side_stream(device: torch.device, priority: int) -> torch.cuda.Stream:
-    """The device's side stream of that priority, made once (-1: high, its blocks are placed first as
-    multiprocessors free up; 0: as the default stream)."""
-    if (device, priority) not in _STREAMS:
-        _STREAMS[device, priority] = torch.cuda.Stream(device, priority=priority)
-    return _STREAMS[device, priority]
+def _side_stream(device: torch.device, priority: int, index: int = 0) -> torch.cuda.Stream:
+    """The device's side stream number `index` of that priority, made once (-1: high, its blocks are placed first
+    as multiprocessors free up; 0: as the default stream)."""
+    if (device, priority, index) not in _STREAMS:
+        _STREAMS[device, priority, index] = torch.cuda.Stream(device, priority=priority)
+    return _STREAMS[device, priority, index]
 
 
 @contextlib.contextmanager
-def _forked(fork: bool, device: torch.device, priority: int = -1):
-    """With `fork` (on CUDA), launches inside go to the side stream of that priority, after the work queued so far;
+def _forked(fork: bool, device: torch.device, priority: int = -1, index: int = 0):
+    """With `fork` (on CUDA), launches inside go to side stream `index` of that priority, after the work queued so far;
     the caller makes the current stream wait for it once its own later launches are queued (`_fwd`), so they
     overlap. Otherwise (and in the CPU interpreter) they stay on the current stream."""
     if not fork or device.type != "cuda":
         yield
         return
-    side = _side_stream(device, priority)
+    side = _side_stream(device, priority, index)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         yield
@@ -839,7 +851,7 @@ def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound
     ht = torch.empty(N, HV, K, V, device=dev, dtype=f32) if want_ht else None
     Hc = torch.empty(NC, HV, BK, BVF, device=dev, dtype=dt) if save else None
     VNc = torch.empty(NC, HV, BT, BVF, device=dev, dtype=dt) if save else None
-    overlap = len(classes) > 1 and dev.type == "cuda"
+    forks = len(classes) - 1 if dev.type == "cuda" else 0  # every class's pass but the last one's is forked
     for i, (seqs, count, c_first, chunks) in enumerate(classes):
         if chunks:  # a class of empty sequences only has no chunk work, just its state pass (h0 -> ht)
             _fwd_cumsum[(chunks, HV, BK // KA)](
@@ -856,18 +868,18 @@ def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound
                     FAST=dev.type == "cuda", num_warps=CONFIG[f"{launch}_warps"],
                     num_stages=CONFIG[f"{launch}_stages"], **({"maxnreg": cap} if cap else {}))
         BV, stages = _state_split("fwd", count * HV, K, V, BVF, dev)
-        if overlap:
-            which = "long" if i == 0 else "rest"
+        if forks:
+            which = "forked" if i < forks else "rest"
             BV = min(CONFIG[f"fwd_state_{which}_bv"] or BV, BVF)
             stages = CONFIG[f"fwd_state_{which}_stages"] or stages
-        with _forked(overlap and i == 0, dev):
+        with _forked(i < forks, dev, index=i):
             _fwd_state[(count, HV, cdiv(V, BV))](
                 Wc, Uc, QGc, KDc, Aqk, Gc, o, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
                 Hc if save else dummy, VNc if save else dummy, cu, coff, seqs, HV=HV, K=K, V=V, BK=BK, BVF=BVF,
                 BV=BV, HAS_H0=h0 is not None, STORE_HT=want_ht, SAVE=save, NUM_STAGES=stages, PREC=prec,
                 num_warps=CONFIG["fwd_state_warps"])
-    if overlap:
-        torch.cuda.current_stream(dev).wait_stream(_side_stream(dev, -1))
+    for i in range(forks):
+        torch.cuda.current_stream(dev).wait_stream(_side_stream(dev, -1, i))
     return o, ht, (Gc, Kkk, Mc, Aqk, Wc, QGc, KDc, Hc, VNc)
 
 

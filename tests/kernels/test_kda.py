@@ -267,12 +267,41 @@ def test_chunk_state_split_keeps_bits(monkeypatch):
             assert torch.equal(da[n], db[n]), "d" + n
 
 
-def test_state_classes_group_long_and_short_sequences():
+def test_state_classes_group_sequences_by_halving_length():
     from k3_kernels.kda.chunk import _state_classes
-    assert _state_classes([9, 34, 254, 15, 102, 95, 5, 3]) == [[2], [0, 1, 3, 4, 5, 6, 7]]
-    assert _state_classes([4, 4, 3]) == [[0, 1, 2]]
-    assert _state_classes([0, 6, 2]) == [[1], [0, 2]]  # an empty sequence still gets its state (h0 -> ht)
-    assert _state_classes([0, 0]) == [[0, 1]]
+    bench = [9, 34, 254, 15, 102, 95, 5, 3]  # benchmarks/kda.py's packed batch, in chunks
+    assert _state_classes(bench, 3) == [[2], [4, 5], [0, 1, 3, 6, 7]]
+    assert _state_classes(bench, 2) == [[2], [0, 1, 3, 4, 5, 6, 7]]
+    assert _state_classes(bench, 1) == [list(range(8))]
+    assert _state_classes(bench, 9) == [[2], [4, 5], [1], [0, 3], [6, 7]]
+    assert _state_classes([4, 4, 3], 3) == [[0, 1, 2]]
+    assert _state_classes([0, 6, 2], 3) == [[1], [0, 2]]  # an empty sequence still gets its state (h0 -> ht)
+    assert _state_classes([0, 0], 3) == [[0, 1]]
+
+
+def test_chunk_state_classes_keep_bits(monkeypatch):
+    """How many classes a packed batch is split into changes only the order of launches: outputs, final states and
+    gradients are bitwise the same with 1, 2 or 3 classes (lengths 500 / 180 / 40 / 20 tokens: classes {0}, {1} and
+    {2, 3} at most 3)."""
+    from k3_kernels.kda import chunk as chunk_mod
+    cu = [0, 500, 680, 720, 740]
+    inp = make_inputs(1, cu[-1], 1, 1, 32, 32)
+    inp["h0"] = torch.randn(4, 1, 32, 32, device=DEV)
+    grads = {"o": torch.randn(1, cu[-1], 1, 32, device=DEV), "ht": torch.randn(4, 1, 32, 32, device=DEV)}
+    runs = []
+    for most in (1, 2, 3):
+        monkeypatch.setitem(chunk_mod.CONFIG, "state_classes", most)
+        chunk_mod._chunk_plan.cache_clear()  # the plan holds the classes
+        plan = chunk_mod._chunk_plan(tuple(cu), 1, cu[-1], torch.device(DEV))
+        assert len(plan[3]) == most
+        runs.append(_run(chunk_kda, inp, grads, output_final_state=True, cu_seqlens=torch.tensor(cu, device=DEV)))
+    chunk_mod._chunk_plan.cache_clear()
+    (a, da), rest = runs[0], runs[1:]
+    for b, db in rest:
+        for n in a:
+            assert torch.equal(a[n], b[n]), n
+        for n in da:
+            assert torch.equal(da[n], db[n]), "d" + n
 
 
 def test_chunk_bad_input_names_the_tensor():
