@@ -23,7 +23,8 @@ Kernels (layout and staging ideas from fla-core 0.6.0 `fla/ops/kda/chunk_intra.p
      the later classes' work runs on the current stream (the last class's pass too); a forked pass takes wide V
      blocks (few programs: most multiprocessors stay with the later classes' intra work; CONFIG
      `fwd_state_forked_*`).
-Backward: `_bwd_state` (reverse pass for dS and dv', same V split), `_bwd_prep` (chunk, head: dv, dbeta, dAqk,
+Backward: `_bwd_state` (reverse pass for dS and dv', same V split; a packed batch's classes at once, each but the
+last on a side stream), `_bwd_prep` (chunk, head: dv, dbeta, dAqk,
 dA = -M^T dM M^T and the direct parts of dq, dk, dG), `_bwd_intra` (chunk, head: the gradients through the
 gated products, K slice by K slice, and the reverse in-chunk cumsum for dg; writes dq, dk, dg): a chunk whose
 log-decay spans at most 80 per channel as 64-row dots around each channel's midpoint (`_bwd_whole`), any other as
@@ -782,7 +783,8 @@ def _state_classes(chunks: list[int], most: int) -> list[list[int]]:
     every sequence left (empty ones too: they still get their state, h0 -> ht). Each class gets its own V block
     (`_state_split`): a long sequence keeps narrow blocks and many programs per head, many short ones take wide
     blocks that reload their operands fewer times; the forward starts a class's pass as soon as its own intra work
-    is done (`_fwd`). Outputs do not depend on the grouping (bitwise, any V block)."""
+    is done (`_fwd`), the backward runs all classes' passes at once (`_bwd`). Outputs do not depend on the grouping
+    (bitwise, any V block)."""
     left = [i for i, c in enumerate(chunks) if c > 0]
     classes = []
     while left and len(classes) < most - 1:
@@ -810,8 +812,8 @@ def _side_stream(device: torch.device, priority: int, index: int = 0) -> torch.c
 @contextlib.contextmanager
 def _forked(fork: bool, device: torch.device, priority: int = -1, index: int = 0):
     """With `fork` (on CUDA), launches inside go to side stream `index` of that priority, after the work queued so far;
-    the caller makes the current stream wait for it once its own later launches are queued (`_fwd`), so they
-    overlap. Otherwise (and in the CPU interpreter) they stay on the current stream."""
+    the caller joins it (`_join`) once its own later launches are queued, so they overlap. Otherwise (and in the CPU
+    interpreter) they stay on the current stream."""
     if not fork or device.type != "cuda":
         yield
         return
@@ -821,15 +823,10 @@ def _forked(fork: bool, device: torch.device, priority: int = -1, index: int = 0
         yield
 
 
-@contextlib.contextmanager
-def _side_by_side(index: int, device: torch.device):
-    """Launches of group `index` > 0 go to the normal-priority side stream (`_forked`), which the current stream
-    joins when the group's launches are queued; group 0 and the CPU interpreter stay on the current stream."""
-    side = index > 0 and device.type == "cuda"
-    with _forked(side, device, priority=0):
-        yield
-    if side:
-        torch.cuda.current_stream(device).wait_stream(_side_stream(device, 0))
+def _join(device: torch.device, forks: int) -> None:
+    """The current stream waits for the high-priority side streams 0 .. forks-1 (`_forked`)."""
+    for i in range(forks):
+        torch.cuda.current_stream(device).wait_stream(_side_stream(device, -1, i))
 
 
 def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound, plan, save):
@@ -878,8 +875,7 @@ def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound
                 Hc if save else dummy, VNc if save else dummy, cu, coff, seqs, HV=HV, K=K, V=V, BK=BK, BVF=BVF,
                 BV=BV, HAS_H0=h0 is not None, STORE_HT=want_ht, SAVE=save, NUM_STAGES=stages, PREC=prec,
                 num_warps=CONFIG["fwd_state_warps"])
-    for i in range(forks):
-        torch.cuda.current_stream(dev).wait_stream(_side_stream(dev, -1, i))
+    _join(dev, forks)
     return o, ht, (Gc, Kkk, Mc, Aqk, Wc, QGc, KDc, Hc, VNc)
 
 
@@ -895,13 +891,15 @@ def _bwd(q, k, v, beta, do, dht, has_h0, scale, saved, plan):
     DHc = torch.empty(NC, HV, BK, BVF, device=dev, dtype=dt)
     DVNc = torch.empty(NC, HV, BT, BVF, device=dev, dtype=dt)
     dh0 = torch.empty(N, HV, K, V, device=dev, dtype=f32) if has_h0 else None
+    forks = len(classes) - 1 if dev.type == "cuda" else 0  # all classes' passes at once, the longest first
     for i, (seqs, count, _, _) in enumerate(classes):
         BV, stages = _state_split("bwd", count * HV, K, V, BVF, dev)
-        with _side_by_side(i, dev):
+        with _forked(i < forks, dev, index=i):
             _bwd_state[(count, HV, cdiv(V, BV))](
                 QGc, Wc, KDc, Aqk, Gc, do, dht if dht is not None else Gc, dh0 if has_h0 else Gc, DHc, DVNc, cu,
                 coff, seqs, HV=HV, K=K, V=V, BK=BK, BVF=BVF, BV=BV, HAS_DHT=dht is not None, HAS_H0=has_h0,
                 NUM_STAGES=stages, PREC=prec, num_warps=CONFIG["bwd_state_warps"])
+    _join(dev, forks)
     dq = torch.empty(B, T, HV, K, device=dev, dtype=f32 if HV != H else q.dtype)
     dk = torch.empty(B, T, HV, K, device=dev, dtype=f32 if HV != H else k.dtype)
     dv = torch.empty_like(v)
