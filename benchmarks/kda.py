@@ -1,7 +1,8 @@
 """KDA chunked prefill/training: fla-core `chunk_kda` vs k3_kernels `chunk_kda` on one GPU, same process.
 
 Protocol of shared/anchors/bench_fla.py: B=1, H=16, K=V=128, bf16 q/k/v/beta, fp32 log-decay
-g = 0.5 * logsigmoid(randn), unit-norm k; T in {4K, 16K, 64K, 128K} plus one packed varlen batch.
+g = 0.5 * logsigmoid(randn), unit-norm k; T in {4K, 16K, 64K, 128K} plus one packed varlen batch, plus `safe_gate`:
+16K with K3's safe gate applied in the kernels and a sharp decay (`sharp_safe_gate`; fla-core with `safe_gate=True`).
 Forward medians under no_grad, forward+backward medians (`triton.testing.do_bench`, grads reset each call);
 backward = difference. Floors: bytes that must move / measured copy bandwidth, and the report's FLOP count
 (Kimi Linear Eq. 13, per head 6 T d^2 + 3 T C d + T C^2, backward taken as 2x) / measured bf16 matmul rate.
@@ -9,7 +10,8 @@ Before timing, a short sweep at T=16K picks launch settings (warps, stages, V bl
 its timings), a profiler pass records device time per kernel, and each size up to 32K checks ours against
 fla-core (relative RMS of o and every gradient). Writes benchmarks/results/kda.json (or $OUT/kda.json when OUT
 is set) after every row. `--quick`: no sweep, 4K and 16K only (`--sweep` adds it back); `--rows a,b,varlen`: those
-rows only; `--no-breakdown`: skip the profiler pass. (What each dot-precision setting costs: `kda_precision.py --time`.)
+rows only (`safe_gate`: the gate row); `--no-breakdown`: skip the profiler pass. (What each dot-precision setting
+costs: `kda_precision.py --time`.)
 """
 from __future__ import annotations
 
@@ -44,6 +46,18 @@ def inputs(T: int, seed: int = 0):
     return [x.requires_grad_(True) for x in (q, k, v, g, beta)]
 
 
+def sharp_safe_gate(T: int, device: str = dev) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The `safe_gate` row's gate, for the kernels to apply: K3's safe gate (lower bound -5) with the raw input
+    f ~ N(0, 1) [1, T, H, D] fp32 (in place of the log-decay), A_log = 0 and dt_bias = 0, so the log-decay is
+    -5 sigmoid(f): -2.5 per token on average and every 64-token chunk spans more than 80 (the kernels' hard case:
+    our 16-row blocks; fla-core's `safe_gate` path is built for it). K3's own init is milder (dt_bias ~ log U(1e-3,
+    1e-1) puts the decay near -5 dt per token)."""
+    gen = torch.Generator(device=device).manual_seed(3)
+    f = torch.randn(1, T, H, D, device=device, generator=gen)
+    return (f.requires_grad_(True), torch.zeros(H, device=device, requires_grad=True),
+            torch.zeros(H * D, device=device, requires_grad=True))
+
+
 def packed_cu_seqlens() -> torch.Tensor:
     """The varlen row's batch: 8 sequences packed into 32K tokens, cut at fixed random points."""
     gen = torch.Generator().manual_seed(1)
@@ -66,13 +80,20 @@ def floors(T: int, copy_Bps: float, mm_flops: float) -> dict:
                 fwd_flops=fwd_flops)
 
 
-def run_pair(fla_kda, xs, do, cu=None, check=False, rep=100):
-    """(fla fwd, ours fwd, fla fwd+bwd, ours fwd+bwd) medians in ms, plus errors of ours vs fla if check."""
+def run_pair(fla_kda, xs, do, cu=None, check=False, rep=100, gate=None):
+    """(fla fwd, ours fwd, fla fwd+bwd, ours fwd+bwd) medians in ms, plus errors of ours vs fla if check. `gate`:
+    (A_log, dt_bias), the safe gate with lower bound -5 applied in the kernels to g (`sharp_safe_gate`); their gradients
+    join the check."""
     q, k, v, g, beta = xs
     kw = {} if cu is None else dict(cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())  # both sides skip the host sync
+    fla_kw = kw
+    if gate is not None:
+        kw = dict(kw, use_gate_in_kernel=True, lower_bound=-5., A_log=gate[0], dt_bias=gate[1])
+        fla_kw = dict(kw, safe_gate=True)
+        xs = list(xs) + list(gate)
     res, errs = {}, {}
     outs = {}
-    for name, fn, extra in (("fla", fla_kda, kw), ("ours", ours_mod.chunk_kda, kw)):
+    for name, fn, extra in (("fla", fla_kda, fla_kw), ("ours", ours_mod.chunk_kda, kw)):
         with torch.no_grad():
             fn(q, k, v, g, beta, **extra)
             res[name + "_fwd_ms"] = med(lambda: fn(q, k, v, g, beta, **extra), rep=rep)
@@ -89,7 +110,7 @@ def run_pair(fla_kda, xs, do, cu=None, check=False, rep=100):
                 outs[name] = [fn(q, k, v, g, beta, **extra)[0]] + [x.grad.clone() for x in xs]
         res[name + "_fwdbwd_ms"] = med(fb, rep=max(rep // 2, 20), grad_to_none=xs)
     if check:
-        for n, a, b in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), outs["ours"], outs["fla"]):
+        for n, a, b in zip(("o", "dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias"), outs["ours"], outs["fla"]):
             errs[n] = rel(a, b)
     for name in ("fla", "ours"):
         res[name + "_bwd_ms"] = res[name + "_fwdbwd_ms"] - res[name + "_fwd_ms"]
@@ -198,17 +219,21 @@ def main() -> None:
             json.dump(res, f, indent=1)
     rows = res["chunk_kda"] = []
     cu = packed_cu_seqlens()
-    sizes = [4096, 16384] if quick else [4096, 16384, "varlen", 65536, 131072]
-    if "--rows" in sys.argv:  # e.g. --rows 65536,131072,varlen
-        sizes = [x if x == "varlen" else int(x) for x in sys.argv[sys.argv.index("--rows") + 1].split(",")]
+    named = {"varlen": 32768, "safe_gate": 16384}  # rows by name -> tokens
+    sizes = [4096, 16384] if quick else [4096, 16384, "varlen", 65536, 131072, "safe_gate"]
+    if "--rows" in sys.argv:  # e.g. --rows 65536,131072,varlen,safe_gate
+        sizes = [x if x in named else int(x) for x in sys.argv[sys.argv.index("--rows") + 1].split(",")]
     for T in sizes:
-        varlen = T == "varlen"
-        T = 32768 if varlen else T
+        varlen, gated = T == "varlen", T == "safe_gate"
+        T = named.get(T, T)
         xs = inputs(T)
+        gate = None
+        if gated:
+            xs[3], *gate = sharp_safe_gate(T)
         do = torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16)
-        row = dict(T=T, **(dict(varlen=cu.tolist()) if varlen else {}),
-                   **run_pair(fla_kda, xs, do, cu=cu if varlen else None, check=T <= 32768,
-                              rep=100 if T <= 32768 else 30), **floors(T, copy_Bps, mm_flops))
+        kind = dict(varlen=cu.tolist()) if varlen else dict(gate="sharp_safe_gate") if gated else {}
+        row = dict(T=T, **kind, **run_pair(fla_kda, xs, do, cu=cu if varlen else None, check=T <= 32768,
+                                           rep=100 if T <= 32768 else 30, gate=gate), **floors(T, copy_Bps, mm_flops))
         print("kda", row, flush=True)
         rows.append(row)
         save()
@@ -217,7 +242,8 @@ def main() -> None:
     print(f"\n{'T':>7} {'fla fwd':>8} {'ours':>7} {'x':>5} | {'fla bwd':>8} {'ours':>7} {'x':>5} | "
           f"{'floor f/b ms':>13}")
     for r in rows:
-        print(f"{r['T']:>7}{'v' if 'varlen' in r else ' '}{r['fla_fwd_ms']:>8.3f} {r['ours_fwd_ms']:>7.3f} "
+        kind = "v" if "varlen" in r else "g" if "gate" in r else " "
+        print(f"{r['T']:>7}{kind}{r['fla_fwd_ms']:>8.3f} {r['ours_fwd_ms']:>7.3f} "
               f"{r['speedup_fwd']:>5.2f} | {r['fla_bwd_ms']:>8.3f} {r['ours_bwd_ms']:>7.3f} {r['speedup_bwd']:>5.2f} | "
               f"{r['fwd_floor_ms']:>6.3f}/{r['bwd_floor_ms']:.3f}")
 
