@@ -4,10 +4,12 @@ A version is a directory holding a `kernels/` tree, e.g. a branch exported with
 `mkdir -p .ab/NAME && git archive BRANCH kernels | tar -x -C .ab/NAME` (ignore `.ab/` in `.git/info/exclude` and
 name it in the device call's `carry`). `python -m benchmarks.kda_ab main=. NAME=.ab/NAME [--repeat 2]` runs the
 versions in turn (A B A B with --repeat 2) and times ours only, the inputs of benchmarks/kda.py: forward (no_grad)
-and forward+backward medians at 16K with the benchmark's gate and with K3's safe gate at init (g = -5 sigmoid(x):
-every chunk spans more, as in training) and on the packed batch; forward on 32 packed sequences (`varlen_many`),
-64K and 128K; device time per kernel in one 16K forward+backward (benchmarks.kda.breakdown); and the relative RMS
-error of o and every gradient against the fp64 recurrent reference at T=512. `--rows varlen,16K` times those rows
+and forward+backward medians at 16K with the benchmark's gate, with a sharp safe-gate decay (g = -5 sigmoid(x):
+every chunk spans more than 80) pre-computed (`16K_safe_gate`) and applied by the kernels (`16K_gate_in_kernel`,
+benchmarks.kda.sharp_safe_gate: the gate's backward included), and on the packed batch; forward on 32 packed
+sequences (`varlen_many`), 64K and 128K; device time per kernel in one 16K forward+backward
+(benchmarks.kda.breakdown); and the relative RMS error of o and every gradient against the fp64 recurrent
+reference at T=512. `--rows varlen,16K` times those rows
 only (a shorter run per version: more versions fit in one device call). `NAME=DIR+key=value+...` runs DIR's code
 with those entries of its `k3_kernels.kda.chunk.CONFIG` set (Python literals:
 `p64=.ab/x+fwd_state_piece_chunks=64+fwd_state_rest_bv=None`), so launch settings need no copy of the tree.
@@ -25,8 +27,8 @@ import tempfile
 
 import torch
 
-ROWS = {"16K": 16384, "16K_safe_gate": 16384, "varlen": 32768, "varlen_many": 65536, "64K": 65536,
-        "128K": 131072}  # row -> tokens
+ROWS = {"16K": 16384, "16K_safe_gate": 16384, "16K_gate_in_kernel": 16384, "varlen": 32768, "varlen_many": 65536,
+        "64K": 65536, "128K": 131072}  # row -> tokens
 
 
 def many_cu_seqlens() -> torch.Tensor:
@@ -42,7 +44,7 @@ def many_cu_seqlens() -> torch.Tensor:
 def _time_version(rows: list[str], config: dict) -> dict:
     """Worker: timings and errors of the `k3_kernels` first on the path with `config` set in its CONFIG, for the
     named rows of ROWS."""
-    from benchmarks.kda import D, H, breakdown, dev, inputs, med, packed_cu_seqlens, rel
+    from benchmarks.kda import D, H, breakdown, dev, inputs, med, packed_cu_seqlens, rel, sharp_safe_gate
     from k3_kernels.kda import chunk as chunk_mod
     from k3_kernels.kda import chunk_kda, naive_recurrent_kda
 
@@ -58,7 +60,11 @@ def _time_version(rows: list[str], config: dict) -> dict:
         if row == "16K_safe_gate":
             with torch.no_grad():
                 xs[3].copy_(-5 * torch.sigmoid(torch.randn_like(xs[3])))
-        kw = {}
+        kw, leaves = {}, xs
+        if row == "16K_gate_in_kernel":  # the same decay, applied by the kernels (and its backward)
+            xs[3], A_log, dt_bias = sharp_safe_gate(T)
+            kw = dict(use_gate_in_kernel=True, lower_bound=-5., A_log=A_log, dt_bias=dt_bias)
+            leaves = xs + [A_log, dt_bias]
         if row.startswith("varlen"):  # with the host copy of cu_seqlens: no device sync per call
             cu = (packed_cu_seqlens() if row == "varlen" else many_cu_seqlens()).to(dev)
             kw = dict(cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
@@ -71,8 +77,8 @@ def _time_version(rows: list[str], config: dict) -> dict:
             def fwd_bwd():
                 chunk_kda(*xs, **kw)[0].backward(do)
             fwd_bwd()
-            out[f"{row}_fwdbwd_ms"] = med(fwd_bwd, rep=50, grad_to_none=xs)
-        del xs
+            out[f"{row}_fwdbwd_ms"] = med(fwd_bwd, rep=50, grad_to_none=leaves)
+        del xs, leaves
         torch.cuda.empty_cache()
     out["breakdown_16K_fwdbwd_ms"] = breakdown(16384)
     xs = inputs(512, seed=1)
