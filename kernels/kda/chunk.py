@@ -801,32 +801,32 @@ def _state_classes(chunks: list[int], most: int) -> list[list[int]]:
 _STREAMS: dict = {}
 
 
-def _side_stream(device: torch.device, priority: int, index: int = 0) -> torch.cuda.Stream:
-    """The device's side stream number `index` of that priority, made once (-1: high, its blocks are placed first
-    as multiprocessors free up; 0: as the default stream)."""
-    if (device, priority, index) not in _STREAMS:
-        _STREAMS[device, priority, index] = torch.cuda.Stream(device, priority=priority)
-    return _STREAMS[device, priority, index]
+def _side_stream(device: torch.device, index: int) -> torch.cuda.Stream:
+    """The device's high-priority side stream number `index`, made once (its blocks are placed first as
+    multiprocessors free up)."""
+    if (device, index) not in _STREAMS:
+        _STREAMS[device, index] = torch.cuda.Stream(device, priority=-1)
+    return _STREAMS[device, index]
 
 
 @contextlib.contextmanager
-def _forked(fork: bool, device: torch.device, priority: int = -1, index: int = 0):
-    """With `fork` (on CUDA), launches inside go to side stream `index` of that priority, after the work queued so far;
-    the caller joins it (`_join`) once its own later launches are queued, so they overlap. Otherwise (and in the CPU
+def _forked(fork: bool, device: torch.device, index: int):
+    """With `fork` (on CUDA), launches inside go to side stream `index`, after the work queued so far; the caller
+    joins it (`_join`) once its own later launches are queued, so they overlap. Otherwise (and in the CPU
     interpreter) they stay on the current stream."""
     if not fork or device.type != "cuda":
         yield
         return
-    side = _side_stream(device, priority, index)
+    side = _side_stream(device, index)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         yield
 
 
 def _join(device: torch.device, forks: int) -> None:
-    """The current stream waits for the high-priority side streams 0 .. forks-1 (`_forked`)."""
+    """The current stream waits for side streams 0 .. forks-1 (`_forked`)."""
     for i in range(forks):
-        torch.cuda.current_stream(device).wait_stream(_side_stream(device, -1, i))
+        torch.cuda.current_stream(device).wait_stream(_side_stream(device, i))
 
 
 def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound, plan, save):
@@ -869,7 +869,7 @@ def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound
             which = "forked" if i < forks else "rest"
             BV = min(CONFIG[f"fwd_state_{which}_bv"] or BV, BVF)
             stages = CONFIG[f"fwd_state_{which}_stages"] or stages
-        with _forked(i < forks, dev, index=i):
+        with _forked(i < forks, dev, i):
             _fwd_state[(count, HV, cdiv(V, BV))](
                 Wc, Uc, QGc, KDc, Aqk, Gc, o, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
                 Hc if save else dummy, VNc if save else dummy, cu, coff, seqs, HV=HV, K=K, V=V, BK=BK, BVF=BVF,
@@ -894,7 +894,7 @@ def _bwd(q, k, v, beta, do, dht, has_h0, scale, saved, plan):
     forks = len(classes) - 1 if dev.type == "cuda" else 0  # all classes' passes at once, the longest first
     for i, (seqs, count, _, _) in enumerate(classes):
         BV, stages = _state_split("bwd", count * HV, K, V, BVF, dev)
-        with _forked(i < forks, dev, index=i):
+        with _forked(i < forks, dev, i):
             _bwd_state[(count, HV, cdiv(V, BV))](
                 QGc, Wc, KDc, Aqk, Gc, do, dht if dht is not None else Gc, dh0 if has_h0 else Gc, DHc, DVNc, cu,
                 coff, seqs, HV=HV, K=K, V=V, BK=BK, BVF=BVF, BV=BV, HAS_DHT=dht is not None, HAS_H0=has_h0,
