@@ -246,25 +246,35 @@ def test_packed_plan_shared_by_equal_batches():
     assert [(s.tolist(), n, first, chunks) for s, n, first, chunks in c[3]] == [([1], 1, 0, 3), ([0], 1, 3, 1)]
 
 
-def test_chunk_state_split_keeps_bits(monkeypatch):
-    """The state passes' V block is chosen from the batch's parallelism (`_state_split`), so it must not change a
-    single bit: every V block gives the same outputs and gradients (batch invariance rests on it)."""
-    from k3_kernels.kda import chunk as chunk_mod
-    cu = [0, 70, 150]
-    inp = make_inputs(1, cu[-1], 1, 1, 32, 64)
-    inp["h0"] = torch.randn(2, 1, 32, 64, device=DEV)
-    grads = {"o": torch.randn(1, cu[-1], 1, 64, device=DEV), "ht": torch.randn(2, 1, 32, 64, device=DEV)}
-    runs = []
-    for bv in (16, 32, 64):
-        monkeypatch.setitem(chunk_mod.CONFIG, "fwd_state_bv", bv)
-        monkeypatch.setitem(chunk_mod.CONFIG, "bwd_state_bv", bv)
-        runs.append(_run(chunk_kda, inp, grads, output_final_state=True, cu_seqlens=torch.tensor(cu, device=DEV)))
+def _case_with_states(B: int, T: int, N: int, K: int, V: int) -> tuple[dict, dict]:
+    """One-head inputs with initial states for N sequences, and upstream gradients for o and the final states."""
+    inp = make_inputs(B, T, 1, 1, K, V)
+    inp["h0"] = torch.randn(N, 1, K, V, device=DEV)
+    return inp, {"o": torch.randn(B, T, 1, V, device=DEV), "ht": torch.randn(N, 1, K, V, device=DEV)}
+
+
+def _assert_same_bits(runs: list) -> None:
+    """Every (outputs, gradients) pair of `_run` results is bitwise equal to the first."""
     (a, da), rest = runs[0], runs[1:]
     for b, db in rest:
         for n in a:
             assert torch.equal(a[n], b[n]), n
         for n in da:
             assert torch.equal(da[n], db[n]), "d" + n
+
+
+def test_chunk_state_split_keeps_bits(monkeypatch):
+    """The state passes' V block is chosen from the batch's parallelism (`_state_split`), so it must not change a
+    single bit: every V block gives the same outputs and gradients (batch invariance rests on it)."""
+    from k3_kernels.kda import chunk as chunk_mod
+    cu = [0, 70, 150]
+    inp, grads = _case_with_states(1, cu[-1], 2, 32, 64)
+    runs = []
+    for bv in (16, 32, 64):
+        monkeypatch.setitem(chunk_mod.CONFIG, "fwd_state_bv", bv)
+        monkeypatch.setitem(chunk_mod.CONFIG, "bwd_state_bv", bv)
+        runs.append(_run(chunk_kda, inp, grads, output_final_state=True, cu_seqlens=torch.tensor(cu, device=DEV)))
+    _assert_same_bits(runs)
 
 
 def test_state_classes_group_sequences_by_halving_length():
@@ -285,9 +295,7 @@ def test_chunk_state_classes_keep_bits(monkeypatch):
     {2, 3} at most 3)."""
     from k3_kernels.kda import chunk as chunk_mod
     cu = [0, 500, 680, 720, 740]
-    inp = make_inputs(1, cu[-1], 1, 1, 32, 32)
-    inp["h0"] = torch.randn(4, 1, 32, 32, device=DEV)
-    grads = {"o": torch.randn(1, cu[-1], 1, 32, device=DEV), "ht": torch.randn(4, 1, 32, 32, device=DEV)}
+    inp, grads = _case_with_states(1, cu[-1], 4, 32, 32)
     runs = []
     for most in (1, 2, 3):
         monkeypatch.setitem(chunk_mod.CONFIG, "state_classes", most)
@@ -296,12 +304,7 @@ def test_chunk_state_classes_keep_bits(monkeypatch):
         assert len(plan[3]) == most
         runs.append(_run(chunk_kda, inp, grads, output_final_state=True, cu_seqlens=torch.tensor(cu, device=DEV)))
     chunk_mod._chunk_plan.cache_clear()
-    (a, da), rest = runs[0], runs[1:]
-    for b, db in rest:
-        for n in a:
-            assert torch.equal(a[n], b[n]), n
-        for n in da:
-            assert torch.equal(da[n], db[n]), "d" + n
+    _assert_same_bits(runs)
 
 
 def test_chunk_bad_input_names_the_tensor():
