@@ -58,6 +58,11 @@ def sharp_safe_gate(T: int, device: str = dev) -> tuple[torch.Tensor, torch.Tens
             torch.zeros(H * D, device=device, requires_grad=True))
 
 
+def safe_gate_kwargs(A_log: torch.Tensor, dt_bias: torch.Tensor) -> dict:
+    """chunk_kda keywords that apply K3's safe gate (lower bound -5) to g in the kernels (ours and fla-core's)."""
+    return dict(use_gate_in_kernel=True, lower_bound=-5., A_log=A_log, dt_bias=dt_bias)
+
+
 def packed_cu_seqlens() -> torch.Tensor:
     """The varlen row's batch: 8 sequences packed into 32K tokens, cut at fixed random points."""
     gen = torch.Generator().manual_seed(1)
@@ -88,7 +93,7 @@ def run_pair(fla_kda, xs, do, cu=None, check=False, rep=100, gate=None):
     kw = {} if cu is None else dict(cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())  # both sides skip the host sync
     fla_kw = kw
     if gate is not None:
-        kw = dict(kw, use_gate_in_kernel=True, lower_bound=-5., A_log=gate[0], dt_bias=gate[1])
+        kw = dict(kw, **safe_gate_kwargs(*gate))
         fla_kw = dict(kw, safe_gate=True)
         xs = list(xs) + list(gate)
     res, errs = {}, {}

@@ -44,7 +44,8 @@ def many_cu_seqlens() -> torch.Tensor:
 def _time_version(rows: list[str], config: dict) -> dict:
     """Worker: timings and errors of the `k3_kernels` first on the path with `config` set in its CONFIG, for the
     named rows of ROWS."""
-    from benchmarks.kda import D, H, breakdown, dev, inputs, med, packed_cu_seqlens, rel, sharp_safe_gate
+    from benchmarks.kda import (D, H, breakdown, dev, inputs, med, packed_cu_seqlens, rel, safe_gate_kwargs,
+                                sharp_safe_gate)
     from k3_kernels.kda import chunk as chunk_mod
     from k3_kernels.kda import chunk_kda, naive_recurrent_kda
 
@@ -57,13 +58,13 @@ def _time_version(rows: list[str], config: dict) -> dict:
     for row in rows:
         T = ROWS[row]
         xs = inputs(T)
-        if row == "16K_safe_gate":
-            with torch.no_grad():
-                xs[3].copy_(-5 * torch.sigmoid(torch.randn_like(xs[3])))
         kw, leaves = {}, xs
+        if row == "16K_safe_gate":  # the decay of `sharp_safe_gate` (A_log = dt_bias = 0), pre-computed
+            with torch.no_grad():
+                xs[3].copy_(-5 * torch.sigmoid(sharp_safe_gate(T)[0]))
         if row == "16K_gate_in_kernel":  # the same decay, applied by the kernels (and its backward)
             xs[3], A_log, dt_bias = sharp_safe_gate(T)
-            kw = dict(use_gate_in_kernel=True, lower_bound=-5., A_log=A_log, dt_bias=dt_bias)
+            kw = safe_gate_kwargs(A_log, dt_bias)
             leaves = xs + [A_log, dt_bias]
         if row.startswith("varlen"):  # with the host copy of cu_seqlens: no device sync per call
             cu = (packed_cu_seqlens() if row == "varlen" else many_cu_seqlens()).to(dev)
