@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from k3.envs import CalculatorEnv, heldout_tasks, train_tasks
-from k3.jobs.config import JobConfig
+from k3.jobs.config import JobConfig, engine_config
 from k3.jobs.episodes import Rollout, run_episodes
 from k3.jobs.report import MetricsLog, plot, summary_table
 from k3.jobs.sft import ensure_base
@@ -83,10 +83,8 @@ class RLJob:
         first = self.publisher.publish(self._published(), version=0)
         self.receiver = WeightReceiver.from_payload(first)
         self._load_serving(self.receiver.state_dict())
-        self.engine = Engine(serving, prefix_cache=cfg.rollout.prefix_cache,
-                             checkpoint_interval=cfg.rollout.checkpoint_every, device_states=cfg.rollout.state_slots,
-                             host_states=cfg.rollout.state_slots, device_pages=cfg.rollout.kv_pages,
-                             host_pages=cfg.rollout.kv_pages)
+        # the engine config load_config already checked (k3.jobs.config.engine_config: one place for both)
+        self.engine = Engine(serving, prefix_cache=cfg.rollout.prefix_cache, config=engine_config(cfg))
         self.model_bytes = sum(v.numel() * 2 for v in trainer.state_dict().values())  # bf16 full checkpoint
 
     # ------------------------------------------------------------------ weights
