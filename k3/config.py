@@ -2,11 +2,21 @@
 
 Field names follow the published `config.json` so a real checkpoint's config loads unchanged.
 Layer lists in `linear_attn_config` are 1-based, as published.
+
+Two ways in, two strictness levels:
+* `K3Config(...)` / `.replace(...)` / presets: every field has the published K3 value as its default, so code can
+  say "K3, but 8 layers". Types and ranges are still checked (`validate`).
+* `from_dict` / `from_pretrained` read a config someone wrote: every field that fixes a tensor's shape, whether a
+  weight exists, or which layers are KDA/MLA/MoE must be stated (`REQUIRED_FIELDS`, `REQUIRED_LINEAR_ATTN_KEYS`),
+  so a forgotten `hidden_size` is an error instead of a silent 7168; unknown keys are errors (a misspelt field
+  would otherwise be ignored) except Hugging Face's metadata (`HF_METADATA_KEYS`).
 """
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,6 +24,46 @@ from typing import Any
 
 class ConfigError(ValueError):
     """A K3 config field is missing or inconsistent; the message names the field."""
+
+
+#: Fields `from_dict` requires: each fixes a tensor's shape, whether a weight exists, or which layers are
+#: KDA/MLA/dense/MoE, so a default here would silently build (or load into) a different network. The rest
+#: (norm eps, token ids, router numerics, SiTU betas, ...) default to the published K3 values.
+REQUIRED_FIELDS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "tie_word_embeddings",
+    "linear_attn_config",
+    # Gated MLA
+    "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    "mla_use_output_gate",
+    # Latent MoE (not required of a dense config: num_experts 0 or null)
+    "num_experts", "num_experts_per_token", "num_shared_experts", "moe_intermediate_size",
+    "routed_expert_hidden_size", "latent_moe_use_norm", "first_k_dense_replace", "moe_layer_freq",
+    # Block Attention Residuals (null = none; its weights exist only when set)
+    "attn_res_block_size",
+)
+MOE_ONLY_FIELDS = frozenset({"num_experts_per_token", "num_shared_experts", "moe_intermediate_size",
+                             "routed_expert_hidden_size", "latent_moe_use_norm", "first_k_dense_replace",
+                             "moe_layer_freq"})
+#: `linear_attn_config` keys `from_dict` requires (all the keys K3 publishes): layer lists, head count and size,
+#: conv width and full-rank gate fix shapes; `gate_lower_bound` picks the gate (null = the default, unsafe gate).
+REQUIRED_LINEAR_ATTN_KEYS = ("kda_layers", "full_attn_layers", "num_heads", "head_dim", "short_conv_kernel_size",
+                             "gate_lower_bound", "use_full_rank_gate")
+#: Allowed types of each `linear_attn_config` key (no other key is accepted).
+LINEAR_ATTN_TYPES: dict[str, tuple[type, ...]] = {
+    "kda_layers": (list, tuple), "full_attn_layers": (list, tuple), "num_heads": (int,), "head_dim": (int,),
+    "short_conv_kernel_size": (int,), "gate_lower_bound": (float, type(None)), "use_full_rank_gate": (bool,),
+}
+#: Keys of a published text config that `from_dict` reads and ignores: Hugging Face's serialisation metadata, and
+#: published K3 fields with no effect on this model (MLA: one KV latent, so `num_key_value_heads` is moot; NoPE,
+#: so the rope settings are unused; grouped top-k is `num_expert_group`/`topk_group`; `num_nextn_predict_layers`
+#: must be 0, which from_dict checks). Anything else unknown is an error naming the key.
+HF_METADATA_KEYS = frozenset({
+    "architectures", "auto_map", "model_type", "torch_dtype", "dtype", "transformers_version", "_name_or_path",
+    "quantization_config", "use_cache", "initializer_range", "rope_theta", "rope_scaling", "num_key_value_heads",
+    "use_grouped_topk", "num_nextn_predict_layers",
+})
+#: Published spellings of our fields (DeepSeek-style names some configs use).
+FIELD_ALIASES = {"n_routed_experts": "num_experts", "num_experts_per_tok": "num_experts_per_token"}
 
 
 @dataclass
@@ -62,6 +112,8 @@ class K3Config:
     attn_res_block_size: int | None = 12
 
     def __post_init__(self) -> None:
+        if self.linear_attn_config is not None and not isinstance(self.linear_attn_config, dict):
+            raise ConfigError(_type_message("linear_attn_config", self.linear_attn_config, (dict,)))
         self.linear_attn_config = {**_default_linear_attn(self.num_hidden_layers), **(self.linear_attn_config or {})}
         self.validate()
 
@@ -108,15 +160,22 @@ class K3Config:
             if not cond:
                 raise ConfigError(f"{name}: {msg}")
 
+        for f in dataclasses.fields(self):
+            _check_type(f.name, getattr(self, f.name), _allowed_types(_FIELD_TYPES[f.name]))
+        lac = self.linear_attn_config
+        for key, value in lac.items():
+            if key not in LINEAR_ATTN_TYPES:
+                raise ConfigError(f"linear_attn_config.{key}: {_unknown(key, LINEAR_ATTN_TYPES)}")
+            _check_type(f"linear_attn_config.{key}", value, LINEAR_ATTN_TYPES[key])
+
         n = self.num_hidden_layers
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
                      "v_head_dim", "intermediate_size"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) > 0, name, "must be a positive integer")
-        lac = self.linear_attn_config
         kda = list(lac.get("kda_layers") or [])
         full = list(lac.get("full_attn_layers") or [])
         for name, layers in (("linear_attn_config.kda_layers", kda), ("linear_attn_config.full_attn_layers", full)):
-            bad = [x for x in layers if not isinstance(x, int) or not 1 <= x <= n]
+            bad = [x for x in layers if isinstance(x, bool) or not isinstance(x, int) or not 1 <= x <= n]
             need(not bad, name, f"layer ids are 1-based in [1, {n}]; got {bad}")
             need(len(set(layers)) == len(layers), name, "has duplicate layer ids")
         overlap = sorted(set(kda) & set(full))
@@ -133,6 +192,8 @@ class K3Config:
         need(self.qk_nope_head_dim >= 0 and self.qk_rope_head_dim >= 0 and self.qk_nope_head_dim + self.qk_rope_head_dim > 0,
              "qk_nope_head_dim", "qk_nope_head_dim + qk_rope_head_dim must be positive")
         need(self.q_lora_rank is None or self.q_lora_rank > 0, "q_lora_rank", "must be positive or null")
+        need(self.mla_use_nope, "mla_use_nope", "K3's MLA is NoPE (its rope dims are never rotated); false is not "
+             "modelled")
         if self.num_experts > 0:
             need(1 <= self.num_experts_per_token <= self.num_experts, "num_experts_per_token",
                  f"top-k {self.num_experts_per_token} must be in [1, num_experts={self.num_experts}]")
@@ -158,37 +219,78 @@ class K3Config:
     # ------------------------------------------------------------------ io
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "K3Config":
-        """Accept a published `kimi_k3` config (uses its `text_config`) or a bare `kimi_linear` one."""
+        """Accept a published `kimi_k3` config (uses its `text_config`) or a bare `kimi_linear` one.
+
+        Strict, because this reads configs people write: `REQUIRED_FIELDS` (MoE ones only when `num_experts` > 0)
+        and `REQUIRED_LINEAR_ATTN_KEYS` must be present, unknown keys other than `HF_METADATA_KEYS` are rejected
+        by name, and types are checked (in `validate`). The `kimi_k3` wrapper's own keys (vision_config, ...) are
+        not ours to check."""
         if not isinstance(d, dict):
             raise ConfigError(f"config: expected a dict, got {type(d).__name__}")
         if d.get("model_type") == "kimi_k3":
             if "text_config" not in d:
                 raise ConfigError("text_config: a kimi_k3 config needs a text_config")
             d = d["text_config"]
+            if not isinstance(d, dict):
+                raise ConfigError(f"text_config: expected a dict, got {type(d).__name__}")
         mt = d.get("model_type", "kimi_linear")
         if mt != "kimi_linear":
             raise ConfigError(f"model_type: expected 'kimi_k3' or 'kimi_linear', got {mt!r}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        kw = {k: v for k, v in d.items() if k in names}
-        if "num_experts" not in kw and "n_routed_experts" in d:
-            kw["num_experts"] = d["n_routed_experts"]
-        if "num_experts_per_token" not in kw and "num_experts_per_tok" in d:
-            kw["num_experts_per_token"] = d["num_experts_per_tok"]
-        if isinstance(kw.get("eos_token_id"), list):
-            kw["eos_token_id"] = kw["eos_token_id"][0]
+        d = dict(d)
+        for alias, name in FIELD_ALIASES.items():
+            if alias in d:
+                value = d.pop(alias)
+                if name in d and d[name] != value:
+                    raise ConfigError(f"{alias}: {value!r} conflicts with {name}={d[name]!r} (the same field)")
+                d.setdefault(name, value)
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = [k for k in d if k not in names and k not in HF_METADATA_KEYS]
+        if unknown:
+            raise ConfigError(f"{unknown[0]}: {_unknown(unknown[0], names)}"
+                              + (f" (also unknown: {', '.join(unknown[1:])})" if unknown[1:] else ""))
+        if d.get("num_nextn_predict_layers") not in (None, 0):
+            raise ConfigError(f"num_nextn_predict_layers: multi-token-prediction layers are not modelled; expected 0, "
+                              f"got {d['num_nextn_predict_layers']!r}")
+        kw = {k: d[k] for k in names if k in d}
         if "num_experts" in kw and kw["num_experts"] is None:  # a dense kimi_linear config
             kw["num_experts"] = 0
+        dense = kw.get("num_experts") == 0
+        if dense:  # HF writes null for the MoE sizes of a dense config; they mean nothing without experts
+            kw = {k: v for k, v in kw.items() if not (k in MOE_ONLY_FIELDS and v is None)}
+        required = [k for k in REQUIRED_FIELDS if not (dense and k in MOE_ONLY_FIELDS)]
+        missing = [k for k in required if k not in kw]
+        if "linear_attn_config" in kw:  # K3Config() reads null as "K3's layout", which a written config must not mean
+            lac = kw["linear_attn_config"]
+            _check_type("linear_attn_config", lac, (dict,))
+            missing += [f"linear_attn_config.{k}" for k in REQUIRED_LINEAR_ATTN_KEYS if k not in lac]
+        if missing:
+            raise ConfigError(f"{', '.join(missing)}: required but missing (a config must state every field that "
+                              f"fixes a tensor shape or a layer's kind; see k3.config.REQUIRED_FIELDS)")
+        if isinstance(kw.get("eos_token_id"), list) and kw["eos_token_id"]:
+            kw["eos_token_id"] = kw["eos_token_id"][0]
         return cls(**kw)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "K3Config":
-        """A checkpoint directory holding config.json, or the path of a config JSON file."""
+        """A checkpoint directory holding config.json, or the path of a config JSON file. Every failure is a
+        ConfigError naming the file (and the field, for a config that parses)."""
         p = Path(path)
         if p.is_dir():
             p = p / "config.json"
         if not p.exists():
-            raise ConfigError(f"config path: {p} does not exist")
-        return cls.from_dict(json.loads(p.read_text()))
+            raise ConfigError(f"config: {p} does not exist")
+        if not p.is_file():
+            raise ConfigError(f"config: {p} is not a file")
+        try:
+            data = json.loads(p.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config: {p} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from e
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config: cannot read {p}: {e}") from e
+        try:
+            return cls.from_dict(data)
+        except ConfigError as e:
+            raise ConfigError(f"{e} (in {p})") from e
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -208,6 +310,41 @@ class K3Config:
         if name not in PRESETS:
             raise ConfigError(f"preset: unknown {name!r}; choose from {sorted(PRESETS)}")
         return cls.from_dict(PRESETS[name]())
+
+
+_FIELD_TYPES = typing.get_type_hints(K3Config)
+
+
+def _allowed_types(hint: Any) -> tuple[type, ...]:
+    """`int | None` -> (int, NoneType); `int` -> (int,)."""
+    args = typing.get_args(hint)
+    return tuple(a for a in args if isinstance(a, type)) if args else (hint,)
+
+
+def _type_ok(value: Any, allowed: tuple[type, ...]) -> bool:
+    """JSON's types, strictly: a bool is not an int, a str is not a number, an int is a fine float, None only where
+    the annotation says so."""
+    if isinstance(value, bool):
+        return bool in allowed
+    if isinstance(value, int) and float in allowed:
+        return True
+    return isinstance(value, allowed)
+
+
+def _type_message(name: str, value: Any, allowed: tuple[type, ...]) -> str:
+    names = {type(None): "null", list: "list", tuple: "list", dict: "dict"}
+    want = " or ".join(dict.fromkeys(names.get(t, t.__name__) for t in allowed))
+    return f"{name}: expected {want}, got {names.get(type(value), type(value).__name__)} ({value!r})"
+
+
+def _check_type(name: str, value: Any, allowed: tuple[type, ...]) -> None:
+    if not _type_ok(value, allowed):
+        raise ConfigError(_type_message(name, value, allowed))
+
+
+def _unknown(key: str, known: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(key, list(known), n=1)
+    return "unknown field" + (f" (did you mean {close[0]!r}?)" if close else "")
 
 
 def _default_linear_attn(n_layers: int) -> dict:
@@ -233,6 +370,8 @@ def _scaled_dict(*, hidden: int, layers: int, vocab: int, kda_heads: int, head_d
             "q_lora_rank": q_lora, "kv_lora_rank": kv_lora, "qk_nope_head_dim": nope, "qk_rope_head_dim": rope,
             "v_head_dim": v_dim, "num_experts": experts, "num_experts_per_token": topk, "num_shared_experts": 2,
             "moe_intermediate_size": moe_inter, "routed_expert_hidden_size": hidden // 2,
+            "latent_moe_use_norm": True, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+            "tie_word_embeddings": False, "mla_use_output_gate": True,
             "attn_res_block_size": block, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 
 

@@ -2,7 +2,13 @@
 kimi_k3 checkpoint layout (`...block_sparse_moe.experts.{e}.w{1,2,3}.weight`), safetensors I/O, strict loading.
 
 `from_hf` also accepts the multimodal K3 layout (`language_model.` prefix, vision weights ignored), `mlp` for
-`block_sparse_moe`, and the checkpoint quirk of `A_log` stored as a longer 1-D (or [1, 1, H, 1]) tensor.
+`block_sparse_moe`, Kimi Linear's `A_log` layout `[1, 1, H, 1]`, and one checkpoint quirk, explicitly: the published
+K3 checkpoint stores each KDA layer's `A_log` as F32[128] for its 96 heads (shared/reference/k3-architecture.md
+§1.1; the first 96 values are the heads'). Any other `A_log` length is a shape mismatch, never a silent truncation.
+
+Loading is all-or-nothing: every file is read and every tensor checked before a model exists, and each failure
+(missing or unreadable config.json, a truncated or corrupt safetensors file, a tensor stored twice, a mismatch) is
+a ConfigError or CheckpointError naming the file or tensor.
 """
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from k3.config import K3Config
@@ -17,6 +24,8 @@ from k3.config import K3Config
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.weight$")
 _STACKED = re.compile(r"^(.*\.experts)\.(w[123])$")
 WEIGHTS_FILE = "model.safetensors"
+#: The published K3 checkpoint's A_log quirk as {heads in the model: values stored}; see the module docstring.
+A_LOG_STORED_LENGTHS = {96: 128}
 
 
 class CheckpointError(ValueError):
@@ -62,9 +71,7 @@ def from_hf(hf: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> d
             experts.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = t
             continue
         if name.endswith(".A_log") and name in expected:
-            n = expected[name].numel()
-            if t.dim() == 4 or (t.dim() == 1 and t.numel() > n):
-                t = t.reshape(-1)[:n]
+            t = _a_log_as_model(t, expected[name])
         mapped[name] = t
     problems: list[str] = []
     for (prefix, w), per in experts.items():
@@ -94,10 +101,30 @@ def from_hf(hf: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> d
     for name in sorted(set(mapped) & set(expected)):
         if tuple(mapped[name].shape) != tuple(expected[name].shape):
             problems.append(f"shape mismatch: {name}: checkpoint {tuple(mapped[name].shape)}, "
-                            f"model {tuple(expected[name].shape)}")
+                            f"model {tuple(expected[name].shape)}"
+                            + (_A_LOG_HINT if name.endswith(".A_log") else ""))
     if problems:
         raise CheckpointError("checkpoint does not match the model:\n  " + "\n  ".join(problems))
     return mapped
+
+
+_A_LOG_HINT = (" (A_log must hold one value per KDA head, as [H] or [1, 1, H, 1]; the only other length accepted is"
+               " the published K3 checkpoint's 128 values for 96 heads)")
+
+
+def _a_log_as_model(t: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """A checkpoint's A_log in the model's [H] shape when it is one of the accepted layouts ([H], Kimi Linear's
+    [1, 1, H, 1], or K3's 128 values for 96 heads, flat or 4-D); otherwise unchanged, so the shape check reports
+    the checkpoint's own shape."""
+    if want.dim() != 1:
+        return t
+    flat = t.reshape(-1) if t.dim() == 4 and (t.shape[0], t.shape[1], t.shape[3]) == (1, 1, 1) else t
+    h = want.shape[0]
+    if flat.dim() == 1 and flat.shape[0] == h:
+        return flat
+    if flat.dim() == 1 and flat.shape[0] == A_LOG_STORED_LENGTHS.get(h):
+        return flat[:h]
+    return t
 
 
 def _ranges(ids: list[int]) -> str:
@@ -127,14 +154,23 @@ def load_pretrained(path: str | Path, dtype: torch.dtype | None = None, device: 
     if not files:
         raise CheckpointError(f"checkpoint: no *.safetensors files in {p}")
     hf: dict[str, torch.Tensor] = {}
+    stored_in: dict[str, Path] = {}
     for f in files:
-        hf.update(load_file(str(f)))
+        tensors = _read_safetensors(f)
+        for name in tensors:
+            if name in stored_in:
+                raise CheckpointError(f"{name}: stored in both {stored_in[name]} and {f}")
+            stored_in[name] = f
+        hf.update(tensors)
     with torch.device("meta"):
         model = K3ForCausalLM(cfg, init=False)
     expected = model.state_dict()
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    state = from_hf(hf, expected)
+    try:
+        state = from_hf(hf, expected)
+    except CheckpointError as e:
+        raise CheckpointError(f"{p}: {e}") from e
     model = model.to_empty(device=device)
     model.load_state_dict(state, strict=not cfg.tie_word_embeddings, assign=False)
     if cfg.tie_word_embeddings:
@@ -142,3 +178,13 @@ def load_pretrained(path: str | Path, dtype: torch.dtype | None = None, device: 
     if dtype is not None:
         model = model.to(dtype)
     return model
+
+
+def _read_safetensors(f: Path) -> dict[str, torch.Tensor]:
+    """All tensors of one file; a truncated, corrupt or unreadable file is a CheckpointError naming it (safetensors'
+    own error says only what broke, not where)."""
+    try:
+        return load_file(str(f))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"checkpoint file {f}: not a readable safetensors file (truncated or corrupt?): {e}"
+                              ) from e

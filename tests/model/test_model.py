@@ -177,14 +177,15 @@ def test_save_load_bit_exact_and_strict(tiny, tmp_path):
 
 
 def test_multimodal_checkpoint_layout_loads(tiny, tmp_path):
-    """The published kimi_k3 layout: `language_model.` prefix, `mlp` for MoE blocks, vision weights, long A_log."""
+    """The published kimi_k3 layout: `language_model.` prefix, `mlp` for MoE blocks, vision weights, Kimi Linear's
+    [1, 1, H, 1] A_log (K3's 128-for-96 A_log quirk: tests/model/test_checkpoint.py)."""
     from k3.model.adapter import from_hf, to_hf
     hf = {}
     for k, v in to_hf(tiny.state_dict()).items():
         k = k.replace("block_sparse_moe", "mlp")
         k = "language_model." + (k[len("model."):] if k.startswith("model.layers.") else k)
         if k.endswith("self_attn.A_log"):
-            v = torch.cat([v, torch.zeros(5)])
+            v = v.view(1, 1, -1, 1)
         hf[k] = v
     hf["vision_tower.patch_embed.weight"] = torch.zeros(2)
     state = from_hf(hf, tiny.state_dict())
