@@ -48,3 +48,40 @@ def chain(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     for i in range(1, n):
         states.append(step(states[-1], i))
     return states
+
+
+def frame_offsets(payload: bytes) -> list[tuple[str, int, int]]:
+    """(tensor, start of frame record, start of frame data) for every frame of a payload."""
+    from k3.sync.codec import _Source, read_manifest
+    from k3.sync.format import FRAME
+
+    src = _Source(payload)
+    man = read_manifest(src)
+    pos, out = src.pos, []
+    for e in man.tensors:
+        for _ in range(e.frames):
+            comp_len = FRAME.unpack(payload[pos:pos + FRAME.size])[5]
+            out.append((e.name, pos, pos + FRAME.size + 8))
+            pos += FRAME.size + 8 + comp_len
+    return out
+
+
+def with_flipped_bit(state: dict[str, torch.Tensor], name: str, byte: int = 0) -> dict[str, torch.Tensor]:
+    """A copy of `state` (on its device) whose tensor `name` has the lowest bit of raw byte `byte` flipped:
+    same names, dtypes and shapes, different bytes (a wrong base under the same version number)."""
+    out = clone(state)
+    out[name].reshape(-1).view(torch.uint8)[byte] ^= 1
+    return out
+
+
+def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Same names, dtypes, shapes and raw bytes, compared where the tensors live (CPU or CUDA)."""
+    if set(a) != set(b):
+        return False
+    for k, x in a.items():
+        y = b[k].to(x.device)
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return False
+        if not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
+            return False
+    return True
