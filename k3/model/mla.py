@@ -49,13 +49,7 @@ class GatedMLA(nn.Module):
         S = c_kv.shape[1]
         k_nope, v = self.kv_b_proj(c_kv).view(B, S, H, self.nope + self.v_dim).split([self.nope, self.v_dim], -1)
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
-        scores = torch.einsum("bthd,bshd->bhts", q_nope.float(), k_nope.float())
-        scores = scores + torch.einsum("bthd,bsd->bhts", q_pe.float(), k_pe.float())
-        # query t of row b sees keys j <= past_b + t (its own past, then the new tokens causally)
-        limit = past.view(B, 1, 1) + torch.arange(T, device=x.device).view(1, T, 1)
-        visible = torch.arange(S, device=x.device).view(1, 1, S) <= limit
-        scores = (scores * self.scale).masked_fill(~visible[:, None], float("-inf"))
-        attn = torch.einsum("bhts,bshd->bthd", torch.softmax(scores, dim=-1), v.float()).to(x.dtype)
+        attn = ops.mla_attention(q_nope, q_pe, k_nope, k_pe, v, past, self.scale).to(x.dtype)
         attn = attn.reshape(B, T, H * self.v_dim)
         if self.g_proj is not None:
             attn = attn * torch.sigmoid(self.g_proj(x))

@@ -18,10 +18,33 @@ def _on_cuda(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
-# CPU GEMMs take another code path for a handful of rows (and for some row-count tails), so a token's result
-# would depend on how many tokens share the call (decode vs prefill, expert group sizes). Padding the row count
-# to a multiple of 8 makes each row's result independent of the others (tests/model/test_ops.py checks it).
-_ROW_MULTIPLE = 8
+# A CPU GEMM picks its code path by shape (and by CPU: MKL's AVX-512/AMX kernels differ from its AVX2 ones): a
+# token's result would depend on how many tokens share the call (decode vs prefill, expert group sizes), and on
+# some CPUs even a padded single call is not enough (one row of 8 and the same row among 304 differ for narrow
+# outputs). So the CPU forward cuts the rows into blocks of a fixed size and multiplies every block with the same
+# batched GEMM of one shape: each row's result depends only on its own values (tests/model/test_ops.py checks it
+# over shapes, offsets and counts). The backward is a plain GEMM (training does not promise batch invariance).
+_ROW_BLOCK = 16
+
+
+class _RowBlockLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(rows, weight)
+        m = rows.shape[0]
+        pad = (-m) % _ROW_BLOCK
+        if pad:
+            rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
+        blocks = rows.shape[0] // _ROW_BLOCK
+        out = torch.bmm(rows.view(blocks, _ROW_BLOCK, -1), weight.t().unsqueeze(0).expand(blocks, -1, -1))
+        return out.reshape(-1, weight.shape[0])[:m]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        rows, weight = ctx.saved_tensors
+        grad_rows = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = grad.t() @ rows if ctx.needs_input_grad[1] else None
+        return grad_rows, grad_weight
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -29,12 +52,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.is_cuda:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
-    pad = (-rows.shape[0]) % _ROW_MULTIPLE
-    if pad:
-        rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
-    out = F.linear(rows, weight, bias)
-    if pad:
-        out = out[: out.shape[0] - pad]
+    out = _RowBlockLinear.apply(rows, weight) if rows.shape[0] else F.linear(rows, weight)
+    if bias is not None:
+        out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -43,6 +63,36 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+
+def _mla_scores_and_mix(q_nope, q_pe, k_nope, k_pe, v, past, scale):
+    B, T = q_nope.shape[:2]
+    S = k_nope.shape[1]
+    scores = torch.einsum("bthd,bshd->bhts", q_nope.float(), k_nope.float())
+    scores = scores + torch.einsum("bthd,bsd->bhts", q_pe.float(), k_pe.float())
+    # query t of row b sees keys j <= past_b + t (its own past, then the new tokens causally)
+    limit = past.view(B, 1, 1) + torch.arange(T, device=q_nope.device).view(1, T, 1)
+    visible = torch.arange(S, device=q_nope.device).view(1, 1, S) <= limit
+    scores = (scores * scale).masked_fill(~visible[:, None], float("-inf"))
+    return torch.einsum("bhts,bshd->bthd", torch.softmax(scores, dim=-1), v.float())
+
+
+def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor,
+                  v: torch.Tensor, past: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal MLA attention in fp32 -> [B, T, H, v_dim]. Row b's T queries follow its `past[b]` cached keys; keys
+    past a row's own length (padding to the batch's longest row) are invisible.
+
+    On CPU each row is computed alone over exactly its own keys: the batched contractions' CPU GEMMs pick their
+    code path by batch count and key length, so a row's result would depend on its companions (decode batches)."""
+    if _on_cuda(q_nope):
+        return _mla_scores_and_mix(q_nope, q_pe, k_nope, k_pe, v, past, scale)
+    T = q_nope.shape[1]
+    rows = []
+    for b in range(q_nope.shape[0]):
+        n = int(past[b]) + T
+        rows.append(_mla_scores_and_mix(q_nope[b:b + 1], q_pe[b:b + 1], k_nope[b:b + 1, :n], k_pe[b:b + 1, :n],
+                                        v[b:b + 1, :n], past[b:b + 1], scale))
+    return torch.cat(rows)
 
 
 CPU_KDA_CHUNK = 16

@@ -14,6 +14,9 @@ Bitwise reproducibility (cache on == cache off, any batch composition) rests on 
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import enum
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -24,11 +27,27 @@ from k3.model import K3ForCausalLM
 from k3.rollout.pools import TieredPool
 from k3.rollout.radix import Node, RadixTree
 from k3.rollout.sampler import sample, sample_generator
-from k3.rollout.types import (KIND_DECODE, KIND_PREFILL_END, Completion, Prompt, SamplingParams, key_kind,
-                              key_len, key_token, make_key)
+from k3.rollout.types import (KIND_DECODE, KIND_PREFILL_END, MAX_SEGMENT, Completion, Prompt, SamplingParams,
+                              as_token_ids, key_kind, key_len, key_token, make_key)
+from k3.rollout.view import PoolView
 
 
-@dataclass
+class PrefixMatch(str, enum.Enum):
+    """How a prompt is matched against the prefix cache.
+
+    EXACT: by key (token + how it was computed). Reuse is bitwise exact (cache on == cache off), but history only
+      matches when it comes back as the engine's own `Prompt` spans (`Completion.extend`).
+    TOKENS: by token ids alone, for clients that re-send each conversation as one flat token list (OpenAI-style
+      clients of SGLang and vLLM do). A flat prompt reuses whatever of its prefix is cached, decode-produced
+      states included, and computes the rest from there. The price: reused history was computed token by token
+      (decode) where a fresh computation of the flat prompt would prefill it in chunks, so the outputs differ
+      from recomputation by rounding (the log-prob difference is measured in benchmarks/prefix_match.py).
+    """
+    EXACT = "exact"
+    TOKENS = "tokens"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     page_size: int = 16            # MLA tokens per page
     chunk_size: int = 64           # prefill chunk (absolute alignment)
@@ -41,20 +60,41 @@ class EngineConfig:
     device_states: int = 64
     host_states: int = 64
     seed: int = 0                  # seeds requests that give none
+    prefix_match: PrefixMatch = PrefixMatch.EXACT
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prefix_match, PrefixMatch):
+            try:
+                object.__setattr__(self, "prefix_match", PrefixMatch(self.prefix_match))
+            except ValueError:
+                raise ValueError(f"prefix_match: must be one of {[m.value for m in PrefixMatch]}, "
+                                 f"got {self.prefix_match!r}") from None
 
     def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name != "prefix_match" and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ValueError(f"{f.name}: expected an integer, got {type(v).__name__} ({v!r})")
         for name in ("page_size", "chunk_size", "checkpoint_interval", "decode_batch", "max_step_tokens",
                      "max_running", "device_pages", "device_states"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("host_pages", "host_states"):
+        for name in ("host_pages", "host_states", "seed"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.chunk_size > MAX_SEGMENT:
+            raise ValueError(f"chunk_size: must be <= {MAX_SEGMENT} (segment lengths live in 10 key bits), "
+                             f"got {self.chunk_size}")
         if self.checkpoint_interval % self.chunk_size:
             raise ValueError(f"checkpoint_interval: {self.checkpoint_interval} must be a multiple of chunk_size "
                              f"{self.chunk_size} (checkpoints sit at segment ends)")
         if self.max_step_tokens < self.chunk_size:
             raise ValueError(f"max_step_tokens: {self.max_step_tokens} must be >= chunk_size {self.chunk_size}")
+
+
+class RequestFailed(RuntimeError):
+    """An exception inside `generate` after admission. Every sequence of that call was finished and released
+    (pages, states, tree pins) before this was raised: the engine is consistent and serves the next call."""
 
 
 @dataclass(eq=False)
@@ -86,81 +126,40 @@ class _Seq:
     out_slogprobs: list[float] = field(default_factory=list)
     out_routing: list[torch.Tensor] = field(default_factory=list)
     sampling: bool = False         # past the prompt: logits at the end of each step are sampled
+    unpinned: set[int] = field(default_factory=set)  # pages of `bt` retained but not pinned yet (admission)
 
     @property
     def pending(self) -> int:
         return len(self.key) - self.pos
 
 
-class _PoolView:
-    """CacheView over the engine's pools for one forward: rows (seq or None = dummy seat) at ragged lengths."""
-
-    def __init__(self, eng: "Engine", rows: list[_Seq | None], T: int):
-        self.eng, self.rows, self.T = eng, rows, T
-        self.past = torch.tensor([0 if r is None else r.pos for r in rows], dtype=torch.long)
-        P = eng.cfg.page_size
-        self.S = P * math.ceil((int(self.past.max()) + T) / P)
-        self.fresh = all(r is None or r.pos == 0 for r in rows)
-        dev = eng.device
-        real = [(b, r) for b, r in enumerate(rows) if r is not None]
-        pos = [(b, r.pos + t) for b, r in real for t in range(T)]
-        self.w_rows = torch.tensor([b for b, _ in pos], dtype=torch.long, device=dev)
-        self.w_t = torch.tensor([p - rows[b].pos for b, p in pos], dtype=torch.long, device=dev)
-        self.w_slot = torch.tensor([eng.pages.slot(rows[b].bt[p // P]) for b, p in pos], dtype=torch.long, device=dev)
-        self.w_off = torch.tensor([p % P for _, p in pos], dtype=torch.long, device=dev)
-        self.r_idx = [(b, torch.tensor([eng.pages.slot(pg) for pg in r.bt[:math.ceil((r.pos + T) / P)]],
-                                        dtype=torch.long, device=dev), r.pos + T) for b, r in real]
-        self.s_rows = [b for b, _ in real]
-        self.s_slots = torch.tensor([eng.states.slot(r.state) for _, r in real], dtype=torch.long, device=dev)
-
-    def mla(self, layer, c_kv, k_pe):
-        eng = self.eng
-        li = eng.mla_index[layer]
-        store = eng.pages.dev["kv"]
-        new = torch.cat([c_kv, k_pe], dim=-1)
-        store[self.w_slot, li, self.w_off] = new[self.w_rows, self.w_t].to(store.dtype)
-        B, T, D = new.shape
-        keys = new.new_zeros(B, self.S, D)
-        for b, slots, n in self.r_idx:
-            keys[b, :n] = store[slots, li].reshape(-1, D)[:n]
-        for b, r in enumerate(self.rows):
-            if r is None:
-                keys[b, :T] = new[b]
-        return keys[..., :c_kv.shape[-1]], keys[..., c_kv.shape[-1]:], self.past.to(c_kv.device)
-
-    def kda(self, layer):
-        if self.fresh:
-            return None, None
-        ki = self.eng.kda_index[layer]
-        rec_store, conv_store = self.eng.states.dev["rec"], self.eng.states.dev["conv"]
-        B = len(self.rows)
-        rec = rec_store.new_zeros(B, *rec_store.shape[2:])
-        conv = conv_store.new_zeros(B, *conv_store.shape[2:])
-        rec[self.s_rows] = rec_store[self.s_slots, ki]
-        conv[self.s_rows] = conv_store[self.s_slots, ki]
-        return rec, conv
-
-    def set_kda(self, layer, recurrent, conv):
-        ki = self.eng.kda_index[layer]
-        self.eng.states.dev["rec"][self.s_slots, ki] = recurrent[self.s_rows].to(torch.float32)
-        self.eng.states.dev["conv"][self.s_slots, ki] = conv[self.s_rows].to(self.eng.states.dev["conv"].dtype)
-
-
 class Engine:
     """`generate(prompts, sampling)` -> one Completion per sample (prompt-major: prompt 0's n samples first).
 
     prefix_cache=False computes every request from scratch (turn resumes recompute their history with the
-    same segments), so its outputs are the bitwise reference for prefix_cache=True."""
+    same segments), so its outputs are the bitwise reference for prefix_cache=True.
+
+    Multi-LoRA: when the model carries a `k3.lora.LoRAManager`, each request's `adapter_id` selects its adapter
+    (None = the base model) row by row, in prefill and in mixed decode batches alike; cache entries are scoped by
+    (adapter id, policy version). Adapter ids the manager does not hold are refused before admission.
+
+    Failures: every request is checked before any is admitted (types, finiteness, ranges, vocabulary, prompt length
+    against `max_position_embeddings`, pool budgets, adapter ids). An exception after admission finishes and
+    releases every sequence of that call, restores the request-seed counter, and raises `RequestFailed`."""
 
     def __init__(self, model: K3ForCausalLM, prefix_cache: bool = True, config: EngineConfig | None = None,
                  version: int = 0, **overrides):
         cfg = config or EngineConfig()
-        for k, v in overrides.items():
-            if not hasattr(cfg, k):
+        known = {f.name for f in dataclasses.fields(EngineConfig)}
+        for k in overrides:
+            if k not in known:
                 raise TypeError(f"Engine: unknown option {k!r}")
-            setattr(cfg, k, v)
+        cfg = dataclasses.replace(cfg, **overrides)
         cfg.validate()
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"version: expected an int >= 0, got {version!r}")
         self.cfg, self.model, self.prefix_cache, self.version = cfg, model.eval(), prefix_cache, version
+        self.match_tokens = cfg.prefix_match is PrefixMatch.TOKENS
         mc = model.config
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -185,46 +184,116 @@ class Engine:
         self.check_each_step = False   # tests: verify tree and pool invariants after every step
         self.stats = {"requests": 0, "prompt_tokens": 0, "hit_tokens": 0, "prefix_tokens": 0, "computed_tokens": 0,
                       "recomputed_tokens": 0, "resumes": 0, "resume_recomputed_tokens": 0, "generated_tokens": 0,
-                      "checkpoints": 0, "forwards": 0}
+                      "checkpoints": 0, "forwards": 0, "failed_calls": 0}
+
+    @property
+    def lora(self):
+        """The model's LoRAManager (k3.lora), or None: the engine then serves the base model only."""
+        return getattr(self.model, "_lora_manager", None)
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[Completion]:
+        if self.running:
+            raise RuntimeError(f"generate: {len(self.running)} sequences of another call are running (one call "
+                               f"at a time)")
+        reqs = self._requests(prompts, sampling)
+        seeds_before = self._seeds.get_state()
+        for r in reqs:   # seeds are drawn only once every request passed its checks
+            r.seed = r.params.seed if r.params.seed is not None else int(
+                torch.randint(0, 1 << 62, (1,), generator=self._seeds))
+        waiting = list(reqs)
+        try:
+            with torch.inference_mode():
+                while waiting or self.running:
+                    while waiting and self._can_admit(waiting[0]):
+                        self._admit(waiting.pop(0))
+                    if not self.running:
+                        raise RuntimeError("engine: cannot admit the next request within the pool budgets")
+                    self._step()
+                    if self.check_each_step:
+                        self.check()
+        except BaseException as e:
+            self._abort()
+            self._seeds.set_state(seeds_before)
+            self.stats["failed_calls"] += 1
+            if not isinstance(e, Exception):   # KeyboardInterrupt and the like pass through as they are
+                raise
+            raise RequestFailed(f"generate: failed after admission ({type(e).__name__}: {e}); the call's "
+                                f"{sum(len(r.samples) for r in reqs)} sequences were released") from e
+        return [c for r in reqs for c in r.done]
+
+    def _requests(self, prompts, sampling) -> list[_Request]:
+        """Every request checked and keyed, before any is admitted: a bad one fails the call with nothing done."""
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts: expected a non-empty list of token-id lists")
-        params = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * len(prompts)
+        if isinstance(sampling, (list, tuple)):
+            params = list(sampling)
+        else:
+            params = [sampling if sampling is not None else SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling: {len(params)} SamplingParams for {len(prompts)} prompts")
-        vocab = self.model.config.vocab_size
+        mc = self.model.config
+        vocab, max_pos = mc.vocab_size, mc.max_position_embeddings
         reqs = []
         for i, (pr, sp) in enumerate(zip(prompts, params)):
-            sp.validate()
-            pr = pr if isinstance(pr, Prompt) else Prompt(pr)
-            pr.validate(vocab, f"prompts[{i}]")
+            where = f"prompts[{i}]"
+            swhere = "sampling" if not isinstance(sampling, (list, tuple)) else f"sampling[{i}]"
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(f"{swhere}: expected SamplingParams, got {type(sp).__name__}")
+            sp.validate(swhere)
+            if isinstance(pr, Prompt):
+                as_token_ids(pr, where)
+            else:
+                pr = Prompt(as_token_ids(pr, where))
+            pr.validate(vocab, where)
             bad = [t for t in sp.stop_token_ids if not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"sampling.stop_token_ids: {bad} outside [0, {vocab})")
-            self._check_fits(pr, sp, f"prompts[{i}]")
-            seed = sp.seed if sp.seed is not None else int(torch.randint(0, 1 << 62, (1,), generator=self._seeds))
-            reqs.append(_Request(next(self._rids), pr, pr.key(self.cfg.chunk_size), sp, seed, (sp.adapter_id, self.version),
-                                 self.version, done=[None] * sp.n))
-        waiting = list(reqs)
-        with torch.inference_mode():
-            while waiting or self.running:
-                while waiting and self._can_admit(waiting[0]):
-                    self._admit(waiting.pop(0))
-                if not self.running:
-                    raise RuntimeError("engine: cannot admit the next request within the pool budgets")
-                self._step()
-                if self.check_each_step:
-                    self.check()
-        return [c for r in reqs for c in r.done]
+                raise ValueError(f"{swhere}.stop_token_ids: {bad} outside [0, {vocab})")
+            if len(pr) + sp.max_tokens > max_pos:
+                raise ValueError(f"{where}: {len(pr)} prompt tokens + max_tokens {sp.max_tokens} exceed the "
+                                 f"model's max_position_embeddings {max_pos}")
+            self._check_adapter(sp.adapter_id, f"{swhere}.adapter_id")
+            self._check_fits(pr, sp, where)
+            reqs.append(_Request(next(self._rids), pr, pr.key(self.cfg.chunk_size), sp, 0,
+                                 (sp.adapter_id, self.version), self.version, done=[None] * sp.n))
+        return reqs
+
+    def _check_adapter(self, adapter_id: str | None, where: str) -> None:
+        lora = self.lora
+        if lora is not None and lora.merged is not None:
+            if adapter_id != lora.merged:
+                raise ValueError(f"{where}: adapter {lora.merged!r} is merged into the served weights, so every "
+                                 f"request must name it; got {adapter_id!r}")
+            return
+        if adapter_id is None:
+            return
+        if lora is None:
+            raise ValueError(f"{where}: unknown adapter {adapter_id!r}: the model has no LoRAManager (no adapters)")
+        if adapter_id not in lora.adapters:
+            raise ValueError(f"{where}: unknown adapter {adapter_id!r} (loaded: {sorted(lora.adapters)})")
+
+    def _abort(self) -> None:
+        """Finish every running sequence of the failed call without a result: release its pages and state
+        (nothing it computed is inserted into the cache); what the cache already holds stays valid."""
+        for s in list(self.running):
+            self.running.remove(s)
+            self.states.unpin(s.state)
+            self.states.decref(s.state)
+            for p in s.bt:
+                if p not in s.unpinned:
+                    self.pages.unpin(p)
+                self.pages.decref(p)
 
     def update_weights(self, state_dict: dict[str, torch.Tensor] | None, version: int) -> None:
         """Load `state_dict` (None: the weights were already updated in place, e.g. by a k3.sync WeightReceiver
-        built on this model's tensors) and move to `version`; cache entries of older versions are released."""
-        if not isinstance(version, int):
+        built on this model's tensors) and move to `version`, which must be newer than the current one (a policy
+        version names one set of weights: reusing or rewinding it would serve stale cache entries); cache entries
+        of older versions are released. Everything is checked before any weight is written."""
+        if isinstance(version, bool) or not isinstance(version, int):
             raise ValueError(f"version: expected an int, got {version!r}")
+        if version <= self.version:
+            raise ValueError(f"version: {version} is not newer than the engine's version {self.version}")
         if self.running:
             raise RuntimeError("update_weights: requests are running")
         if state_dict is not None:
@@ -233,13 +302,27 @@ class Engine:
             if unknown:
                 raise ValueError(f"state_dict: unknown parameters {unknown[:5]}")
             for k, v in state_dict.items():
+                if not isinstance(v, torch.Tensor):
+                    raise ValueError(f"state_dict: {k} is a {type(v).__name__}, not a tensor")
                 if tuple(v.shape) != tuple(own[k].shape):
                     raise ValueError(f"state_dict: {k} has shape {tuple(v.shape)}, model has {tuple(own[k].shape)}")
+                if v.is_floating_point() != own[k].is_floating_point():
+                    raise ValueError(f"state_dict: {k} has dtype {v.dtype}, model has {own[k].dtype}")
+                if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                    raise ValueError(f"state_dict: {k} has non-finite values")
             with torch.no_grad():
                 for k, v in state_dict.items():
                     own[k].copy_(v)
         self.version = version
         for scope in [s for s in self.tree.roots if s[1] != version]:
+            self.tree.drop_scope(scope)
+
+    def adapter_updated(self, adapter_id: str) -> None:
+        """An adapter's weights changed in place (hot-load) without a policy-version bump: release its cache
+        entries, so nothing computed with the old weights is served."""
+        if self.running:
+            raise RuntimeError("adapter_updated: requests are running")
+        for scope in [s for s in self.tree.roots if s[0] == adapter_id]:
             self.tree.drop_scope(scope)
 
     def apply_weight_payload(self, receiver, payload) -> int:
@@ -316,15 +399,30 @@ class Engine:
                 and used_pages + pages + 1 <= self.cfg.device_pages
                 and len(self.running) + states + 1 <= self.cfg.device_states)
 
+    def _tree_key(self, key: list[int]) -> list[int]:
+        """What the prefix tree is keyed by: the key itself (exact mode) or its token ids (token mode)."""
+        return [key_token(k) for k in key] if self.match_tokens else key
+
+    def _key_resuming_at(self, prompt: Prompt, h: int) -> list[int]:
+        """The prompt's key with a segment boundary at `h` (token mode: a hit may end inside one of the prompt's
+        prefill chunks; the rest is computed from there, in chunks aligned as usual)."""
+        spans, i = [], 0
+        for n, kind in prompt.spans:
+            spans += [(h - i, kind), (i + n - h, kind)] if i < h < i + n else [(n, kind)]
+            i += n
+        return Prompt(prompt, spans).key(self.cfg.chunk_size)
+
     def _admit(self, req: _Request) -> None:
         key, L = req.key, len(req.key)
         self.stats["requests"] += 1
         self.stats["prompt_tokens"] += L
         node, prefix = None, 0
         if self.prefix_cache:
-            m = self.tree.match(req.scope, key, usable=lambda n: n.end < L or n.extra is not None)
+            m = self.tree.match(req.scope, self._tree_key(key), usable=lambda n: n.end < L or n.extra is not None)
             node, prefix = m.node, m.prefix
         hit = node.end if node is not None else 0
+        if self.match_tokens and 0 < hit < L:
+            key = self._key_resuming_at(req.prompt, hit)
         req.hit = hit
         self.stats["hit_tokens"] += hit
         self.stats["prefix_tokens"] += prefix
@@ -333,24 +431,34 @@ class Engine:
         if req.prompt.parent_len:
             self.stats["resumes"] += 1
             self.stats["resume_recomputed_tokens"] += max(0, req.prompt.parent_len - hit)
-        bt: list[int] = []
-        if node is not None:
-            bt = self._path_pages(node)
+        # Order matters for failure isolation: the path's pages are retained first (so nothing the state copy
+        # evicts can free them), the sequence joins `running` as soon as it holds a state (an abort then releases
+        # all it holds), and pins come last.
+        bt = self._path_pages(node) if node is not None else []
+        for p in bt:
+            self.pages.incref(p)
+        try:
+            if node is not None:
+                state = self.states.copy(node.state)   # copy on write: the tree's checkpoint stays as it was
+            else:
+                state = self.states.alloc()
+                self.states.dev["rec"][self.states.slot(state)].zero_()
+                self.states.dev["conv"][self.states.slot(state)].zero_()
+        except BaseException:
             for p in bt:
-                self.pages.incref(p)
-                self.pages.pin(p)
-            state = self.states.copy(node.state)   # copy on write: the tree's checkpoint stays as it was
-        else:
-            state = self.states.alloc()
-            self.states.dev["rec"][self.states.slot(state)].zero_()
-            self.states.dev["conv"][self.states.slot(state)].zero_()
-        seq = _Seq(req, 0, list(key), hit, bt, state, sample_generator(req.seed, 0))
+                self.pages.decref(p)
+            raise
+        seq = _Seq(req, 0, list(key), hit, list(bt), state, sample_generator(req.seed, 0))
+        seq.unpinned = set(bt)
         req.samples.append(seq)
+        self.running.append(seq)
+        for p in bt:
+            self.pages.pin(p)
+            seq.unpinned.discard(p)
         if self.prefix_cache and hit < prefix < L:
             e = self._segment_end_at_or_before(key, prefix)
             if e > hit:
                 seq.branch_at.add(e)  # the prefix forks here: checkpoint it on the way
-        self.running.append(seq)
         if hit == L:  # the whole prompt is cached, with the logits of its last position
             logits, routing = node.extra
             self._start_sampling(seq, logits, routing)
@@ -426,8 +534,9 @@ class Engine:
             self.states.touch(s.state)
         ids = torch.tensor([[0] * T if r is None else [key_token(k) for k in r.key[r.pos:r.pos + T]] for r in rows],
                            dtype=torch.long, device=self.device)
-        view = _PoolView(self, rows, T)
-        out = self.model(ids, view, return_routed_experts=True)
+        view = PoolView(self, rows, T)
+        with self._adapters_for(rows):
+            out = self.model(ids, view, return_routed_experts=True)
         self.stats["forwards"] += 1
         routed = out.routed_experts
         for b, s in enumerate(rows):
@@ -438,6 +547,14 @@ class Engine:
             logits = out.logits[b, -1]
             routing = routed[b, -1] if routed is not None else torch.zeros(0, 0, dtype=torch.long)
             self._after_segment(s, logits, routing)
+
+    def _adapters_for(self, rows: list[_Seq | None]):
+        """Each row's own adapter (dummy seats: the base) for one forward; the base alone when no row has one."""
+        lora = self.lora
+        names = [None if r is None else r.req.params.adapter_id for r in rows]
+        if lora is None or lora.merged is not None or not any(names):
+            return lora.use(None) if lora is not None and lora.merged is None else contextlib.nullcontext()
+        return lora.use(names)
 
     def _after_segment(self, s: _Seq, logits: torch.Tensor, routing: torch.Tensor) -> None:
         last_kind = key_kind(s.key[s.pos - 1])
@@ -455,7 +572,11 @@ class Engine:
     def _checkpoint(self, s: _Seq, extra) -> None:
         ck = self.states.copy(s.state)
         self.states.unpin(ck)
-        self.tree.insert(s.req.scope, s.key[:s.pos], s.bt, state=ck, extra=extra)
+        try:
+            self.tree.insert(s.req.scope, self._tree_key(s.key[:s.pos]), s.bt, state=ck, extra=extra)
+        except BaseException:
+            self.states.decref(ck)
+            raise
         self.stats["checkpoints"] += 1
 
     def _start_sampling(self, s: _Seq, logits: torch.Tensor, routing: torch.Tensor) -> None:
@@ -463,13 +584,14 @@ class Engine:
         s.sampling = True
         req = s.req
         for i in range(1, req.params.n):
+            state = self.states.copy(s.state)   # first: if it fails, the sibling holds nothing yet
             for p in s.bt:
                 self.pages.incref(p)
-                self.pages.pin(p)
-            sib = _Seq(req, i, list(s.key), s.pos, list(s.bt), self.states.copy(s.state),
-                       sample_generator(req.seed, i), sampling=True)
+            sib = _Seq(req, i, list(s.key), s.pos, list(s.bt), state, sample_generator(req.seed, i), sampling=True)
             req.samples.append(sib)
             self.running.append(sib)
+            for p in s.bt:   # s pins them on the device already: these pins cannot fail
+                self.pages.pin(p)
         for sib in list(req.samples):
             if sib.sampling and not sib.out_tokens:
                 self._sample_next(sib, logits, routing)
@@ -497,7 +619,7 @@ class Engine:
             self.pages.unpin(p)
         if self.prefix_cache and s.pos > 0:
             # turn end: state after the last fed token (the last sampled token opens the next turn's prefill)
-            self.tree.insert(req.scope, s.key[:s.pos], s.bt, state=s.state)
+            self.tree.insert(req.scope, self._tree_key(s.key[:s.pos]), s.bt, state=s.state)
             self.stats["checkpoints"] += 1
         else:
             self.states.decref(s.state)

@@ -9,6 +9,8 @@ bitwise-equal caches over that prefix, and they diverge at a segment start at th
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -51,17 +53,55 @@ class SamplingParams:
     n: int = 1
     adapter_id: str | None = None
 
-    def validate(self) -> None:
-        if not (self.temperature >= 0.0):
-            raise ValueError(f"sampling.temperature: must be >= 0, got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"sampling.top_p: must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"sampling.top_k: must be >= 0, got {self.top_k}")
-        if self.max_tokens < 1:
-            raise ValueError(f"sampling.max_tokens: must be >= 1, got {self.max_tokens}")
-        if self.n < 1:
-            raise ValueError(f"sampling.n: must be >= 1, got {self.n}")
+    def validate(self, where: str = "sampling") -> None:
+        """Types, finiteness and ranges of every field, each error naming `where.field`: a request must fail here,
+        before admission, never inside sampling (where it would fail after its pages and states were taken)."""
+        _real(self.temperature, f"{where}.temperature", lambda v: v >= 0.0, "must be finite and >= 0")
+        _real(self.top_p, f"{where}.top_p", lambda v: 0.0 < v <= 1.0, "must be in (0, 1]")
+        _integer(self.top_k, f"{where}.top_k", 0)
+        if self.seed is not None:
+            _integer(self.seed, f"{where}.seed", 0)
+        _integer(self.max_tokens, f"{where}.max_tokens", 1)
+        _integer(self.n, f"{where}.n", 1)
+        if not isinstance(self.stop_token_ids, (tuple, list)):
+            raise ValueError(f"{where}.stop_token_ids: expected a tuple of token ids, got "
+                             f"{type(self.stop_token_ids).__name__}")
+        for t in self.stop_token_ids:
+            _integer(t, f"{where}.stop_token_ids", 0)
+        if self.adapter_id is not None and (not isinstance(self.adapter_id, str) or not self.adapter_id):
+            raise ValueError(f"{where}.adapter_id: expected None or a non-empty adapter name, got {self.adapter_id!r}")
+
+
+def _integer(v, name: str, low: int) -> None:
+    """A Python/numpy integer (not a bool, not a float such as 2.5 or 3.0) >= low."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise ValueError(f"{name}: expected an integer, got {type(v).__name__} ({v!r})")
+    if v < low:
+        raise ValueError(f"{name}: must be >= {low}, got {v}")
+
+
+def _real(v, name: str, ok, why: str) -> None:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise ValueError(f"{name}: expected a number, got {type(v).__name__} ({v!r})")
+    if not math.isfinite(v) or not ok(v):
+        raise ValueError(f"{name}: {why}, got {v}")
+
+
+def as_token_ids(tokens, where: str) -> list[int]:
+    """Token ids as a list[int]; integers only (a float token or a bool is a client bug, not a token)."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 1 or tokens.is_floating_point() or tokens.dtype == torch.bool:
+            raise ValueError(f"{where}: a tensor prompt must be a 1-D integer tensor, got {tokens.dtype} "
+                             f"{tuple(tokens.shape)}")
+        return tokens.tolist()
+    if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__iter__"):
+        raise ValueError(f"{where}: expected a list of token ids, got {type(tokens).__name__}")
+    out = []
+    for i, t in enumerate(tokens):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise ValueError(f"{where}[{i}]: token ids must be integers, got {type(t).__name__} ({t!r})")
+        out.append(int(t))
+    return out
 
 
 class Prompt(list):
