@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import zstandard as zstd
 
+from benchmarks._results import git_state
 from k3.sync import WeightReceiver, encode_delta, encode_full, states_equal
 from k3.sync.codec import default_threads, host_bytes
 
@@ -169,6 +170,7 @@ def summarize(preset, lr, rows, raw_full, full0, steps_asked, batch, seq, wall) 
         "changed_frac_median": med([r["changed_elems"] / (raw_full / 2) for r in deltas]),
         "posval_ratio_median": med([r["posval_bytes"] / raw_full for r in deltas]),
         "posval_zstd_ratio_median": med([r["posval_zstd_bytes"] / raw_full for r in deltas]),
+        **posval_over_xor(rows),
         "xor_noshuffle_ratio_median": med([r["xor_zstd_noshuffle_bytes"] / raw_full for r in detail]),
         "xor_dense_ratio_median": med([r["xor_zstd_dense_bytes"] / raw_full for r in detail
                                        if "xor_zstd_dense_bytes" in r]),
@@ -185,6 +187,27 @@ def summarize(preset, lr, rows, raw_full, full0, steps_asked, batch, seq, wall) 
         "per_step": rows,
     }
     return out
+
+
+def posval_over_xor(rows: list[dict]) -> dict:
+    """How many times smaller ours is than positions+values, raw (verl) and zstd-compressed (slime), per delta step
+    (median over the delta steps of the same run)."""
+    deltas = [r for r in rows if r["step"] % FULL_EVERY != 0]
+    med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    return {"posval_over_xor_median": med([r["posval_bytes"] / r["xor_zstd_bytes"] for r in deltas]),
+            "posval_zstd_over_xor_median": med([r["posval_zstd_bytes"] / r["xor_zstd_bytes"] for r in deltas])}
+
+
+def refresh_summaries(path: Path) -> None:
+    """Add summary keys computed from a results file's own per-step rows (no re-measurement)."""
+    res = json.loads(path.read_text())
+    for run in res["runs"]:
+        run.update(posval_over_xor(run["per_step"]))
+    res["derived_keys"] = {"keys": ["posval_over_xor_median", "posval_zstd_over_xor_median"],
+                           "from": "each run's per_step rows (benchmarks/weight_sync.py --refresh-summaries)",
+                           "script_commit": git_state()["commit"]}
+    path.write_text(json.dumps(res, indent=1))
+    print_table(res)
 
 
 # ------------------------------------------------------------------------------------------ GPU stage
@@ -256,13 +279,18 @@ def main() -> None:
     ap.add_argument("--gpu", action="store_true", help="GPU stage benchmark (H200)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--merge", action="store_true", help="keep the runs (preset, lr) not redone that are already in --out")
+    ap.add_argument("--refresh-summaries", action="store_true",
+                    help="recompute derived summary keys of --out from its per-step rows, measuring nothing")
     args = ap.parse_args()
+    if args.refresh_summaries:
+        refresh_summaries(Path(args.out) if args.out else RESULTS / "weight_sync.json")
+        return
     if args.gpu:
         gpu_bench(Path(os.environ.get("OUT", RESULTS)))
         return
     import xxhash
 
-    load0 = os.getloadavg()
+    load0, tree = os.getloadavg(), git_state()   # the commit measured, taken before the runs
     runs = []
     for preset in args.presets.split(","):
         b, s = map(int, (args.tiny_tokens if preset == "tiny" else args.small_tokens).split("x"))
@@ -271,7 +299,7 @@ def main() -> None:
         for lr in map(float, args.lrs.split(",")):
             print(f"== {preset} lr={lr:g} ({b}x{s} tokens/step)", flush=True)
             runs.append(run(preset, lr, args.steps, b, s, budget, detail))
-    res = {"benchmark": "weight_sync", "device": f"CPU {platform.processor() or platform.machine()}, "
+    res = {**tree, "benchmark": "weight_sync", "device": f"CPU {platform.processor() or platform.machine()}, "
            f"{os.cpu_count()} logical CPUs", "python": sys.version.split()[0], "torch": torch.__version__,
            "numpy": np.__version__, "zstandard": zstd.__version__, "xxhash": xxhash.VERSION,
            "codec": {"level": 1, "chunk_bytes": 4 << 20, "shuffle": True, "threads": default_threads()},
@@ -294,12 +322,14 @@ def main() -> None:
 def print_table(res: dict) -> None:
     pct = lambda x: f"{100 * x:.3f}%" if x is not None else "-"  # noqa: E731
     print(f"\n{'preset':6} {'lr':>6} {'steps':>5} {'changed':>8} {'xor+zstd':>9} {'max':>8} {'noshuf':>8} "
-          f"{'posval':>8} {'pv+zstd':>8} {'zstdfull':>8} {'chain50':>8} {'enc GB/s':>8} {'dec GB/s':>8} exact")
+          f"{'posval':>8} {'pv+zstd':>8} {'pv/ours':>7} {'pvz/ours':>8} {'zstdfull':>8} {'chain50':>8} "
+          f"{'enc GB/s':>8} {'dec GB/s':>8} exact")
     for r in res["runs"]:
         print(f"{r['preset']:6} {r['lr']:6g} {r['steps_done']:5d} {pct(r['changed_frac_median']):>8} "
               f"{pct(r['delta_ratio_median']):>9} {pct(r['delta_ratio_max']):>8} "
               f"{pct(r['xor_noshuffle_ratio_median']):>8} {pct(r['posval_ratio_median']):>8} "
-              f"{pct(r['posval_zstd_ratio_median']):>8} {pct(r['plain_zstd_full_ratio']):>8} "
+              f"{pct(r['posval_zstd_ratio_median']):>8} {r.get('posval_over_xor_median') or 0:7.2f} "
+              f"{r.get('posval_zstd_over_xor_median') or 0:8.2f} {pct(r['plain_zstd_full_ratio']):>8} "
               f"{pct(r['chain_total_vs_raw_every_step']):>8} {r['encode_GBps_median']:8.2f} "
               f"{r['decode_GBps_median']:8.2f} {r['bit_exact_all_steps']}")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import resource
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -176,6 +177,7 @@ class RLJob:
             "delta_over_full": max(x["delta_bytes"] / x["full_bytes"] for x in rows),
             "delta_over_model": max(x["delta_bytes"] / x["model_bytes"] for x in rows),
             "mode": cfg.rl.mode, "device": self.device, "wall_s": time.perf_counter() - t0,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # this process; KiB on Linux
         }
         (self.out / "summary.json").write_text(json.dumps({"summary": summary, "config": asdict(cfg)}, indent=2))
         plot(rows, self.out / "rl.png", base_heldout)
