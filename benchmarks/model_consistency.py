@@ -12,7 +12,8 @@ The AttnRes/router-bias std is per run (0.5 the test's; 0 the preset's own init:
 N(0, 0.5) pseudo-queries make AttnRes's softmax very sharp, which magnifies rounding differences).
 Several draws of the token ids per (preset, T), draw d from torch.Generator().manual_seed(d) (draw 0 is the test's ids:
 torch.manual_seed(0) then randint): the max and median over draws are reported, with max |logit| for
-scale. CPU, fp32. Writes benchmarks/results/model_consistency.json.
+scale. CPU, fp32. Also records k3.model.count_parameters of each preset.
+Writes benchmarks/results/model_consistency.json.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import torch
 
 from benchmarks._results import run_header, write_results
 from k3.config import K3Config
-from k3.model import K3ForCausalLM
+from k3.model import K3ForCausalLM, count_parameters
 
 TEST_CUTS_150 = {  # tests/model/test_model.py::test_extend_splits_match_full_forward, T = 150
     "test_one_call": [150], "test_single_tokens_at_start": [1, 2, 3, 150],
@@ -114,7 +115,9 @@ def main() -> None:
                       "positions, batch 2; max and median over draws of random token ids",
               "model_init": "preset + AttnRes projections and router bias ~ N(0, res_std) (tests/model/conftest.py: "
                             "0.5); res_std 0: the preset's own init (those zero)",
-              "max_abs_diff_overall": max(r["max_abs_diff_all_patterns"] for r in runs), "runs": runs}
+              "max_abs_diff_overall": max(r["max_abs_diff_all_patterns"] for r in runs), "runs": runs,
+              "param_counts": {p: count_parameters(K3Config.preset(p)) for p in ("tiny", "small", "k3")}}
+    print("parameters (total, active):", {p: (c["total"], c["active"]) for p, c in result["param_counts"].items()})
     print(f"\nwrote {write_results(args.out, result)}")
 
 
