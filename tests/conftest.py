@@ -14,6 +14,9 @@ if not torch.cuda.is_available():
     # Triton kernels run in Triton's interpreter on CPU; the variable must be set before triton is first imported
     # (its standard-library functions are decorated at import), i.e. before any test module is collected.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # One intra-op thread, as `k3` itself uses on CPU (k3.cli): the tiny model's many small ops gain nothing from
+    # a thread pool, and on a busy 2-core machine OpenMP's spinning threads made the engine tests ~25x slower.
+    torch.set_num_threads(int(os.environ.get("K3_CPU_THREADS", "1")))
 
 
 @pytest.fixture(autouse=True)

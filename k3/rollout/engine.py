@@ -587,11 +587,13 @@ class Engine:
             state = self.states.copy(s.state)   # first: if it fails, the sibling holds nothing yet
             for p in s.bt:
                 self.pages.incref(p)
-            sib = _Seq(req, i, list(s.key), s.pos, list(s.bt), state, sample_generator(req.seed, i), sampling=True)
+            sib = _Seq(req, i, list(s.key), s.pos, list(s.bt), state, sample_generator(req.seed, i), sampling=True,
+                       unpinned=set(s.bt))
             req.samples.append(sib)
             self.running.append(sib)
-            for p in s.bt:   # s pins them on the device already: these pins cannot fail
+            for p in s.bt:
                 self.pages.pin(p)
+                sib.unpinned.discard(p)
         for sib in list(req.samples):
             if sib.sampling and not sib.out_tokens:
                 self._sample_next(sib, logits, routing)
@@ -617,14 +619,18 @@ class Engine:
         self.states.unpin(s.state)
         for p in s.bt:
             self.pages.unpin(p)
-        if self.prefix_cache and s.pos > 0:
-            # turn end: state after the last fed token (the last sampled token opens the next turn's prefill)
-            self.tree.insert(req.scope, self._tree_key(s.key[:s.pos]), s.bt, state=s.state)
-            self.stats["checkpoints"] += 1
-        else:
-            self.states.decref(s.state)
-        for p in s.bt:
-            self.pages.decref(p)
+        handed_over = False   # the state passes to the tree; released here if the insert fails
+        try:
+            if self.prefix_cache and s.pos > 0:
+                # turn end: state after the last fed token (the last sampled token opens the next turn's prefill)
+                self.tree.insert(req.scope, self._tree_key(s.key[:s.pos]), s.bt, state=s.state)
+                handed_over = True
+                self.stats["checkpoints"] += 1
+        finally:
+            if not handed_over:
+                self.states.decref(s.state)
+            for p in s.bt:
+                self.pages.decref(p)
         routing = torch.stack(s.out_routing) if s.out_routing else torch.zeros(0, 0, 0, dtype=torch.int32)
         req.done[s.index] = Completion(req.prompt, s.out_tokens, s.out_logprobs, s.out_slogprobs, routing, reason,
                                        req.version, req.params.adapter_id, s.index, req.rid, req.hit)

@@ -6,32 +6,8 @@ import torch
 
 from k3.rollout import Engine, Prompt, SamplingParams
 
+from _engine_helpers import SMALL, TINY_POOLS, rand_tokens, same, workload
 
-
-def rand_tokens(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 512, (n,), generator=g).tolist()
-
-SMALL = dict(chunk_size=16, checkpoint_interval=32, page_size=8, decode_batch=4, max_step_tokens=48)
-
-
-def workload(engine: Engine, greedy: bool) -> list:
-    """Two tasks sharing a system prompt, 2 samples each, two more turns with tool outputs, one branch."""
-    system = rand_tokens(40, 1)
-    prompts = [system + rand_tokens(9, 2), system + rand_tokens(21, 3)]
-    sp = SamplingParams(temperature=0.0 if greedy else 1.0, seed=11, max_tokens=6, n=2, stop_token_ids=(7,))
-    out = engine.generate(prompts, sp)
-    turn2 = [c.extend(rand_tokens(5 + i, 10 + i)) for i, c in enumerate(out)]
-    sp2 = SamplingParams(temperature=0.0 if greedy else 0.8, top_k=40, top_p=0.9, seed=5, max_tokens=5)
-    out2 = engine.generate(turn2, sp2)
-    branch = [out2[0].extend(rand_tokens(3, 20)), out2[0].extend(rand_tokens(4, 21)), turn2[1]]
-    out3 = engine.generate(branch, SamplingParams(temperature=1.0, seed=9, max_tokens=4))
-    return out + out2 + out3
-
-
-def same(a, b) -> bool:
-    return all(x.token_ids == y.token_ids and x.logprobs == y.logprobs and x.sampling_logprobs == y.sampling_logprobs
-               and torch.equal(x.routed_experts, y.routed_experts) for x, y in zip(a, b)) and len(a) == len(b)
 
 
 @pytest.mark.parametrize("greedy", [True, False])
@@ -45,7 +21,7 @@ def test_cache_on_equals_cache_off_bitwise(model, greedy):
     assert st["hit_tokens"] > 0 and st["resume_recomputed_tokens"] == 0
     if greedy:
         return
-    tiny = Engine(model, prefix_cache=True, device_pages=24, host_pages=40, device_states=5, host_states=3, **SMALL)
+    tiny = Engine(model, prefix_cache=True, **TINY_POOLS, **SMALL)
     tiny.check_each_step = True
     assert same(workload(tiny, greedy), off)
     st = tiny.cache_stats()
