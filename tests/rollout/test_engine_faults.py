@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 
-from k3.rollout import Engine, Prompt, SamplingParams
-from k3.rollout.engine import RequestFailed
+from k3.rollout import Engine, RequestFailed, SamplingParams
 
 from _engine_helpers import SMALL, TINY_POOLS, rand_tokens, same, workload
 

@@ -2,8 +2,6 @@
 list: the history is reused from the cache, the decode-produced turn-end states included, where exact (key)
 matching only reuses what was computed with the same segments. The price is rounding: measured here against
 recomputation (and in benchmarks/prefix_match.py)."""
-import pytest
-
 from k3.rollout import Engine
 
 from _engine_helpers import SMALL, TINY_POOLS, flat_conversations, same, workload
@@ -16,7 +14,8 @@ def _hit_rate(eng: Engine) -> float:
 def test_flat_history_reuses_the_turn_end_states(model):
     exact = Engine(model, prefix_cache=True, **SMALL)
     tokens = Engine(model, prefix_cache=True, prefix_match="tokens", **SMALL)
-    out_exact, out_tokens = flat_conversations(exact), flat_conversations(tokens)
+    flat_conversations(exact)
+    out_tokens = flat_conversations(tokens)
     for t in range(1, len(out_tokens)):
         for prev, now in zip(out_tokens[t - 1], out_tokens[t]):
             # everything the previous turn fed to the model: its prompt and all generated tokens but the last
