@@ -142,7 +142,7 @@ class Engine:
         try:
             with torch.inference_mode():
                 while waiting or self.running:
-                    while waiting and self._can_admit(waiting[0]):
+                    while waiting and self._can_admit(waiting[0]) and not self._wait_for_shared_prefix(waiting[0]):
                         self._admit(waiting.pop(0))
                     if not self.running:
                         raise RuntimeError("engine: cannot admit the next request within the pool budgets")
@@ -334,6 +334,30 @@ class Engine:
         return (len(self.running) + req.params.n <= self.cfg.max_running
                 and used_pages + pages + 1 <= self.cfg.device_pages
                 and len(self.running) + states + 1 <= self.cfg.device_states)
+
+    def _wait_for_shared_prefix(self, req: _Request) -> bool:
+        """In-batch prefix sharing: when a running sequence of the same scope is still computing a prefix of at
+        least `chunk_size` tokens that `req` shares beyond what the cache holds (requests of one call that share a
+        system prompt, say), mark that prefix's end for a checkpoint and hold `req` back until it exists; `req` then
+        reuses it instead of computing it again. Outputs do not change (the cache is transparent, rows are batch
+        invariant); only when requests start does."""
+        if not self.prefix_cache:
+            return False
+        want = self._tree_key(req.key)
+        hit = self.tree.peek(req.scope, want)
+        for s in self.running:
+            if s.req.scope != req.scope:
+                continue
+            have = self._tree_key(s.key)
+            n = 0
+            limit = min(len(want), len(have)) - 1   # the last prompt token is always computed by its own request
+            while n < limit and want[n] == have[n]:
+                n += 1
+            e = self._segment_end_at_or_before(s.key, n)
+            if e - hit >= self.cfg.chunk_size and s.pos < e:
+                s.branch_at.add(e)
+                return True
+        return False
 
     def _tree_key(self, key: list[int]) -> list[int]:
         """What the prefix tree is keyed by: the key itself (exact mode) or its token ids (token mode)."""

@@ -96,6 +96,20 @@ class RadixTree:
             self._tick(best)
         return Match(best, best.end if best is not None else 0, pos)
 
+    def peek(self, scope: Hashable, key: list[int]) -> int:
+        """How many positions of `key` a match would serve (the deepest node with a state), without touching
+        recency."""
+        node, pos, best = self.roots.get(scope), 0, 0
+        while node is not None and pos < len(key):
+            child = node.children.get(key[pos])
+            if child is None or _shared(child.key, key, pos) < len(child.key):
+                break
+            pos += len(child.key)
+            node = child
+            if node.state is not None:
+                best = node.end
+        return best
+
     # ------------------------------------------------------------------ insert
     def insert(self, scope: Hashable, key: list[int], block_table: list[int], state: int | None = None,
                extra: Any = None) -> Node:

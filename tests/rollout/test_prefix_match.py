@@ -2,6 +2,8 @@
 list: the history is reused from the cache, the decode-produced turn-end states included, where exact (key)
 matching only reuses what was computed with the same segments. The price is rounding: measured here against
 recomputation (and in benchmarks/prefix_match.py)."""
+import pytest
+
 from k3.rollout import Engine
 
 from _engine_helpers import SMALL, TINY_POOLS, flat_conversations, same, workload
@@ -51,3 +53,14 @@ def test_token_matching_under_spills_and_evictions(model):
     flat_conversations(eng)
     st = eng.cache_stats()
     assert st["hit_tokens"] > 0 and st["kda_states_spills"] > 0 and st["tree_state_drops"] > 0
+
+
+@pytest.mark.parametrize("match", ["exact", "tokens"])
+def test_requests_of_one_call_share_their_common_prefix(model, match):
+    """Admitted together, chats sharing a system prompt used to compute it once each: the later ones now wait for
+    the first one's checkpoint at the last segment end inside the shared part (40 tokens, chunks of 16 -> 32)."""
+    eng = Engine(model, prefix_cache=True, prefix_match=match, **SMALL)
+    first_turn = flat_conversations(eng, turns=1)[0]
+    assert [c.hit_tokens for c in first_turn] == [0, 32, 32]
+    off = flat_conversations(Engine(model, prefix_cache=False, **SMALL), turns=1)[0]
+    assert same(first_turn, off)
