@@ -15,8 +15,8 @@
    Reported: prompt-token hit rate, tokens recomputed at turn resumes, KDA states held and their memory at the
    full K3 config, first with no eviction (unlimited memory for every policy: ours then holds ~3x the states),
    then at EQUAL state memory: the same budget of states for all four (1, 0.5, 0.25 x what the SGLang-like
-   policy holds unlimited), LRU eviction over states for all (the engine's state-pool reclaim), so that the
-   policies differ only in where they checkpoint.
+   policy holds unlimited), LRU eviction over states for all, interior nodes before leaves (the engine's
+   state-pool reclaim), so that the policies differ only in where they checkpoint.
 3. The real engine (tiny preset, CPU) on a small trace of the same shape, prefix cache on vs off: wall time,
    tokens/s (median of runs) and a bitwise comparison of the outputs.
 Writes benchmarks/results/prefix_cache.json (`--replay-only`: 2 only, the engine section carried over).
@@ -85,8 +85,8 @@ class Policy:
 
     `state_budget` (None: unlimited) caps the KDA states held. Eviction is the same for every policy and is the
     engine's (k3.rollout.engine `_reclaim` on the state pool): before a new checkpoint would exceed the budget, the
-    least recently used state anywhere in the tree is dropped (`tree.lru` + `tree.drop_state`: its node stays as a
-    path unless it is a leaf, whose pages then go too). A checkpoint the tree already holds takes no budget.
+    least recently used state of an interior node is dropped, or of a leaf when no interior node holds one
+    (`tree.lru` + `tree.drop_state`: its node stays as a path unless it is a leaf, whose pages then go too). A checkpoint the tree already holds takes no budget.
     Policies differ only in where they checkpoint (their `run`)."""
     name = ""
 
@@ -113,7 +113,8 @@ class Policy:
 
     def _make_room(self) -> None:
         while self.live_states >= self.budget:
-            victim = self.tree.lru(lambda n: n.state is not None)
+            victim = self.tree.lru(lambda n: n.state is not None and bool(n.children)) or \
+                self.tree.lru(lambda n: n.state is not None)
             self.tree.drop_state(victim)
             self.evicted_states += 1
 
@@ -260,7 +261,8 @@ def equal_memory(waves: list[list[Req]], unlimited: dict, fractions=(1.0, 0.5, 0
         runs.append({"budget_states": budget, "budget_fraction_of_sglang_like_peak": f,
                      "budget_gib_k3": budget * state_bytes_k3() / 2 ** 30, "policies": replay(waves, budget)})
     return {"budget_basis": "states_held_peak of sglang_like without eviction", "sglang_like_peak_states": base,
-            "eviction": "LRU over states (tree.lru + tree.drop_state, as the engine's state-pool reclaim); pages "
+            "eviction": "LRU over states, interior nodes before leaves (tree.lru + tree.drop_state, as the engine's "
+                        "state-pool reclaim); pages "
                         "follow the tree (a leaf left without a state is removed)", "runs": runs}
 
 

@@ -597,8 +597,8 @@ class Engine:
 
     # ------------------------------------------------------------------ eviction
     def _reclaim(self, pool: TieredPool, tier: str, leaves_only: bool) -> bool:
-        """Drop the LRU tree holder of an unpinned `pool` item on `tier`: for states any checkpoint (its node
-        stays as a path unless it is a leaf), for pages a leaf (state first, then its pages)."""
+        """Drop the LRU tree holder of an unpinned `pool` item on `tier`: for states a checkpoint, interior nodes
+        before leaves (its node stays as a path unless it is a leaf), for pages a leaf (state first, then pages)."""
         def holds(n: Node) -> bool:
             items = n.pages if pool is self.pages else ([n.state] if n.state is not None else [])
             return any(pool.items[i].tier == tier and pool.items[i].pin == 0 and pool.items[i].ref == 1
@@ -609,7 +609,9 @@ class Engine:
                 return False
             self.tree.evict_leaf(node)
         else:
-            node = self.tree.lru(holds)
+            # interior checkpoints first: a request continuing below one hits the deeper state anyway, while a
+            # leaf (a turn end) is what the next turn resumes from (benchmarks/prefix_cache.py, equal memory)
+            node = self.tree.lru(lambda n: bool(n.children) and holds(n)) or self.tree.lru(holds)
             if node is None:
                 return False
             self.tree.drop_state(node)

@@ -7,7 +7,7 @@ from k3.rollout import Engine, SamplingParams
 # small chunks, checkpoints and pages so that short prompts cross every boundary the engine has
 SMALL = dict(chunk_size=16, checkpoint_interval=32, page_size=8, decode_batch=4, max_step_tokens=48)
 # pools so small that spills to the host tier, restores and evictions happen all the time
-TINY_POOLS = dict(device_pages=22, host_pages=40, device_states=6, host_states=6)
+TINY_POOLS = dict(device_pages=22, host_pages=40, device_states=6, host_states=2)
 
 
 def rand_tokens(n: int, seed: int) -> list[int]:
