@@ -56,6 +56,7 @@ def build_batch(rollouts: list[Rollout], advantages: torch.Tensor, n_moe: int, t
 
 class RLJob:
     def __init__(self, cfg: JobConfig, out: Path, progress: bool = True) -> None:
+        cfg.validate()   # a config built in code gets the same checks as `load_config`, before any work
         self.cfg, self.out, self.progress = cfg, out, progress
         out.mkdir(parents=True, exist_ok=True)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
