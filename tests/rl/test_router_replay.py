@@ -1,44 +1,21 @@
 """Router Replay (R3): replaying the rollout's experts lowers the train/rollout mismatch when the trainer's weights
 differ slightly from the rollout's (here: 1e-3 / 3e-3 relative perturbations of the tiny MoE, which flip experts).
 Run with -s to see the measured table."""
-import copy
 
 import pytest
 import torch
 
+from benchmarks.router_replay import PROMPT, T, perturbed, rollout_batch
 from k3.config import K3Config
-from k3.model import K3ForCausalLM
 from k3.rl import Batch, Learner, LearnerConfig, check_routed_experts, mismatch_metrics, routing_diff
 
-B, T, PROMPT = 16, 16, 4
 
 
 @pytest.fixture
 def rollout():
-    """The "rollout engine": the unperturbed tiny model scores a batch and records its routing."""
-    torch.manual_seed(0)
-    model = K3ForCausalLM(K3Config.preset("tiny"))
-    g = torch.Generator().manual_seed(3)
-    tokens = torch.randint(3, model.config.vocab_size, (B, T), generator=g)
-    mask = torch.zeros(B, T, dtype=torch.bool)
-    mask[:, PROMPT:] = True
-    with torch.no_grad():
-        out = model(tokens[:, :-1], use_cache=False, return_routed_experts=True)
-    lg = out.logits.float()
-    lp = torch.cat([torch.zeros(B, 1), lg.gather(-1, tokens[:, 1:, None])[..., 0] - lg.logsumexp(-1)], 1)
-    batch = Batch(tokens, mask, lp, torch.linspace(-1, 1, B), routed_experts=out.routed_experts.to(torch.int16))
-    return model, batch
-
-
-def _perturbed(model, rel=1e-3, seed=1):
-    """The trainer: the same model with every matrix moved by rel * its std of Gaussian noise."""
-    p = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for w in p.parameters():
-            if w.dim() >= 2:
-                w.add_(torch.randn(w.shape, generator=g) * w.std() * rel)
-    return p
+    """The "rollout engine": the unperturbed tiny model scores a batch and records its routing (the same setup
+    benchmarks/router_replay.py measures)."""
+    return rollout_batch()
 
 
 def test_unperturbed_replay_is_exact(rollout):
@@ -54,7 +31,7 @@ def test_partial_routing_prompt_served_from_cache(rollout):
     model, batch = rollout
     partial = batch.routed_experts.clone()
     partial[:, :PROMPT] = -1
-    trainer = _perturbed(model, 3e-3, 2)
+    trainer = perturbed(model, 3e-3, 2)
     full = Learner(trainer, LearnerConfig()).compute_logprobs(batch)
     part = Learner(trainer, LearnerConfig()).compute_logprobs(Batch(**{**batch.__dict__, "routed_experts": partial}))
     free = Learner(trainer, LearnerConfig(router_replay=False)).compute_logprobs(batch)
@@ -73,7 +50,7 @@ def test_r3_lowers_train_rollout_mismatch(rollout, rel):
     print(f"  {'draw':4s} {'flips':>7s} {'tok flips':>9s} | {'k3 KL no R3':>11s} {'k3 KL R3':>9s} {'ratio':>6s} | "
           f"{'max|dlp| no R3':>14s} {'R3':>7s} | {'mean|dlp| no R3':>15s} {'R3':>8s}")
     for seed in (1, 2, 3):
-        trainer = _perturbed(model, rel, seed)
+        trainer = perturbed(model, rel, seed)
         with torch.no_grad():
             own = trainer(batch.tokens[:, :-1], use_cache=False, return_routed_experts=True).routed_experts
         flips = routing_diff(own, batch.routed_experts[:, : T - 1].long(), mask[:, 1:])

@@ -5,11 +5,10 @@ import io
 
 import pytest
 import torch
-from _helpers import chain, clone
+from _helpers import chain, clone, frame_offsets
 
 from k3.sync import (CorruptPayloadError, ManifestMismatchError, SyncError, VersionError, WeightReceiver,
                      encode_delta, encode_full, states_equal)
-from k3.sync.codec import _Source, read_manifest
 from k3.sync.format import FRAME, MAGIC, TRAILER, U32
 
 
@@ -25,19 +24,6 @@ def _receiver(states, v=1):
 def _assert_intact(r, states, v=1):
     assert r.version == v
     assert states_equal(r.state_dict(), states[v])
-
-
-def _frame_offsets(payload: bytes) -> list[tuple[str, int, int]]:
-    """(tensor, start of frame record, start of frame data) for every frame."""
-    src = _Source(payload)
-    man = read_manifest(src)
-    pos, out = src.pos, []
-    for e in man.tensors:
-        for _ in range(e.frames):
-            comp_len = FRAME.unpack(payload[pos:pos + FRAME.size])[5]
-            out.append((e.name, pos, pos + FRAME.size + 8))
-            pos += FRAME.size + 8 + comp_len
-    return out
 
 
 def test_wrong_base_version_refused(v012):
@@ -65,7 +51,7 @@ def test_stale_full_snapshot_refused(v012):
 @pytest.mark.parametrize("where", ["data_first", "data_last", "frame_header", "frame_checksum"])
 def test_flipped_byte_in_frame_refused_naming_tensor(v012, where):
     p = bytearray(encode_delta(v012[1], v012[2], 1, 2, chain="c", chunk_bytes=64))
-    frames = _frame_offsets(bytes(p))
+    frames = frame_offsets(bytes(p))
     name, rec, data = frames[0] if where != "data_last" else frames[-1]
     pos = {"data_first": data, "data_last": data, "frame_header": rec + 30, "frame_checksum": rec + FRAME.size}[where]
     p[pos] ^= 0x10
