@@ -28,16 +28,9 @@ from benchmarks._results import run_header, write_results
 from k3.config import K3Config
 from k3.model import K3ForCausalLM
 from k3.rollout import Engine, Prompt, SamplingParams
+from k3.rollout.radix import common_prefix
 
 ENGINE = dict(chunk_size=64, checkpoint_interval=256, page_size=16, decode_batch=8)
-
-
-def _lcp(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class Recorder:
@@ -54,7 +47,7 @@ class Recorder:
         sent = [Prompt(list(p)) if self.flatten else p for p in prompts]
         for p in sent:
             toks = list(p)
-            best = max((_lcp(toks, c) for c in self.computed), default=0)
+            best = max((common_prefix(toks, c) for c in self.computed), default=0)
             self.ideal += len(toks) if tuple(toks) in self.prompts else min(best, len(toks) - 1)
             self.prompt_tokens += len(toks)
             self.prompts.add(tuple(toks))

@@ -26,7 +26,7 @@ import torch
 from k3.model import K3ForCausalLM
 from k3.rollout.config import EngineConfig, PrefixMatch, RequestFailed
 from k3.rollout.pools import TieredPool
-from k3.rollout.radix import Node, RadixTree
+from k3.rollout.radix import Node, RadixTree, common_prefix
 from k3.rollout.sampler import sample, sample_generator
 from k3.rollout.types import (KIND_DECODE, KIND_PREFILL_END, Completion, Prompt, SamplingParams,
                               as_token_ids, key_kind, key_len, key_token, make_key)
@@ -179,7 +179,7 @@ class Engine:
                 raise ValueError(f"{swhere}: expected SamplingParams, got {type(sp).__name__}")
             sp.validate(swhere)
             if isinstance(pr, Prompt):
-                as_token_ids(pr, where)
+                as_token_ids(pr, where)   # its token types only: a Prompt keeps its spans
             else:
                 pr = Prompt(as_token_ids(pr, where))
             pr.validate(vocab, where)
@@ -344,15 +344,12 @@ class Engine:
         if not self.prefix_cache:
             return False
         want = self._tree_key(req.key)
-        hit = self.tree.peek(req.scope, want)
+        hit = self.tree.match(req.scope, want, touch=False).hit
         for s in self.running:
             if s.req.scope != req.scope:
                 continue
-            have = self._tree_key(s.key)
-            n = 0
-            limit = min(len(want), len(have)) - 1   # the last prompt token is always computed by its own request
-            while n < limit and want[n] == have[n]:
-                n += 1
+            # the last prompt token is always computed by its own request
+            n = min(common_prefix(want, self._tree_key(s.key)), len(want) - 1)
             e = self._segment_end_at_or_before(s.key, n)
             if e - hit >= self.cfg.chunk_size and s.pos < e:
                 s.branch_at.add(e)
@@ -408,8 +405,7 @@ class Engine:
             for p in bt:
                 self.pages.decref(p)
             raise
-        seq = _Seq(req, 0, list(key), hit, list(bt), state, sample_generator(req.seed, 0))
-        seq.unpinned = set(bt)
+        seq = _Seq(req, 0, list(key), hit, list(bt), state, sample_generator(req.seed, 0), unpinned=set(bt))
         req.samples.append(seq)
         self.running.append(seq)
         for p in bt:
@@ -511,10 +507,10 @@ class Engine:
     def _adapters_for(self, rows: list[_Seq | None]):
         """Each row's own adapter (dummy seats: the base) for one forward; the base alone when no row has one."""
         lora = self.lora
+        if lora is None or lora.merged is not None:   # the served weights are the whole model
+            return contextlib.nullcontext()
         names = [None if r is None else r.req.params.adapter_id for r in rows]
-        if lora is None or lora.merged is not None or not any(names):
-            return lora.use(None) if lora is not None and lora.merged is None else contextlib.nullcontext()
-        return lora.use(names)
+        return lora.use(names if any(names) else None)
 
     def _after_segment(self, s: _Seq, logits: torch.Tensor, routing: torch.Tensor) -> None:
         last_kind = key_kind(s.key[s.pos - 1])

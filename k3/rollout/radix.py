@@ -38,8 +38,8 @@ class Match:
     prefix: int           # longest common prefix of the key with the tree (pages exist up to here)
 
 
-def _shared(edge: list[int], key: list[int], pos: int) -> int:
-    """Length of the common prefix of an edge label and key[pos:]."""
+def common_prefix(edge: list[int], key: list[int], pos: int = 0) -> int:
+    """Length of the common prefix of `edge` and key[pos:]."""
     n = min(len(edge), len(key) - pos)
     c = 0
     while c < n and edge[c] == key[pos + c]:
@@ -73,8 +73,10 @@ class RadixTree:
             node.last_access = self.clock
             node = node.parent
 
-    def match(self, scope: Hashable, key: list[int], usable: Callable[[Node], bool] | None = None) -> Match:
-        """Deepest node on `key`'s path with a state (and `usable(node)`), ending at or before len(key)."""
+    def match(self, scope: Hashable, key: list[int], usable: Callable[[Node], bool] | None = None,
+              touch: bool = True) -> Match:
+        """Deepest node on `key`'s path with a state (and `usable(node)`), ending at or before len(key).
+        `touch=False` looks without refreshing the path's recency (a lookup that reuses nothing)."""
         node, pos = self.roots.get(scope), 0
         best: Node | None = None
         if node is None:
@@ -84,7 +86,7 @@ class RadixTree:
             child = node.children.get(key[pos])
             if child is None:
                 break
-            c = _shared(child.key, key, pos)
+            c = common_prefix(child.key, key, pos)
             if c < len(child.key):
                 pos += c
                 break
@@ -92,23 +94,9 @@ class RadixTree:
             node = child
             if node.state is not None and (usable is None or usable(node)):
                 best = node
-        if best is not None:
+        if best is not None and touch:
             self._tick(best)
         return Match(best, best.end if best is not None else 0, pos)
-
-    def peek(self, scope: Hashable, key: list[int]) -> int:
-        """How many positions of `key` a match would serve (the deepest node with a state), without touching
-        recency."""
-        node, pos, best = self.roots.get(scope), 0, 0
-        while node is not None and pos < len(key):
-            child = node.children.get(key[pos])
-            if child is None or _shared(child.key, key, pos) < len(child.key):
-                break
-            pos += len(child.key)
-            node = child
-            if node.state is not None:
-                best = node.end
-        return best
 
     # ------------------------------------------------------------------ insert
     def insert(self, scope: Hashable, key: list[int], block_table: list[int], state: int | None = None,
@@ -132,7 +120,7 @@ class RadixTree:
                 node = leaf
                 pos = m
                 break
-            c = _shared(child.key, key, pos)
+            c = common_prefix(child.key, key, pos)
             if c < len(child.key):
                 child = self._split(child, pos + c)
             node, pos = child, pos + len(child.key)
