@@ -85,9 +85,15 @@ class KimiDeltaAttention(nn.Module):
         else:
             g = naive_kda_gate(f, self.A_log, self.dt_bias)
         beta = torch.sigmoid(self.b_proj(x).float())
-        kda = ops.kda_recurrent if T <= RECURRENT_MAX_TOKENS else ops.kda_chunk
-        o, h = kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        o, h = self.mix(q, k, v, g, beta, h0)
         gate = self._output_gate(x).view(B, T, H, K)
         o = ops.gated_rms_norm(o, gate, self.o_norm.weight, self.eps).reshape(B, T, H * K)
         cache.set_kda(layer, h, torch.stack([wq, wk, wv], dim=1))
         return self.o_proj(o)
+
+    def mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            initial_state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The recurrence over this call's tokens from `initial_state` -> (o [B, T, H, V], final state [B, H, K, V]).
+        The hook context parallelism overrides (plugins/torchtitan_k3 passes states across ranks)."""
+        kda = ops.kda_recurrent if q.shape[1] <= RECURRENT_MAX_TOKENS else ops.kda_chunk
+        return kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True)
