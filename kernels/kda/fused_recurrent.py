@@ -14,7 +14,7 @@ import triton.language as tl
 
 from k3_kernels.launch import cdiv
 
-from .chunk import _p2
+from .plan import _p2
 
 
 @triton.jit

@@ -1,0 +1,185 @@
+"""Chunked KDA backward: the reverse state pass (dS, dv'), the per-chunk prep (dv, dbeta, dAqk, dA and the
+direct parts of dq, dk, dG), the intra kernel (chunk_bwd_intra.py); `_bwd` launches them."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k3_kernels.launch import cdiv
+
+from .chunk_bwd_intra import _bwd_intra
+from .plan import BT, CONFIG, _forked, _join, _p2, _prec, _state_split
+from .utils import _chunk_rows
+
+
+@triton.jit
+def _bwd_state(QGc, Wc, KDc, Aqk, Gc, do, dht, dh0, DHc, DVNc, cu, coff, seqs,
+               HV, K, V, BK: tl.constexpr, BVF: tl.constexpr,
+               BV: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, NUM_STAGES: tl.constexpr,
+               PREC: tl.constexpr):
+    n = tl.load(seqs + tl.program_id(0)).to(tl.int64)  # this launch's sequences (`_state_classes`)
+    hv = tl.program_id(1).to(tl.int64)
+    iv = tl.program_id(2)
+    bos = tl.load(cu + n).to(tl.int64)
+    eos = tl.load(cu + n + 1).to(tl.int64)
+    c0 = tl.load(coff + n).to(tl.int64)
+    nt = (eos - bos + 63) // 64
+    r = tl.arange(0, 64)
+    ok = tl.arange(0, BK)
+    km = ok < K
+    ov = iv * BV + tl.arange(0, BV)
+    vm = ov < V
+    dt = Wc.dtype.element_ty
+    dS = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_DHT:
+        dS += tl.load(dht + ((n * HV + hv) * K + ok[:, None]) * V + ov[None, :], mask=km[:, None] & vm[None, :],
+                      other=0.)
+    for i in tl.range(0, nt, num_stages=NUM_STAGES):
+        t = nt - 1 - i
+        base = (c0 + t) * HV + hv
+        pK = base * 64 * BK + r[:, None] * BK + ok[None, :]
+        tl.store(DHc + base * BK * BVF + ok[:, None] * BVF + ov[None, :], dS.to(DHc.dtype.element_ty))
+        qg = tl.load(QGc + pK)
+        w = tl.load(Wc + pK)
+        kd = tl.load(KDc + pK)
+        a = tl.load(Aqk + base * 64 * 64 + r[:, None] * 64 + r[None, :])
+        gC = tl.load(Gc + base * 64 * BK + 63 * BK + ok)
+        tok = bos + t * 64 + r
+        dO = tl.load(do + (tok * HV + hv)[:, None] * V + ov[None, :], mask=(tok < eos)[:, None] & vm[None, :],
+                     other=0.).to(dt)
+        dSd = dS.to(dt)
+        dvn = tl.dot(tl.trans(a), dO, input_precision=PREC) + tl.dot(kd, dSd, input_precision=PREC)
+        tl.store(DVNc + base * 64 * BVF + r[:, None] * BVF + ov[None, :], dvn.to(DVNc.dtype.element_ty))
+        dS = dS * tl.exp(gC)[:, None] + tl.dot(tl.trans(qg), dO, input_precision=PREC) - \
+            tl.dot(tl.trans(w), dvn.to(dt), input_precision=PREC)
+    if HAS_H0:
+        tl.store(dh0 + ((n * HV + hv) * K + ok[:, None]) * V + ov[None, :], dS, mask=km[:, None] & vm[None, :])
+
+
+@triton.jit
+def _bwd_prep(q, k, v, beta, do, Gc, Kkk, Mc, Hc, DHc, VNc, DVNc, dv, Rs, Ps, DQs, DKs, DGs, dbeta, cu, cidx, scale,
+              H, HV, K, V, BK: tl.constexpr, KA: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr,
+              PREC: tl.constexpr):
+    """Full-chunk products: dv, dbeta, R = dAqk, P = dA = -M^T dM M^T, and the direct parts of dq, dk, dG."""
+    c = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1).to(tl.int64)
+    h = hv // (HV // H)
+    _, t0, nv = _chunk_rows(cu, cidx, c)
+    base = c * HV + hv
+    r = tl.arange(0, 64)
+    rm = r < nv
+    pG = Gc + base * 64 * BK
+    pR = Rs + base * 64 * 64
+    pP = Ps + base * 64 * 64
+    # products over V only (dAqk, dM's value part, dv, dbeta's value part). Products of two stored 16-bit tensors
+    # take them as they are (exact products, fp32 sums, twice the tensor-core rate of tf32 on upcast copies)
+    M = tl.load(Mc + base * 64 * 64 + r[:, None] * 64 + r[None, :])
+    bt = tl.load(beta + (t0 + r) * HV + hv, mask=rm, other=0.).to(tl.float32)
+    dAqk = tl.zeros([64, 64], dtype=tl.float32)
+    dMv = tl.zeros([64, 64], dtype=tl.float32)
+    db = tl.zeros([64], dtype=tl.float32)
+    for iv in range(BVF // BV):
+        ov = iv * BV + tl.arange(0, BV)
+        mrv = rm[:, None] & (ov < V)[None, :]
+        pV = base * 64 * BVF + r[:, None] * BVF + ov[None, :]
+        vn = tl.load(VNc + pV)
+        dvn = tl.load(DVNc + pV)
+        dO = tl.load(do + ((t0 + r) * HV + hv)[:, None] * V + ov[None, :], mask=mrv, other=0.).to(vn.dtype)
+        vv = tl.load(v + ((t0 + r) * HV + hv)[:, None] * V + ov[None, :], mask=mrv, other=0.).to(vn.dtype)
+        dAqk = tl.dot(dO, tl.trans(vn), dAqk, input_precision=PREC)
+        dMv = tl.dot(dvn, tl.trans(vv), dMv, input_precision=PREC)
+        dbv = tl.dot(tl.trans(M), dvn.to(tl.float32), input_precision=PREC)
+        tl.store(dv + ((t0 + r) * HV + hv)[:, None] * V + ov[None, :], (dbv * bt[:, None]).to(dv.dtype.element_ty),
+                 mask=mrv)
+        db += tl.sum(vv.to(tl.float32) * dbv, 1)
+    tl.store(pR + r[:, None] * 64 + r[None, :], tl.where(r[:, None] >= r[None, :], dAqk, 0.))
+    dM = dMv * bt[None, :]
+    # per K slice, products with the states (dqg = dO S^T, dW = -dv' S^T, dkd = v' dS^T)
+    for kc in range(0, BK, KA):
+        oc = kc + tl.arange(0, KA)
+        mrc = rm[:, None] & (oc < K)[None, :]
+        dqg = tl.zeros([64, KA], dtype=tl.float32)
+        dW = tl.zeros([64, KA], dtype=tl.float32)
+        dkd = tl.zeros([64, KA], dtype=tl.float32)
+        dgc = tl.zeros([KA], dtype=tl.float32)
+        for iv in range(BVF // BV):
+            ov = iv * BV + tl.arange(0, BV)
+            pS = base * BK * BVF + oc[:, None] * BVF + ov[None, :]
+            pV = base * 64 * BVF + r[:, None] * BVF + ov[None, :]
+            S = tl.load(Hc + pS)
+            dS = tl.load(DHc + pS)
+            vn = tl.load(VNc + pV)
+            dvn = tl.load(DVNc + pV)
+            dO = tl.load(do + ((t0 + r) * HV + hv)[:, None] * V + ov[None, :],
+                         mask=rm[:, None] & (ov < V)[None, :], other=0.).to(vn.dtype)
+            dqg = tl.dot(dO, tl.trans(S), dqg, input_precision=PREC)
+            dW = tl.dot(dvn, tl.trans(S), dW, input_precision=PREC)
+            dkd = tl.dot(vn, tl.trans(dS), dkd, input_precision=PREC)
+            dgc += tl.sum(S.to(tl.float32) * dS.to(tl.float32), 1)
+        dW = -dW
+        G = tl.load(pG + r[:, None] * BK + oc[None, :])
+        gC = tl.load(pG + 63 * BK + oc)
+        kk = tl.load(k + ((t0 + r) * H + h)[:, None] * K + oc[None, :], mask=mrc, other=0.).to(tl.float32)
+        qq = tl.load(q + ((t0 + r) * H + h)[:, None] * K + oc[None, :], mask=mrc, other=0.).to(tl.float32) * scale
+        eG = tl.exp(G)
+        kgw = kk * eG
+        dM += tl.dot(dW, tl.trans(kgw * bt[:, None]), input_precision=PREC)
+        dbkg = tl.dot(tl.trans(M), dW, input_precision=PREC)
+        db += tl.sum(kgw * dbkg, 1)
+        eC = tl.exp(gC[None, :] - G)
+        kd = kk * eC
+        dgc = dgc * tl.exp(gC) + tl.sum(dkd * kd, 0)
+        pK = base * 64 * BK + r[:, None] * BK + oc[None, :]
+        tl.store(DQs + pK, dqg * eG)
+        tl.store(DKs + pK, dbkg * bt[:, None] * eG + dkd * eC)
+        dG = dqg * qq * eG + dbkg * bt[:, None] * kgw - dkd * kd + tl.where(r[:, None] == 63, dgc[None, :], 0.)
+        tl.store(DGs + pK, dG)
+    dA = -tl.dot(tl.dot(tl.trans(M), dM, input_precision=PREC), tl.trans(M), input_precision=PREC)
+    dA = tl.where(r[:, None] > r[None, :], dA, 0.)
+    tl.store(pP + r[:, None] * 64 + r[None, :], dA)
+    db += tl.sum(dA * tl.load(Kkk + base * 4096 + r[:, None] * 64 + r[None, :]), 1)  # A = beta_i Kkk
+    tl.store(dbeta + (t0 + r) * HV + hv, db.to(dbeta.dtype.element_ty), mask=rm)
+
+
+def _bwd(q, k, v, beta, do, dht, has_h0, scale, saved, plan):
+    cu, cidx, coff, classes = plan
+    Gc, Kkk, Mc, Aqk, Wc, QGc, KDc, Hc, VNc = saved
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N, NC = coff.numel(), cidx.shape[0]
+    BK, BVF = _p2(K), _p2(V)
+    KA = min(CONFIG["ka"], BK)
+    dev, dt, f32, prec = q.device, k.dtype, torch.float32, _prec(k.dtype)
+    DHc = torch.empty(NC, HV, BK, BVF, device=dev, dtype=dt)
+    DVNc = torch.empty(NC, HV, BT, BVF, device=dev, dtype=dt)
+    dh0 = torch.empty(N, HV, K, V, device=dev, dtype=f32) if has_h0 else None
+    forks = len(classes) - 1 if dev.type == "cuda" else 0  # all classes' passes at once, the longest first
+    for i, (seqs, count, _, _) in enumerate(classes):
+        BV, stages = _state_split("bwd", count * HV, K, V, BVF, dev)
+        with _forked(i < forks, dev, i):
+            _bwd_state[(count, HV, cdiv(V, BV))](
+                QGc, Wc, KDc, Aqk, Gc, do, dht if dht is not None else Gc, dh0 if has_h0 else Gc, DHc, DVNc, cu,
+                coff, seqs, HV=HV, K=K, V=V, BK=BK, BVF=BVF, BV=BV, HAS_DHT=dht is not None, HAS_H0=has_h0,
+                NUM_STAGES=stages, PREC=prec, num_warps=CONFIG["bwd_state_warps"])
+    _join(dev, forks)
+    dq = torch.empty(B, T, HV, K, device=dev, dtype=f32 if HV != H else q.dtype)
+    dk = torch.empty(B, T, HV, K, device=dev, dtype=f32 if HV != H else k.dtype)
+    dv = torch.empty_like(v)
+    dbeta = torch.empty(B, T, HV, device=dev, dtype=beta.dtype)
+    dg = torch.empty(B, T, HV, K, device=dev, dtype=f32)
+    Rs = torch.empty(NC, HV, BT, BT, device=dev, dtype=f32)
+    Ps = torch.empty_like(Rs)
+    DQs, DKs, DGs = (torch.empty(NC, HV, BT, BK, device=dev, dtype=f32) for _ in range(3))
+    _bwd_prep[(NC, HV)](q, k, v, beta, do, Gc, Kkk, Mc, Hc, DHc, VNc, DVNc, dv, Rs, Ps, DQs, DKs, DGs, dbeta, cu, cidx,
+                        scale, H, HV, K, V, BK=BK, KA=KA, BVF=BVF, BV=min(CONFIG["bwd_prep_bv"], BVF),
+                        PREC=_prec(k.dtype, "bwd_prep"),
+                        num_warps=CONFIG["bwd_prep_warps"], num_stages=CONFIG["bwd_prep_stages"])
+    _bwd_intra[(NC, HV)](q, k, beta, Gc, Rs, Ps, DQs, DKs, DGs, dq, dk, dg, cu, cidx, scale, H, HV, K, BK=BK,
+                         BKS=min(CONFIG["bwd_intra_bk"], BK), PREC=_prec(k.dtype, "bwd_intra"),
+                         num_warps=CONFIG["bwd_intra_warps"],
+                         num_stages=CONFIG["bwd_intra_stages"])
+    if HV != H:  # grouped value heads: sum the group's contributions in a fixed order
+        dq = dq.view(B, T, H, HV // H, K).sum(3).to(q.dtype)
+        dk = dk.view(B, T, H, HV // H, K).sum(3).to(k.dtype)
+    return dq, dk, dv, dg, dbeta, dh0

@@ -1,0 +1,139 @@
+"""Host side of the chunked KDA kernels: launch settings (CONFIG, no autotuning, so the interpreter and the GPU
+run the same configs), dot precisions, the state passes' V split, the packed batch's chunk plan and sequence
+classes, and the side streams the forward forks its state passes onto."""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from k3_kernels.launch import cdiv, next_pow2, num_sms
+
+BT = 64  # chunk size
+
+# launch settings (no autotuning, so the interpreter and the GPU run the same configs)
+CONFIG = {"fwd_state_bv": None, "fwd_state_warps": 4, "fwd_state_stages": 3,  # bv None: by parallelism
+          # a packed batch's classes (`_state_classes`, at most `state_classes`, read when a batch's plan is first
+          # built): the passes of all but the last forked beside the later classes' work (`_fwd`), and the last's
+          # (None: by parallelism, as above)
+          "state_classes": 3, "fwd_state_forked_bv": 64, "fwd_state_forked_stages": 2, "fwd_state_rest_bv": None,
+          "fwd_state_rest_stages": None,
+          "bwd_state_bv": None, "bwd_state_warps": 4, "bwd_state_stages": 3,  # (`_state_split`)
+          "intra_bk": 32, "intra_warps": 4, "intra_stages": 3, "intra_maxnreg": None,  # the 16-row-block launch
+          "intra_whole_warps": 4, "intra_whole_stages": 3, "intra_whole_maxnreg": 168,  # its whole-chunk launch
+          "bwd_intra_bk": 32, "bwd_intra_warps": 4, "bwd_intra_stages": 2,
+          "bwd_prep_bv": 64, "bwd_prep_warps": 4, "bwd_prep_stages": 1, "ka": 32,
+          "dot_precision": None,  # None: by input dtype and kernel (`_prec`); or force one of triton's everywhere
+          "bwd_intra_precision": None, "bwd_prep_precision": None}  # per kernel, 16-bit inputs (None: TF32)
+
+
+def _p2(x: int) -> int:
+    return max(16, next_pow2(x))
+
+
+def _prec(dtype: torch.dtype, kernel: str | None = None) -> str:
+    """fp32 dot precision: CONFIG["dot_precision"] if set; else near-fp32 (3xTF32) for fp32 inputs; for 16-bit
+    inputs CONFIG["<kernel>_precision"] where set, else TF32 (the backward intra kernel rounds its operands once for
+    both sides of each gradient pair, `_rounded`, which is what makes TF32 accurate enough there)."""
+    if CONFIG["dot_precision"] is not None:
+        return CONFIG["dot_precision"]
+    if dtype == torch.float32:
+        return "tf32x3"
+    return (CONFIG.get(f"{kernel}_precision") if kernel else None) or "tf32"
+
+
+def _state_split(direction: str, states: int, K: int, V: int, BVF: int, device: torch.device) -> tuple[int, int]:
+    """(V block, pipeline stages) of the serial state pass, one program per (sequence, head, V block). Every
+    program reloads its chunk's [64, K] operands, so wider blocks cut that traffic and narrower ones add programs:
+    the widest block that still gives half the multiprocessors a program. H200, state-pass ms by V block 16 / 32 /
+    64: B1 H16 T16K fwd 0.27 / 0.32 / 0.57, bwd 0.27 / 0.35 / 0.56; 8 packed sequences (32K tokens) fwd 1.15 /
+    0.65 / 0.65, bwd 1.52 / 0.84 / 0.69; B4 H16 T8K fwd 0.86 / 0.40 / 0.33, bwd 1.15 / 0.51 / 0.35. CONFIG's
+    `<direction>_state_bv` overrides it (the benchmark's sweep)."""
+    forced = CONFIG[f"{direction}_state_bv"]
+    if forced is not None:
+        return min(forced, BVF), CONFIG[f"{direction}_state_stages"]
+    sms = num_sms(device)  # (state tiles no larger than the measured [128, 64]: K > 128 keeps them narrower)
+    bv = next((b for b in (64, 32) if 2 * states * cdiv(V, b) >= sms and _p2(K) * b <= 128 * 64), 16)
+    return min(bv, BVF), (2 if bv == 64 else CONFIG[f"{direction}_state_stages"])
+
+
+@functools.lru_cache(maxsize=32)
+def _chunk_plan(cu: tuple[int, ...] | None, B: int, T: int, device: torch.device) -> tuple:
+    """(cu_seqlens int64 [N+1], chunk -> (sequence, chunk in sequence) int32 [NC, 2], each sequence's first chunk
+    int32 [N], the sequence classes of `_state_classes` as (sequences int32, count, first chunk, chunks)), cached by
+    content: every KDA layer of a model step sees the same batch, and building a packed plan of 8 sequences / 512
+    chunks costs ~0.1 ms of host time. Chunks are numbered class by class, so that a class's chunks are one range
+    for the forward's per-class launches (`_fwd`). Fixed-length batches are built on the device (no host sync),
+    packed ones from the host tuple. The kernels only read it."""
+    if cu is None:
+        nt = cdiv(T, BT)
+        c = torch.arange(B * nt, device=device, dtype=torch.int32)
+        return (torch.arange(B + 1, device=device, dtype=torch.int64) * T,
+                torch.stack([c // nt, c % nt], 1).contiguous(),
+                torch.arange(B, device=device, dtype=torch.int32) * nt,
+                ((torch.arange(B, device=device, dtype=torch.int32), B, 0, B * nt),))
+    counts = [cdiv(cu[i + 1] - cu[i], BT) for i in range(len(cu) - 1)]
+    pairs, first, classes = [], [0] * len(counts), []
+    for group in _state_classes(counts, CONFIG["state_classes"]):
+        start = len(pairs)
+        for i in group:
+            first[i] = len(pairs)
+            pairs.extend((i, t) for t in range(counts[i]))
+        classes.append((torch.tensor(group, dtype=torch.int32).to(device, non_blocking=True), len(group), start,
+                        len(pairs) - start))
+    cidx = torch.tensor(pairs, dtype=torch.int32).view(-1, 2)
+    return tuple(x.to(device, non_blocking=True) for x in (torch.tensor(cu, dtype=torch.int64), cidx,
+                                                           torch.tensor(first, dtype=torch.int32))) + (tuple(classes),)
+
+
+def _state_classes(chunks: list[int], most: int) -> list[list[int]]:
+    """Sequences grouped by length for the serial state passes, longest first: each class holds the sequences at
+    least half as long as its longest (their chains set the pass's time), at most `most` classes, the last taking
+    every sequence left (empty ones too: they still get their state, h0 -> ht). Each class gets its own V block
+    (`_state_split`): a long sequence keeps narrow blocks and many programs per head, many short ones take wide
+    blocks that reload their operands fewer times; the forward starts a class's pass as soon as its own intra work
+    is done (`_fwd`), the backward runs all classes' passes at once (`_bwd`). Outputs do not depend on the grouping
+    (bitwise, any V block)."""
+    left = [i for i, c in enumerate(chunks) if c > 0]
+    classes = []
+    while left and len(classes) < most - 1:
+        longest = max(chunks[i] for i in left)
+        top = [i for i in left if 2 * chunks[i] >= longest]
+        if len(top) == len(left):
+            break
+        classes.append(top)
+        left = [i for i in left if 2 * chunks[i] < longest]
+    rest = sorted(left + [i for i, c in enumerate(chunks) if c == 0])
+    return classes + ([rest] if rest else [])
+
+
+_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device, index: int) -> torch.cuda.Stream:
+    """The device's high-priority side stream number `index`, made once (its blocks are placed first as
+    multiprocessors free up)."""
+    if (device, index) not in _STREAMS:
+        _STREAMS[device, index] = torch.cuda.Stream(device, priority=-1)
+    return _STREAMS[device, index]
+
+
+@contextlib.contextmanager
+def _forked(fork: bool, device: torch.device, index: int):
+    """With `fork` (on CUDA), launches inside go to side stream `index`, after the work queued so far; the caller
+    joins it (`_join`) once its own later launches are queued, so they overlap. Otherwise (and in the CPU
+    interpreter) they stay on the current stream."""
+    if not fork or device.type != "cuda":
+        yield
+        return
+    side = _side_stream(device, index)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        yield
+
+
+def _join(device: torch.device, forks: int) -> None:
+    """The current stream waits for side streams 0 .. forks-1 (`_forked`)."""
+    for i in range(forks):
+        torch.cuda.current_stream(device).wait_stream(_side_stream(device, i))
