@@ -43,6 +43,9 @@ import torch
 
 from .chunk_bwd import _bwd
 from .chunk_fwd import _fwd
+from .checks import (activate_beta, check_beta_options, check_cu_seqlens, check_gate, check_shapes, check_state,
+                     state_layout)
+from .intermediate import intermediate_states
 from .naive import l2norm, naive_kda_gate, naive_kda_lowerbound_gate
 from .plan import BT, CONFIG, _chunk_plan, _p2, _prec, _state_classes, _state_split  # noqa: F401 (tests, benchmarks)
 
@@ -75,74 +78,71 @@ class _ChunkKDA(torch.autograd.Function):
         return (dq, dk, dv, dg.to(g.dtype), dbeta, None, dh0, None, None, dA_log, ddt, None, None)
 
 
-def _check(q, k, v, g, beta, initial_state, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound):
-    if q.dim() != 4 or k.shape != q.shape:
-        raise ValueError(f"q and k must be [B, T, H, K] of one shape, got q {tuple(q.shape)}, k {tuple(k.shape)}")
-    B, T, H, K = q.shape
-    if v.dim() != 4 or v.shape[:2] != (B, T):
-        raise ValueError(f"v must be [B, T, HV, V] with B={B}, T={T}, got {tuple(v.shape)}")
-    HV, V = v.shape[2], v.shape[3]
-    if HV % H:
-        raise ValueError(f"v heads ({HV}) must be a multiple of q/k heads ({H})")
-    if g.shape != (B, T, HV, K):
-        raise ValueError(f"g must be [B, T, HV, K] = {(B, T, HV, K)}, got {tuple(g.shape)}")
-    if beta.shape != (B, T, HV):
-        raise ValueError(f"beta must be [B, T, HV] = {(B, T, HV)}, got {tuple(beta.shape)}")
-    if not (1 <= K <= 256 and 1 <= V <= 256):
-        raise ValueError(f"head dims must be in [1, 256], got K={K}, V={V}")
-    if len({x.device for x in (q, k, v, g, beta)}) != 1:
-        raise ValueError("q, k, v, g, beta must be on one device")
-    if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"with cu_seqlens the batch size must be 1, got B={B}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError("cu_seqlens must be a 1-D tensor [N+1]")
-    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    if initial_state is not None:
-        if initial_state.shape != (N, HV, K, V) or initial_state.dtype != torch.float32:
-            raise ValueError(f"initial_state must be fp32 [N, HV, K, V] = {(N, HV, K, V)}, "
-                             f"got {initial_state.dtype} {tuple(initial_state.shape)}")
-    if use_gate_in_kernel:
-        if lower_bound is None and A_log is None:
-            raise ValueError("A_log is required with use_gate_in_kernel=True unless lower_bound is set")
-        if A_log is not None and A_log.numel() != HV:
-            raise ValueError(f"A_log must have HV={HV} elements, got {A_log.numel()}")
-        if dt_bias is not None and dt_bias.numel() != HV * K:
-            raise ValueError(f"dt_bias must have HV*K={HV * K} elements, got {dt_bias.numel()}")
-
-
 def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               scale: float | None = None, initial_state: torch.Tensor | None = None, output_final_state: bool = False,
               use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False,
-              A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
-              lower_bound: float | None = None, cu_seqlens: torch.Tensor | None = None,
-              cu_seqlens_cpu: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """KDA over whole sequences (prefill / training), differentiable. FLA's `chunk_kda` layouts:
+              use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False, safe_gate: bool = False,
+              lower_bound: float | None = None, disable_recompute: bool = False,
+              return_intermediate_states: bool = False, state_v_first: bool = False,
+              cu_seqlens: torch.Tensor | None = None, cu_seqlens_cpu: torch.Tensor | None = None,
+              cp_context=None, use_graph: bool = False, max_num_seqs: int | None = None, *,
+              A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None, chunk_size: int = 64,
+              transpose_state_layout: bool | None = None):
+    """KDA over whole sequences (prefill / training), differentiable; fla-core 0.6.0's `chunk_kda` signature.
+
     q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] (log-decay, or the raw gate input when
     `use_gate_in_kernel`: `-exp(A_log) softplus(g + dt_bias)`, or K3's safe gate
-    `lower_bound * sigmoid(exp(A_log) (g + dt_bias))` when `lower_bound` is set); beta [B, T, HV];
-    initial_state [N, HV, K, V] fp32; `cu_seqlens` int [N+1] packs N sequences into B = 1
-    (`cu_seqlens_cpu`, a host copy, saves a device sync).
-    Returns (o [B, T, HV, V] in v.dtype, final state [N, HV, K, V] fp32 or None)."""
-    _check(q, k, v, g, beta, initial_state, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound)
-    B, T, H, K = q.shape
+    `lower_bound * sigmoid(exp(A_log) (g + dt_bias))` when `lower_bound` is set; `safe_gate` checks that
+    lower_bound is in [-5, 0)); beta [B, T, HV] (logits with `use_beta_sigmoid_in_kernel`: sigmoid(beta), or
+    2 sigmoid(beta) with `allow_neg_eigval`); initial_state [N, HV, K, V] fp32 ([N, HV, V, K] with `state_v_first`,
+    the final state too); `cu_seqlens` int [N+1] packs N sequences into B = 1 (`cu_seqlens_cpu`, a host copy, saves
+    a device sync). Head dims up to 256, any size (tiles are padded to powers of two and masked).
+    `chunk_size` (32 or 64) only sets the spacing of `return_intermediate_states`' states: the kernels always work on
+    64-token chunks (the result is the same function). `disable_recompute` is accepted and changes nothing: these
+    kernels never recompute (the forward saves what the backward reads).
+    `return_intermediate_states` (inference, no autograd): also returns h [B, NT, HV, K, V] in k's dtype, the state
+    before each chunk of `chunk_size` tokens (NT = ceil(T / chunk_size); packed: B = 1 and NT sums over the
+    sequences, in order). `cp_context` and `use_graph` (context parallelism, CUDA-graph replay) are not supported:
+    ValueError. Returns (o [B, T, HV, V] in v.dtype, final state fp32 or None[, h])."""
+    state_v_first = state_layout(state_v_first, transpose_state_layout)
+    B, T, H, HV, K, V = check_shapes(q, k, v, g, beta)
+    if cp_context is not None:
+        raise ValueError("cp_context: context parallelism is not supported by k3_kernels' chunk_kda")
+    if use_graph:
+        raise ValueError("use_graph: CUDA-graph capture of the packed plan is not supported by k3_kernels' chunk_kda "
+                         "(the plan is built from cu_seqlens on the host)")
+    if chunk_size not in (32, 64):
+        raise ValueError(f"chunk_size must be 32 or 64, got {chunk_size}")
+    check_beta_options(use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    check_gate(use_gate_in_kernel, A_log, dt_bias, lower_bound, HV, K, safe_gate)
+    cu = check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T)
+    N = B if cu is None else len(cu) - 1
+    check_state(initial_state, N, HV, K, V, state_v_first)
+    tensors = (q, k, v, g, beta, initial_state, A_log, dt_bias)
+    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
+    if return_intermediate_states and grad:
+        raise ValueError("return_intermediate_states is for inference (no autograd): run under torch.no_grad() / "
+                         "torch.inference_mode(), or pass inputs that do not require grad")
     scale = K ** -0.5 if scale is None else float(scale)
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
-    cu = None
-    if cu_seqlens is not None:
-        cu = tuple((cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist())
-        if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"cu_seqlens must rise from 0 to {T}, got {cu}")
+    beta = activate_beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     gate = 0 if not use_gate_in_kernel else (2 if lower_bound is not None else 1)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    h0 = initial_state.contiguous() if initial_state is not None else None
+    h0 = initial_state
+    if h0 is not None:
+        h0 = (h0.transpose(-1, -2) if state_v_first else h0).contiguous()
     A_log = A_log.contiguous() if A_log is not None else None
     dt_bias = dt_bias.contiguous() if dt_bias is not None else None
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad
-                                       for x in (q, k, v, g, beta, h0, A_log, dt_bias)):
-        return _ChunkKDA.apply(q, k, v, g, beta, scale, h0, output_final_state, gate, A_log, dt_bias, lower_bound, cu)
-    # inference: no autograd node, nothing saved (per-chunk states never reach memory)
-    o, ht, _ = _fwd(q, k, v, g, beta, scale, h0, output_final_state, gate, A_log, dt_bias, lower_bound,
-                    _chunk_plan(cu, B, T, q.device), False)
-    return o, ht
+    if grad:
+        o, ht = _ChunkKDA.apply(q, k, v, g, beta, scale, h0, output_final_state, gate, A_log, dt_bias, lower_bound,
+                                cu)
+    else:  # inference: no autograd node, nothing saved (per-chunk states never reach memory) unless asked for
+        plan = _chunk_plan(cu, B, T, q.device)
+        o, ht, saved = _fwd(q, k, v, g, beta, scale, h0, output_final_state, gate, A_log, dt_bias, lower_bound,
+                            plan, return_intermediate_states)
+    if ht is not None and state_v_first:
+        ht = ht.transpose(-1, -2).contiguous()
+    if not return_intermediate_states:
+        return o, ht
+    return o, ht, intermediate_states(saved, k, plan, B, T, H, V, chunk_size, state_v_first)

@@ -9,7 +9,7 @@ import triton.language as tl
 from k3_kernels.launch import cdiv
 
 from .chunk_intra import _fwd_intra
-from .plan import BT, CONFIG, _forked, _join, _p2, _prec, _state_split
+from .plan import BT, CONFIG, _forked, _join, _p2, _prec, _state_split, state_stages
 from .utils import _chunk_rows
 
 
@@ -127,7 +127,7 @@ def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound
         if forks:
             which = "forked" if i < forks else "rest"
             BV = min(CONFIG[f"fwd_state_{which}_bv"] or BV, BVF)
-            stages = CONFIG[f"fwd_state_{which}_stages"] or stages
+            stages = state_stages(CONFIG[f"fwd_state_{which}_stages"] or stages, BK)
         with _forked(i < forks, dev, i):
             _fwd_state[(count, HV, cdiv(V, BV))](
                 Wc, Uc, QGc, KDc, Aqk, Gc, o, h0 if h0 is not None else dummy, ht if ht is not None else dummy,

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from k3_kernels.launch import cdiv
 
+from .checks import check_beta_options, check_cu_seqlens, check_gate, check_shapes, check_state, state_layout
 from .plan import _p2
 
 
@@ -22,7 +23,7 @@ def _recurrent_fwd(q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu, idx, scale, 
                    H, HV, K, V, BK: tl.constexpr,
                    BV: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
                    L2NORM: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, VARLEN: tl.constexpr,
-                   HAS_IDX: tl.constexpr):
+                   HAS_IDX: tl.constexpr, BETA_SIGMOID: tl.constexpr, STATE_V_FIRST: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1).to(tl.int64)
     iv = tl.program_id(2)
@@ -42,7 +43,10 @@ def _recurrent_fwd(q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu, idx, scale, 
     vm = ov < V
     mkv = km[:, None] & vm[None, :]
     live = mkv & ((ov[None, :] * 0 + slot) >= 0)  # negative slot: padding row, no state read or written
-    ps = (slot * HV + hv) * K * V + ok[:, None] * V + ov[None, :]
+    if STATE_V_FIRST:  # state [.., V, K] (SGLang's pools)
+        ps = (slot * HV + hv) * K * V + ov[None, :] * K + ok[:, None]
+    else:
+        ps = (slot * HV + hv) * K * V + ok[:, None] * V + ov[None, :]
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_H0:
         S += tl.load(h0 + ps, mask=live, other=0.)
@@ -68,6 +72,8 @@ def _recurrent_fwd(q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu, idx, scale, 
                 gt = gt * a_exp
             gt = lower_bound * tl.sigmoid(gt)
         bt = tl.load(beta + t * HV + hv).to(tl.float32)
+        if BETA_SIGMOID != 0:  # beta logits: sigmoid, or 2 sigmoid (allow_neg_eigval)
+            bt = BETA_SIGMOID * tl.sigmoid(bt)
         S = S * tl.exp(gt)[:, None]
         u = vt - tl.sum(kt[:, None] * S, 0)
         S += (bt * kt)[:, None] * u[None, :]
@@ -81,47 +87,46 @@ def fused_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
                         A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
                         scale: float | None = None, initial_state: torch.Tensor | None = None,
                         output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
-                        use_gate_in_kernel: bool = False, lower_bound: float | None = None,
-                        cu_seqlens: torch.Tensor | None = None, ssm_state_indices: torch.Tensor | None = None,
-                        inplace_final_state: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Decode a few tokens per sequence (forward only; FLA's `fused_recurrent_kda` layouts and gates).
+                        use_gate_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
+                        allow_neg_eigval: bool = False, lower_bound: float | None = None,
+                        state_v_first: bool = False, cu_seqlens: torch.Tensor | None = None, *,
+                        ssm_state_indices: torch.Tensor | None = None, inplace_final_state: bool | None = None,
+                        transpose_state_layout: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Decode a few tokens per sequence (forward only); fla-core 0.6.0's `fused_recurrent_kda` signature.
 
-    q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV]; `cu_seqlens` packs N sequences (B = 1).
+    q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] (log-decay, or the raw gate input with `use_gate_in_kernel`,
+    K3's safe gate when `lower_bound` is set); beta [B, T, HV] (logits with `use_beta_sigmoid_in_kernel`: sigmoid,
+    or 2 sigmoid with `allow_neg_eigval`); `cu_seqlens` packs N sequences (B = 1); states [.., HV, K, V] fp32, or
+    [.., HV, V, K] with `state_v_first` (read and written in that layout by the kernel).
     State pool mode: with `ssm_state_indices` (int [N]), `initial_state` is a pool [P, HV, K, V] fp32; sequence n
     starts from `initial_state[ssm_state_indices[n]]` and its final state is written back to that slot in place
     (`inplace_final_state` defaults to True then); a negative index means a padding row: zero start, no write.
     Slots must be distinct. Returns (o [B, T, HV, V] in v.dtype, final state: the pool when in place, else a new
     [N, HV, K, V] fp32 tensor or None).
     """
-    if q.dim() != 4 or k.shape != q.shape:
-        raise ValueError(f"q and k must be [B, T, H, K] of one shape, got q {tuple(q.shape)}, k {tuple(k.shape)}")
-    B, T, H, K = q.shape
-    if v.dim() != 4 or v.shape[:2] != (B, T) or v.shape[2] % H:
-        raise ValueError(f"v must be [B, T, HV, V] with HV a multiple of H={H}, got {tuple(v.shape)}")
-    HV, V = v.shape[2], v.shape[3]
-    if g.shape != (B, T, HV, K) or beta.shape != (B, T, HV):
-        raise ValueError(f"g must be {(B, T, HV, K)} and beta {(B, T, HV)}, got {tuple(g.shape)}, {tuple(beta.shape)}")
-    if not (1 <= K <= 256 and 1 <= V <= 256):
-        raise ValueError(f"head dims must be in [1, 256], got K={K}, V={V}")
-    if cu_seqlens is not None and B != 1:
-        raise ValueError(f"with cu_seqlens the batch size must be 1, got B={B}")
-    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    if use_gate_in_kernel and A_log is None and lower_bound is None:
-        raise ValueError("A_log is required with use_gate_in_kernel=True unless lower_bound is set")
+    state_v_first = state_layout(state_v_first, transpose_state_layout)
+    B, T, H, HV, K, V = check_shapes(q, k, v, g, beta)
+    check_beta_options(use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    check_gate(use_gate_in_kernel, A_log, dt_bias, lower_bound, HV, K)
+    cu = check_cu_seqlens(cu_seqlens, None, B, T)
+    N = B if cu is None else len(cu) - 1
     if inplace_final_state is None:
         inplace_final_state = ssm_state_indices is not None
     if ssm_state_indices is not None:
-        if ssm_state_indices.shape != (N,):
-            raise ValueError(f"ssm_state_indices must be [N] = [{N}], got {tuple(ssm_state_indices.shape)}")
+        if ssm_state_indices.shape != (N,) or ssm_state_indices.dtype.is_floating_point:
+            raise ValueError(f"ssm_state_indices must be integer [N] = [{N}], got {ssm_state_indices.dtype} "
+                             f"{tuple(ssm_state_indices.shape)}")
         if initial_state is None:
             raise ValueError("ssm_state_indices needs initial_state (the state pool [P, HV, K, V])")
     if initial_state is not None:
-        rows = initial_state.shape[0] if ssm_state_indices is not None else N
-        if initial_state.shape != (rows, HV, K, V) or initial_state.dtype != torch.float32:
-            raise ValueError(f"initial_state must be fp32 [{'P' if ssm_state_indices is not None else 'N'}, HV, K, V]"
-                             f" = {(rows, HV, K, V)}, got {initial_state.dtype} {tuple(initial_state.shape)}")
+        pooled = ssm_state_indices is not None
+        check_state(initial_state, initial_state.shape[0] if pooled else N, HV, K, V, state_v_first,
+                    "P" if pooled else "N")
         if inplace_final_state and not initial_state.is_contiguous():
             raise ValueError("initial_state must be contiguous to be updated in place")
+        if pooled and ssm_state_indices.numel() and int(ssm_state_indices.max()) >= initial_state.shape[0]:
+            raise ValueError(f"ssm_state_indices must be < the pool's {initial_state.shape[0]} slots, got "
+                             f"{int(ssm_state_indices.max())}")
     if inplace_final_state and initial_state is None:
         raise ValueError("inplace_final_state needs initial_state")
     scale = K ** -0.5 if scale is None else float(scale)
@@ -131,22 +136,27 @@ def fused_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     if inplace_final_state:
         ht = initial_state
     elif output_final_state:
-        ht = q.new_empty(N, HV, K, V, dtype=torch.float32)
+        ht = q.new_empty((N, HV, V, K) if state_v_first else (N, HV, K, V), dtype=torch.float32)
         if idx is not None:  # gather the slots' states first; row n of the result belongs to sequence n
             h0 = (initial_state[idx.clamp_min(0)] * (idx >= 0).view(-1, 1, 1, 1)).contiguous()
             idx = None
     else:
         ht = None
     o = torch.empty_like(v)
+    if o.numel() == 0 and ht is None:
+        return o, ht
     BK, BV = _p2(K), min(32, _p2(V))
     gate = 0 if not use_gate_in_kernel else (2 if lower_bound is not None else 1)
     dummy = o
     _recurrent_fwd[(N, HV, cdiv(V, BV))](
-        q, k, v, g, beta, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
+        q, k, v, g, beta, A_log.contiguous() if A_log is not None else dummy,
+        dt_bias.contiguous() if dt_bias is not None else dummy,
         o, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
         cu_seqlens if cu_seqlens is not None else dummy, idx if idx is not None else dummy,
         scale, float(lower_bound) if lower_bound is not None else 0., T,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, GATE=gate, HAS_A=A_log is not None, HAS_DT=dt_bias is not None,
         L2NORM=use_qk_l2norm_in_kernel, HAS_H0=h0 is not None, STORE_HT=ht is not None,
-        VARLEN=cu_seqlens is not None, HAS_IDX=idx is not None, num_warps=4)
+        VARLEN=cu_seqlens is not None, HAS_IDX=idx is not None,
+        BETA_SIGMOID=(2 if allow_neg_eigval else 1) if use_beta_sigmoid_in_kernel else 0,
+        STATE_V_FIRST=state_v_first, num_warps=4)
     return o, ht

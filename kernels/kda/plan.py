@@ -43,6 +43,13 @@ def _prec(dtype: torch.dtype, kernel: str | None = None) -> str:
     return (CONFIG.get(f"{kernel}_precision") if kernel else None) or "tf32"
 
 
+def state_stages(stages: int, BK: int) -> int:
+    """The state passes' pipeline depth for state tiles of BK rows: each stage buffers a chunk's three [64, BK]
+    operands, so K > 128 takes one stage (offline sm_90a builds at K = V = 256, bf16, V block 32: 354,304 bytes of
+    shared memory at 3 stages, 242,688 at 2, 126,976 at 1; the H200 allows 232,448 per block)."""
+    return 1 if BK > 128 else stages
+
+
 def _state_split(direction: str, states: int, K: int, V: int, BVF: int, device: torch.device) -> tuple[int, int]:
     """(V block, pipeline stages) of the serial state pass, one program per (sequence, head, V block). Every
     program reloads its chunk's [64, K] operands, so wider blocks cut that traffic and narrower ones add programs:
@@ -52,10 +59,10 @@ def _state_split(direction: str, states: int, K: int, V: int, BVF: int, device: 
     `<direction>_state_bv` overrides it (the benchmark's sweep)."""
     forced = CONFIG[f"{direction}_state_bv"]
     if forced is not None:
-        return min(forced, BVF), CONFIG[f"{direction}_state_stages"]
+        return min(forced, BVF), state_stages(CONFIG[f"{direction}_state_stages"], _p2(K))
     sms = num_sms(device)  # (state tiles no larger than the measured [128, 64]: K > 128 keeps them narrower)
     bv = next((b for b in (64, 32) if 2 * states * cdiv(V, b) >= sms and _p2(K) * b <= 128 * 64), 16)
-    return min(bv, BVF), (2 if bv == 64 else CONFIG[f"{direction}_state_stages"])
+    return min(bv, BVF), state_stages(2 if bv == 64 else CONFIG[f"{direction}_state_stages"], _p2(K))
 
 
 @functools.lru_cache(maxsize=32)

@@ -4,6 +4,7 @@ unsupported (triton-lang/triton#11584): `tl.dot` multiplies the bit patterns, an
 the GPU rounds to nearest even. With the two fixes below, the bf16 paths of the kernels (bf16 intermediates, bf16
 dots in the state passes) run on CPU with the GPU's rounding."""
 import numpy as np
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -41,3 +42,77 @@ if not torch.cuda.is_available():
             scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
         _patch_lang_tensor.k3_index_fix = True
         _interp._patch_lang_tensor = _patch_lang_tensor
+
+
+class _BoundsGuard:
+    """Interpreter-only check that no kernel touches memory outside the tensors it was launched with: every launch
+    records the byte extent of each tensor argument (the view's own elements, not its whole storage), and every
+    load and store asserts that each address its mask enables lies inside one of them. (On the GPU such an access
+    is the "illegal memory access" that leaves the CUDA context unusable, or silent corruption.)"""
+
+    def __init__(self):
+        self.kernel, self.lo, self.hi, self.checked = None, np.zeros(0, np.uint64), np.zeros(0, np.uint64), 0
+
+    def launch(self, kernel: str, tensors: list) -> None:
+        spans = []
+        for t in tensors:
+            if t.numel() == 0:
+                continue
+            last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+            spans.append((t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()))
+        spans.sort()
+        self.kernel = kernel
+        self.lo = np.array([a for a, _ in spans], dtype=np.uint64)
+        self.hi = np.array([b for _, b in spans], dtype=np.uint64)
+
+    def check(self, what: str, ptrs, mask, itemsize: int) -> None:
+        addr = np.asarray(ptrs).astype(np.uint64)[np.asarray(mask, dtype=bool)]
+        if addr.size == 0:
+            return
+        self.checked += int(addr.size)
+        i = np.searchsorted(self.lo, addr, side="right") - 1
+        ok = (i >= 0) & (addr + np.uint64(itemsize) <= self.hi[np.maximum(i, 0)])
+        if not ok.all():
+            raise AssertionError(f"{self.kernel}: out-of-bounds {what} at {int((~ok).sum())} of {addr.size} "
+                                 f"addresses")
+
+
+def _tensors_of(args) -> list:
+    out = []
+    for a in args:
+        if isinstance(a, tuple):
+            out += _tensors_of(a)
+        elif isinstance(a, torch.Tensor):
+            out.append(a)
+    return out
+
+
+@pytest.fixture
+def bounds_guard(monkeypatch):
+    """Enable `_BoundsGuard` for one test (CPU interpreter only; yields the guard: `.checked` counts the addresses
+    it saw, so a test can assert that kernels ran under it)."""
+    if torch.cuda.is_available():
+        yield None
+        return
+    from triton.runtime import interpreter as interp
+    guard = _BoundsGuard()
+    init = interp.GridExecutor._init_args_hst
+
+    def _init_args_hst(self, args_dev, kwargs):
+        args_hst, kwargs_hst = init(self, args_dev, kwargs)
+        guard.launch(self.fn.__name__, _tensors_of(list(args_hst) + list(kwargs_hst.values())))
+        return args_hst, kwargs_hst
+
+    load, store = interp.InterpreterBuilder.create_masked_load, interp.InterpreterBuilder.create_masked_store
+
+    def create_masked_load(self, ptrs, mask, other, *rest):
+        guard.check("load", ptrs.data, mask.data, np.dtype(interp._get_np_dtype(ptrs.get_element_ty())).itemsize)
+        return load(self, ptrs, mask, other, *rest)
+
+    def create_masked_store(self, ptrs, value, mask, *rest):
+        guard.check("store", ptrs.data, mask.data, np.dtype(interp._get_np_dtype(ptrs.get_element_ty())).itemsize)
+        return store(self, ptrs, value, mask, *rest)
+    monkeypatch.setattr(interp.GridExecutor, "_init_args_hst", _init_args_hst)
+    monkeypatch.setattr(interp.InterpreterBuilder, "create_masked_load", create_masked_load)
+    monkeypatch.setattr(interp.InterpreterBuilder, "create_masked_store", create_masked_store)
+    yield guard
