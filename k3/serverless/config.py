@@ -1,0 +1,89 @@
+"""`k3 serve` launch settings: one typed frozen config (TOML file sections map onto it; unknown or mistyped
+fields are refused naming the field)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from k3.rollout import EngineConfig
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    host: str = "127.0.0.1"          # loopback unless told otherwise
+    port: int = 8000
+    base_model: str = "k3-tiny"      # the name clients pass as create_lora_training_client(base_model=...)
+    preset: str = "tiny"             # K3Config preset of a randomly initialised base (when base_dir is empty)
+    model_seed: int = 0
+    base_dir: str = ""               # a saved K3ForCausalLM (e.g. the main job's SFT base) instead of the preset
+    data_dir: str = "runs/serve"     # SQLite + safetensors
+    max_rank: int = 128
+    lora_targets: tuple[str, ...] = ("attn", "mlp")
+    max_data: int = 64               # data per forward / forward_backward call
+    max_seq_len: int = 512           # tokens per datum / prompt
+    max_num_samples: int = 64        # samples per sample call
+    max_sample_tokens: int = 256
+    max_sessions: int = 64
+    length_bucket: int = 32          # rows are padded to a multiple of this (see k3.serverless.compute)
+    max_batch_rows: int = 256        # rows in one packed forward/backward
+    offload_after: int = 4           # scheduler rounds without a session's request before its optimizer state moves to host
+    max_skips: int = 2               # rounds a waiting session may be passed over for locality before it goes first
+    create_key_sha256: str = ""      # if set, creating a session needs the key whose SHA-256 this is
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(chunk_size=32, checkpoint_interval=64,
+                                                                       max_running=64, device_pages=2048,
+                                                                       host_pages=0, device_states=128,
+                                                                       host_states=0))
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "engine":
+                try:
+                    v.validate()
+                except ValueError as e:
+                    raise ValueError(f"engine.{e}") from None
+                continue
+            if f.name == "lora_targets":
+                if not v or not all(isinstance(x, str) and x for x in v):
+                    raise ValueError(f"lora_targets: expected a non-empty list of patterns, got {v!r}")
+                continue
+            want = int if f.type in ("int", int) else str
+            if isinstance(v, bool) or not isinstance(v, want):
+                raise ValueError(f"{f.name}: expected {want.__name__}, got {type(v).__name__} ({v!r})")
+            if want is int and f.name not in ("model_seed",) and v < 1:
+                raise ValueError(f"{f.name}: must be >= 1, got {v}")
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"port: must be in [1, 65535], got {self.port}")
+        if self.max_rank > 128:
+            raise ValueError(f"max_rank: at most 128 is supported, got {self.max_rank}")
+        if self.model_seed < 0:
+            raise ValueError(f"model_seed: must be >= 0, got {self.model_seed}")
+
+    @classmethod
+    def from_toml(cls, path: str | Path | None, **overrides) -> "ServeConfig":
+        """Fields from a TOML file (top-level keys; an [engine] table for EngineConfig), then `overrides`."""
+        raw = tomllib.loads(Path(path).read_text()) if path else {}
+        raw.update({k: v for k, v in overrides.items() if v is not None})
+        known = {f.name for f in dataclasses.fields(cls)}
+        for k in raw:
+            if k not in known:
+                raise ValueError(f"{k}: unknown setting (known: {sorted(known)})")
+        if "engine" in raw:
+            eng = raw["engine"]
+            eknown = {f.name for f in dataclasses.fields(EngineConfig)}
+            bad = [k for k in eng if k not in eknown]
+            if bad:
+                raise ValueError(f"engine.{bad[0]}: unknown setting")
+            raw["engine"] = dataclasses.replace(cls().engine, **eng)
+        if "lora_targets" in raw:
+            raw["lora_targets"] = tuple(raw["lora_targets"])
+        cfg = cls(**raw)
+        cfg.validate()
+        return cfg
+
+
+def finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

@@ -1,0 +1,133 @@
+"""The service's scheduler: one worker thread runs every model computation; requests queue per session.
+
+Each round takes the kind (forward_backward, forward, optim_step, sample, ...) of the oldest waiting request and
+batches the head requests of that kind of as many sessions as fit (`max_batch_rows` rows), one request per
+session (a session's own requests run in order). Who goes first in a full round trades adapter locality against
+fairness: sessions whose optimizer state is resident go before offloaded ones, but a session passed over
+`max_skips` times goes first; among equals the session that has been served the fewest rows goes first (a deficit
+order, which keeps Jain's fairness index near 1 under equal demand). Sessions not scheduled for `offload_after`
+rounds have their optimizer state offloaded to host memory; a queued request for an offloaded session starts its
+asynchronous staging back at once, so the copy overlaps the rounds before it runs."""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+BATCHED = ("forward_backward", "forward", "sample", "logprobs")
+
+
+@dataclass
+class Request:
+    kind: str
+    session: str               # the session the request is billed to (a sampler's owner for sampling)
+    payload: Any
+    rows: int = 1
+    future: Future = field(default_factory=Future)
+    seq: int = 0
+    submitted: float = 0.0
+
+
+class Scheduler:
+    def __init__(self, execute: Callable[[str, list[Request]], None], *, max_batch_rows: int, offload_after: int,
+                 max_skips: int, is_resident: Callable[[str], bool] = lambda s: True,
+                 stage: Callable[[str], None] = lambda s: None, offload: Callable[[str], None] = lambda s: None
+                 ) -> None:
+        self.execute, self.max_rows = execute, max_batch_rows
+        self.offload_after, self.max_skips = offload_after, max_skips
+        self.is_resident, self.stage, self.offload = is_resident, stage, offload
+        self.queues: dict[str, deque[Request]] = {}
+        self.served_rows: dict[str, int] = {}
+        self.skips: dict[str, int] = {}
+        self.last_round: dict[str, int] = {}
+        self.round = 0
+        self.batches: list[tuple[str, int, int]] = []   # (kind, sessions, rows) per round, for tests and benchmarks
+        self._seq = itertools.count()
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="k3-serverless-scheduler", daemon=True)
+        self._thread.start()
+
+    def submit(self, kind: str, session: str, payload: Any, rows: int = 1) -> Future:
+        req = Request(kind, session, payload, rows, seq=next(self._seq), submitted=time.perf_counter())
+        with self._cv:
+            if self._stop:
+                raise RuntimeError("the scheduler is stopped")
+            self.queues.setdefault(session, deque()).append(req)
+            self._cv.notify()
+        if not self.is_resident(session):
+            self.stage(session)
+        return req.future
+
+    def forget(self, session: str) -> None:
+        with self._cv:
+            for d in (self.served_rows, self.skips, self.last_round):
+                d.pop(session, None)
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------------ policy
+    def pick(self) -> tuple[str, list[Request]]:
+        """The next round's kind and requests (called with the lock held, at least one request queued)."""
+        heads = [q[0] for q in self.queues.values() if q]
+        oldest = min(heads, key=lambda r: r.seq)
+        kind = oldest.kind
+        cands = [r for r in heads if r.kind == kind]
+        if kind not in BATCHED:
+            cands = [oldest]
+
+        def order(r: Request):
+            starving = self.skips.get(r.session, 0) >= self.max_skips
+            return (not starving, not self.is_resident(r.session), self.served_rows.get(r.session, 0), r.seq)
+
+        cands.sort(key=order)
+        chosen, rows = [], 0
+        for r in cands:
+            if chosen and rows + r.rows > self.max_rows:
+                self.skips[r.session] = self.skips.get(r.session, 0) + 1
+                continue
+            chosen.append(r)
+            rows += r.rows
+        for r in chosen:
+            self.queues[r.session].popleft()
+            self.skips[r.session] = 0
+            self.served_rows[r.session] = self.served_rows.get(r.session, 0) + r.rows
+            self.last_round[r.session] = self.round
+        return kind, chosen
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not any(self.queues.values()):
+                    self._cv.wait()
+                if self._stop:
+                    pending = [r for q in self.queues.values() for r in q]
+                    self.queues.clear()
+                    break
+                kind, batch = self.pick()
+                self.round += 1
+                idle = [s for s, r in self.last_round.items()
+                        if self.round - r > self.offload_after and not self.queues.get(s)]
+            self.batches.append((kind, len(batch), sum(r.rows for r in batch)))
+            try:
+                self.execute(kind, batch)
+            except BaseException as e:  # execute sets per-request results; anything left gets the error
+                for r in batch:
+                    if not r.future.done():
+                        r.future.set_exception(e)
+            for r in batch:
+                if not r.future.done():
+                    r.future.set_exception(RuntimeError(f"{kind}: no result was produced"))
+            for s in idle:
+                if self.is_resident(s):
+                    self.offload(s)
+        for r in pending:
+            r.future.set_exception(RuntimeError("the server is shutting down"))

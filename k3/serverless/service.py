@@ -1,0 +1,374 @@
+"""The service behind `k3 serve`, framework-free: one base model, one LoRAManager holding every session's adapter
+and every sampler snapshot, one rollout engine, one scheduler thread that runs all model work.
+
+Every public method checks its inputs in the caller's thread (ServiceError 4xx naming the field, before any work)
+and then queues the work; the scheduler batches it with other sessions' (`k3.serverless.scheduler`) and runs it
+(`k3.serverless.compute`). Sampler snapshots are immutable adapters (session, name, step) registered in the same
+manager; the engine serves them by id, so its prefix cache is scoped by (adapter, version) by construction, and a
+snapshot id that is registered again (after a restart) is flushed from the cache with `engine.adapter_updated`."""
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+
+from k3.config import K3Config
+from k3.lora import LoRAAdapter, LoRAConfig, LoRAManager
+from k3.model import K3ForCausalLM
+from k3.rollout import Engine
+from k3.rollout import SamplingParams as EngineSampling
+from k3.serverless.compute import Work, prompt_logprobs, run_packed
+from k3.serverless.config import ServeConfig
+from k3.serverless.losses import LossConfig
+from k3.serverless.scheduler import Request, Scheduler
+from k3.serverless.session import Session
+from k3.serverless.store import SessionRow, Store, hash_key, key_matches, read_tensors, write_tensors
+from k3.serverless.types import (LOSS_FNS, LOSS_INPUTS, AdamParams, Datum, ServiceError, datum_from_json)
+
+
+class Service:
+    def __init__(self, config: ServeConfig) -> None:
+        config.validate()
+        self.config = config
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if config.base_dir:
+            model = K3ForCausalLM.from_pretrained(config.base_dir)
+        else:
+            torch.manual_seed(config.model_seed)
+            model = K3ForCausalLM(K3Config.preset(config.preset))
+        self.model = model.to(self.device).eval()
+        self.model.requires_grad_(False)
+        self.vocab = self.model.config.vocab_size
+        self.manager = LoRAManager(self.model)
+        self.engine = Engine(self.model, prefix_cache=True, config=config.engine)
+        self.store = Store(config.data_dir)
+        self.sessions: dict[str, Session] = {}
+        self.samplers: dict[str, str] = {}       # sampler id -> owning session
+        self._lock = threading.Lock()
+        self.stats = {"trained_rows": 0, "trained_tokens": 0, "sampled_tokens": 0}
+        self._restore()
+        self.scheduler = Scheduler(self._execute, max_batch_rows=config.max_batch_rows,
+                                   offload_after=config.offload_after, max_skips=config.max_skips,
+                                   is_resident=lambda s: s not in self.sessions or self.sessions[s].resident,
+                                   stage=lambda s: s in self.sessions and self.sessions[s].stage(),
+                                   offload=lambda s: s in self.sessions and self.sessions[s].offload())
+
+    def close(self) -> None:
+        self.scheduler.close()
+        self.store.close()
+        self.manager.close()
+
+    # ------------------------------------------------------------------ restart
+    def _new_adapter(self, lora: LoRAConfig, seed: int) -> LoRAAdapter:
+        return LoRAAdapter.for_model(self.model, lora, seed=seed)
+
+    def _restore(self) -> None:
+        for row in self.store.sessions():
+            s = Session(row.id, row.key_hash, self._new_adapter(LoRAConfig.from_dict(row.lora), row.seed), row.seed,
+                        self.device)
+            s.load_state_tensors(read_tensors(self.store.root / row.state_file))
+            s.step = row.step
+            self.manager.add(row.id, s.adapter)
+            self.sessions[row.id] = s
+        for sampler_id, sid, _name, _step, file in self.store.samplers():
+            if sid in self.sessions:
+                self._register_sampler(sampler_id, self.sessions[sid], read_tensors(self.store.root / file))
+
+    # ------------------------------------------------------------------ auth and checks
+    def authorize(self, sid: str, key: str | None) -> Session:
+        s = self.sessions.get(sid)
+        if s is None:
+            raise ServiceError(404, f"session_id: no session {sid!r}")
+        if not key or not key_matches(key, s.key_hash):
+            raise ServiceError(403, f"api_key: this key does not own session {sid!r}")
+        return s
+
+    def authorize_sampler(self, sampler_id: str, key: str | None) -> Session:
+        sid = self.samplers.get(sampler_id)
+        if sid is None:
+            raise ServiceError(404, f"sampler_id: no sampler {sampler_id!r}")
+        return self.authorize(sid, key)
+
+    def _check_tokens(self, toks, where: str) -> list[int]:
+        if not isinstance(toks, list) or not toks or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                              for t in toks):
+            raise ServiceError(400, f"{where}: expected a non-empty list of token ids")
+        if len(toks) > self.config.max_seq_len:
+            raise ServiceError(413, f"{where}: {len(toks)} tokens exceed the limit of {self.config.max_seq_len}")
+        bad = [t for t in toks if not 0 <= t < self.vocab]
+        if bad:
+            raise ServiceError(400, f"{where}: token id {bad[0]} is outside the vocabulary [0, {self.vocab})")
+        return toks
+
+    def parse_data(self, data, loss_fn: str) -> list[Datum]:
+        if loss_fn not in LOSS_FNS:
+            raise ServiceError(400, f"loss_fn: unknown {loss_fn!r} (choose from {list(LOSS_FNS)})")
+        if not isinstance(data, list) or not data:
+            raise ServiceError(400, "data: expected a non-empty list of Datum")
+        if len(data) > self.config.max_data:
+            raise ServiceError(413, f"data: {len(data)} data exceed the limit of {self.config.max_data} per call")
+        out = []
+        for i, d in enumerate(data):
+            try:
+                dat = datum_from_json(d, f"data[{i}]")
+            except ValueError as e:
+                raise ServiceError(400, str(e)) from None
+            self._check_tokens(list(dat.model_input.tokens), f"data[{i}].model_input")
+            for name in LOSS_INPUTS[loss_fn]:
+                if name not in dat.loss_fn_inputs:
+                    raise ServiceError(400, f"data[{i}].loss_fn_inputs.{name}: required by loss_fn {loss_fn!r}")
+            tt = dat.loss_fn_inputs["target_tokens"]
+            bad = [t for t in tt if not 0 <= t < self.vocab]
+            if bad:
+                raise ServiceError(400, f"data[{i}].loss_fn_inputs.target_tokens: token id {bad[0]} is outside "
+                                        f"the vocabulary [0, {self.vocab})")
+            w = dat.loss_fn_inputs.get("weights")
+            if w is not None and any(x < 0 for x in w):
+                raise ServiceError(400, f"data[{i}].loss_fn_inputs.weights: must be >= 0")
+            out.append(dat)
+        return out
+
+    @staticmethod
+    def _wait(fut: Future):
+        return fut.result()
+
+    # ------------------------------------------------------------------ sessions
+    def create_session(self, base_model, rank, *, alpha=None, seed=None, create_key: str | None = None
+                       ) -> tuple[str, str]:
+        c = self.config
+        if c.create_key_sha256 and not (create_key and key_matches(create_key, c.create_key_sha256)):
+            raise ServiceError(403, "api_key: creating sessions needs the server's creation key")
+        if base_model != c.base_model:
+            raise ServiceError(400, f"base_model: this server serves {c.base_model!r}, got {base_model!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= c.max_rank:
+            raise ServiceError(400, f"rank: must be an integer in [1, {c.max_rank}], got {rank!r}")
+        alpha = 32.0 if alpha is None else alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1e6:
+            raise ServiceError(400, f"alpha: must be a positive number, got {alpha!r}")
+        if seed is None:
+            seed = secrets.randbits(31)
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
+            raise ServiceError(400, f"seed: must be an integer in [0, 2**63), got {seed!r}")
+        with self._lock:
+            if len(self.sessions) >= c.max_sessions:
+                raise ServiceError(429, f"sessions: the server holds its limit of {c.max_sessions} sessions")
+            sid = "s-" + secrets.token_hex(8)
+            key = "k3-" + secrets.token_urlsafe(32)
+            lora = LoRAConfig(rank=rank, alpha=float(alpha), targets=c.lora_targets)
+            s = Session(sid, hash_key(key), self._new_adapter(lora, seed), seed, self.device)
+            rel = self.store.state_path(sid, 0).relative_to(self.store.root)
+            write_tensors(self.store.root / rel, s.state_tensors())
+            self.store.add_session(SessionRow(sid, s.key_hash, lora.to_dict(), seed, 0, str(rel)), time.time())
+            self.sessions[sid] = s
+        self._wait(self.scheduler.submit("register", sid, s))
+        return sid, key
+
+    def info(self, s: Session) -> dict:
+        return {"session_id": s.id, "base_model": self.config.base_model, "rank": s.config.rank,
+                "alpha": s.config.alpha, "step": s.step, "pending": s.pending,
+                "samplers": sorted(k for k, v in self.samplers.items() if v == s.id)}
+
+    def delete_session(self, s: Session) -> None:
+        self._wait(self.scheduler.submit("delete", s.id, s))
+
+    # ------------------------------------------------------------------ training
+    def forward_backward(self, s: Session, data: list[Datum], loss_fn: str, loss_config: LossConfig,
+                         backward: bool = True) -> dict:
+        work = Work(s.id, data, loss_fn, loss_config)
+        return self._wait(self.scheduler.submit("forward_backward" if backward else "forward", s.id, work,
+                                                rows=len(data)))
+
+    def optim_step(self, s: Session, adam: AdamParams) -> dict:
+        return self._wait(self.scheduler.submit("optim_step", s.id, adam))
+
+    def save_state(self, s: Session, name: str) -> dict:
+        return self._wait(self.scheduler.submit("save_state", s.id, name))
+
+    def load_state(self, s: Session, name: str) -> dict:
+        return self._wait(self.scheduler.submit("load_state", s.id, name))
+
+    def save_sampler(self, s: Session, name: str) -> dict:
+        return self._wait(self.scheduler.submit("save_sampler", s.id, name))
+
+    def adapter_bytes(self, s: Session) -> dict[str, torch.Tensor]:
+        return self._wait(self.scheduler.submit("read_weights", s.id, None))
+
+    # ------------------------------------------------------------------ sampling
+    def sample(self, sampler_id: str, owner: Session, prompt: list[int], num_samples: int, params: dict) -> dict:
+        c = self.config
+        self._check_tokens(prompt, "prompt")
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or not 1 <= num_samples <= c.max_num_samples:
+            raise ServiceError(400 if not isinstance(num_samples, int) or num_samples < 1 else 413,
+                               f"num_samples: must be an integer in [1, {c.max_num_samples}], got {num_samples!r}")
+        known = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
+        if not isinstance(params, dict):
+            raise ServiceError(400, "sampling_params: expected an object")
+        for k in params:
+            if k not in known:
+                raise ServiceError(400, f"sampling_params.{k}: unknown field (known: {sorted(known)})")
+        mt = params.get("max_tokens", 32)
+        if isinstance(mt, int) and not isinstance(mt, bool) and mt > c.max_sample_tokens:
+            raise ServiceError(413, f"sampling_params.max_tokens: {mt} exceeds the limit of {c.max_sample_tokens}")
+        stop = params.get("stop", [])
+        if not isinstance(stop, list):
+            raise ServiceError(400, "sampling_params.stop: expected a list of token ids")
+        sp = EngineSampling(temperature=params.get("temperature", 1.0), top_p=params.get("top_p", 1.0),
+                            top_k=params.get("top_k", 0), seed=params.get("seed"), max_tokens=mt,
+                            stop_token_ids=tuple(stop), n=num_samples, adapter_id=sampler_id)
+        try:
+            sp.validate("sampling_params")
+        except ValueError as e:
+            raise ServiceError(400, str(e)) from None
+        if len(prompt) + mt > self.model.config.max_position_embeddings:
+            raise ServiceError(413, "sampling_params.max_tokens: prompt + max_tokens exceed the model's positions")
+        return self._wait(self.scheduler.submit("sample", owner.id, (prompt, sp), rows=num_samples))
+
+    def compute_logprobs(self, sampler_id: str, owner: Session, prompt: list[int]) -> list[float | None]:
+        self._check_tokens(prompt, "prompt")
+        return self._wait(self.scheduler.submit("logprobs", owner.id, (sampler_id, prompt)))
+
+    # ------------------------------------------------------------------ execution (scheduler thread)
+    def _execute(self, kind: str, batch: list[Request]) -> None:
+        if kind in ("forward_backward", "forward"):
+            self._run_training(batch, backward=kind == "forward_backward")
+            return
+        if kind == "sample":
+            self._run_sample(batch)
+            return
+        if kind == "logprobs":
+            items = [r.payload for r in batch]
+            for r, lp in zip(batch, prompt_logprobs(self.model, self.manager, items,
+                                                    bucket=self.config.length_bucket)):
+                r.future.set_result(lp)
+            return
+        for r in batch:
+            try:
+                r.future.set_result(getattr(self, f"_do_{kind}")(self.sessions[r.session] if kind != "register"
+                                                                  else r.payload, r.payload))
+            except ServiceError as e:
+                r.future.set_exception(e)
+            except Exception as e:  # noqa: BLE001 - reported to that request only
+                r.future.set_exception(ServiceError(500, f"{kind}: {type(e).__name__}: {e}"))
+
+    def _run_training(self, batch: list[Request], backward: bool) -> None:
+        sessions = [self.sessions[r.session] for r in batch]
+        for s in sessions:
+            s.ready()
+        saved = [s.grads() for s in sessions]
+        try:
+            results = run_packed(self.model, self.manager, [r.payload for r in batch],
+                                 bucket=self.config.length_bucket, backward=backward)
+        except Exception:
+            for s, g in zip(sessions, saved):
+                s.restore_grads(g)
+            if len(batch) == 1:
+                raise
+            for r in batch:  # one bad request must not fail the others: run each alone
+                self._run_training([r], backward)
+            return
+        for r, s, res in zip(batch, sessions, results):
+            if backward:
+                s.pending += 1
+                self.stats["trained_rows"] += len(r.payload.data)
+                self.stats["trained_tokens"] += int(res.metrics.get("num_tokens", 0))
+            r.future.set_result({"loss_fn_outputs": [{"logprobs": lp} for lp in res.logprobs],
+                                 "metrics": res.metrics})
+
+    def _run_sample(self, batch: list[Request]) -> None:
+        prompts = [r.payload[0] for r in batch]
+        params = [r.payload[1] for r in batch]
+        comps = self.engine.generate(prompts, params)
+        i = 0
+        for r, sp in zip(batch, params):
+            seqs = comps[i:i + sp.n]
+            i += sp.n
+            self.stats["sampled_tokens"] += sum(len(c.token_ids) for c in seqs)
+            r.future.set_result({"sequences": [{"tokens": list(c.token_ids), "logprobs": list(c.logprobs),
+                                                "stop_reason": c.finish_reason} for c in seqs]})
+
+    def _do_register(self, s: Session, _payload) -> dict:
+        self.manager.add(s.id, s.adapter)
+        return {"session_id": s.id}
+
+    def _do_delete(self, s: Session, _payload) -> dict:
+        for sampler_id in [k for k, v in self.samplers.items() if v == s.id]:
+            self.manager.remove(sampler_id)
+            self.engine.adapter_updated(sampler_id)
+            del self.samplers[sampler_id]
+        self.manager.remove(s.id)
+        self.store.delete_session(s.id)
+        del self.sessions[s.id]
+        self.scheduler.forget(s.id)
+        return {"deleted": s.id}
+
+    def _do_optim_step(self, s: Session, adam: AdamParams) -> dict:
+        before, grads, pending = s.state_tensors(), s.grads(), s.pending
+        m = s.optim_step(adam)   # all or nothing in memory
+        try:
+            rel = self.store.state_path(s.id, s.step).relative_to(self.store.root)
+            write_tensors(self.store.root / rel, s.state_tensors())
+            old = self.store.state_path(s.id, s.step - 1)
+            self.store.commit_step(s.id, s.step, str(rel))
+        except BaseException:   # not durable: undo the step in memory too
+            s.load_state_tensors(before)
+            s.restore_grads(grads)
+            s.step -= 1
+            s.pending = pending
+            raise
+        old.unlink(missing_ok=True)
+        return {"step": s.step, "metrics": m}
+
+    def _do_save_state(self, s: Session, name: str) -> dict:
+        rel = Path("sessions") / s.id / f"ckpt-{name}.safetensors"
+        write_tensors(self.store.root / rel, s.state_tensors())
+        self.store.put_checkpoint(s.id, name, s.step, str(rel))
+        return {"path": f"k3://{s.id}/{name}", "step": s.step}
+
+    def _do_load_state(self, s: Session, name: str) -> dict:
+        ck = self.store.checkpoint(s.id, name)
+        if ck is None:
+            raise ServiceError(404, f"name: session {s.id} has no saved state {name!r}")
+        step, rel = ck
+        t = read_tensors(self.store.root / rel)
+        s.load_state_tensors(t)
+        s.drop_grads()
+        prev = s.step
+        s.step = step
+        path = self.store.state_path(s.id, step).relative_to(self.store.root)
+        if step != prev:
+            write_tensors(self.store.root / path, t)
+            self.store.commit_step(s.id, step, str(path))
+        return {"step": s.step}
+
+    def _register_sampler(self, sampler_id: str, s: Session, tensors: dict[str, torch.Tensor]) -> None:
+        ad = LoRAAdapter(s.config, s.adapter.targets, device=self.device)
+        ad.load_tensors(tensors)
+        ad.requires_grad_(False)
+        if sampler_id in self.manager.adapters:
+            self.manager.remove(sampler_id)
+            self.engine.adapter_updated(sampler_id)
+        self.manager.add(sampler_id, ad)
+        self.samplers[sampler_id] = s.id
+
+    def _do_save_sampler(self, s: Session, name: str) -> dict:
+        sampler_id = f"{s.id}.{name}.{s.step}"
+        if sampler_id not in self.samplers:
+            tensors = s.adapter.tensors()
+            rel = Path("samplers") / f"{sampler_id}.safetensors"
+            write_tensors(self.store.root / rel, tensors)
+            self._register_sampler(sampler_id, s, tensors)
+            self.store.add_sampler(sampler_id, s.id, name, s.step, str(rel))
+        return {"sampler_id": sampler_id, "step": s.step}
+
+    def _do_read_weights(self, s: Session, _payload) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in s.adapter.tensors().items()}
+
+
+def validate_name(name, where: str = "name") -> str:
+    if not isinstance(name, str) or not name or len(name) > 64 or not all(c.isalnum() or c in "-_" for c in name):
+        raise ServiceError(400, f"{where}: expected 1-64 characters of letters, digits, '-' or '_', got {name!r}")
+    return name
