@@ -45,6 +45,7 @@ from .chunk_bwd import _bwd
 from .chunk_fwd import _fwd
 from .checks import (activate_beta, check_beta_options, check_cu_seqlens, check_gate, check_shapes, check_state,
                      state_layout)
+from .gate import gate_backward
 from .intermediate import intermediate_states
 from .naive import l2norm, naive_kda_gate, naive_kda_lowerbound_gate
 from .plan import BT, CONFIG, _chunk_plan, _p2, _prec, _state_classes, _state_split  # noqa: F401 (tests, benchmarks)
@@ -65,7 +66,9 @@ class _ChunkKDA(torch.autograd.Function):
         dq, dk, dv, dg, dbeta, dh0 = _bwd(q, k, v, beta, do.contiguous(), dht.contiguous() if dht is not None else None,
                                           ctx.has_h0, ctx.scale, saved, ctx.plan)
         dA_log = ddt = None
-        if ctx.gate:  # the gate activation's own backward (elementwise; sums by torch's fixed-order reductions)
+        if ctx.gate and CONFIG["gate_bwd"] == "triton":  # the gate's backward as one pass (gate.py)
+            dg, dA_log, ddt = gate_backward(g, dg, A_log, dt_bias, ctx.gate, ctx.lower_bound)
+        elif ctx.gate:  # torch autograd over the reference gate (elementwise; torch's fixed-order reductions)
             with torch.enable_grad():
                 inputs = [x.detach().requires_grad_(True) if x is not None else None for x in (g, A_log, dt_bias)]
                 if ctx.gate == 1:

@@ -25,7 +25,8 @@ CONFIG = {"fwd_state_bv": None, "fwd_state_warps": 4, "fwd_state_stages": 3,  # 
           "bwd_intra_bk": 32, "bwd_intra_warps": 4, "bwd_intra_stages": 2,
           "bwd_prep_bv": 64, "bwd_prep_warps": 4, "bwd_prep_stages": 1, "ka": 32,
           "dot_precision": None,  # None: by input dtype and kernel (`_prec`); or force one of triton's everywhere
-          "bwd_intra_precision": None, "bwd_prep_precision": None}  # per kernel, 16-bit inputs (None: TF32)
+          "bwd_intra_precision": None, "bwd_prep_precision": None,  # per kernel, 16-bit inputs (None: TF32)
+          "gate_bwd": "triton"}  # the in-kernel gate's backward: gate.py's pass, or "torch" (autograd, the A/B)
 
 
 def _p2(x: int) -> int:
