@@ -1,4 +1,4 @@
-"""`k3` command line: `k3 demo` (decode demo + parameter counts), `k3 sft`, `k3 rl`.
+"""`k3` command line: `k3 demo` (decode demo + parameter counts), `k3 sft`, `k3 rl`, `k3 serve`.
 
 `sft` and `rl` load and check their whole job config first, before torch is imported: any config error is one
 line `k3 <cmd>: bad config: <field>: <why>` on stderr and exit code 2, never a traceback after minutes of work."""
@@ -106,10 +106,32 @@ def _sft(args: argparse.Namespace, cfg: JobConfig) -> int:
 
 
 def _rl(args: argparse.Namespace, cfg: JobConfig) -> int:
+    _apply_cpu_threads(args.threads)
+    if getattr(args, "serverless", None):  # the same GSPO loop through a `k3 serve` service
+        from k3.serverless.job import run_serverless_rl
+
+        run_serverless_rl(cfg, args.serverless, Path(args.out), api_key=os.environ.get("K3_SERVE_KEY"))
+        return 0
     from k3.jobs.rl import run_rl
 
-    _apply_cpu_threads(args.threads)
     run_rl(cfg, Path(args.out))
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """`k3 serve`: the serverless multi-LoRA training service (k3.serverless); settings checked before start."""
+    from k3.serverless.config import ServeConfig
+
+    try:
+        threads = _cpu_threads()
+        cfg = ServeConfig.from_toml(args.config, host=args.host, port=args.port, data_dir=args.data_dir)
+    except (JobConfigError, ValueError, OSError, tomllib.TOMLDecodeError) as e:
+        print(f"k3 serve: bad config: {e}", file=sys.stderr)
+        return 2
+    _apply_cpu_threads(threads)
+    from k3.serverless.server import serve
+
+    serve(cfg)
     return 0
 
 
@@ -129,9 +151,17 @@ def main(argv: list[str] | None = None) -> int:
         if name == "rl":
             p.add_argument("--updates", type=int, default=None)
             p.add_argument("--out", default="runs/rl")
+            p.add_argument("--serverless", default=None, metavar="URL",
+                           help="run the GSPO loop through a `k3 serve` service at URL (key: $K3_SERVE_KEY)")
         p.set_defaults(fn=fn)
+    p = sub.add_parser("serve", help="serverless multi-LoRA training service (Tinker-shaped HTTP API)")
+    p.add_argument("--config", default=None, help="TOML file of k3.serverless.ServeConfig fields")
+    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1: loopback only)")
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--data-dir", default=None, help="SQLite + safetensors state (sessions survive restarts)")
+    p.set_defaults(fn=_serve)
     args = parser.parse_args(argv)
-    if args.cmd == "demo":
+    if args.cmd in ("demo", "serve"):
         return args.fn(args)
     try:
         cfg = _load(args)  # everything checked before the job starts (SFT alone takes minutes)
