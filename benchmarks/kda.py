@@ -1,61 +1,80 @@
-"""KDA chunked prefill/training: fla-core `chunk_kda` vs k3_kernels `chunk_kda` on one GPU, same process.
+"""KDA on one GPU, fla-core 0.6.0 and k3_kernels in the same process: chunked prefill/training (`chunk_kda`) and
+decode (`fused_recurrent_kda`).
 
-Protocol of shared/anchors/bench_fla.py: B=1, H=16, K=V=128, bf16 q/k/v/beta, fp32 log-decay
-g = 0.5 * logsigmoid(randn), unit-norm k; T in {4K, 16K, 64K, 128K} plus one packed varlen batch, plus `safe_gate`:
-16K with K3's safe gate applied in the kernels and a sharp decay (`sharp_safe_gate`; fla-core with `safe_gate=True`).
-Forward medians under no_grad, forward+backward medians (`triton.testing.do_bench`, grads reset each call);
-backward = difference. Floors: bytes that must move / measured copy bandwidth, and the report's FLOP count
-(Kimi Linear Eq. 13, per head 6 T d^2 + 3 T C d + T C^2, backward taken as 2x) / measured bf16 matmul rate.
-Before timing, a short sweep at T=16K picks launch settings (warps, stages, V block; recorded in the JSON with
-its timings), a profiler pass records device time per kernel, and each size up to 32K checks ours against
-fla-core (relative RMS of o and every gradient). Writes benchmarks/results/kda.json (or $OUT/kda.json when OUT
-is set) after every row. `--quick`: no sweep, 4K and 16K only (`--sweep` adds it back); `--rows a,b,varlen`: those
-rows only (`safe_gate`: the gate row); `--no-breakdown`: skip the profiler pass. (What each dot-precision setting
-costs: `kda_precision.py --time`.)
+chunk_kda rows (`ROWS`, named `<length>_<gate>_H<heads>`): B=1, K=V=128, bf16 q/k/v/beta, unit-norm k, heads 16 or 96
+(K3's), length 16K / 64K / 128K or `varlen` (8 sequences packed into 32K tokens, cut at fixed random points), and
+three gates: `precomputed` (fla's benchmark protocol: g = 0.5 logsigmoid(randn) fp32, passed as the log-decay);
+`k3init` (K3's safe gate applied in the kernels, lower bound -5, with K3's init: A_log = log U(1, 16),
+dt ~ logU(1e-3, 1e-1), dt_bias = softplus^-1(dt) full rank [H*K], raw f ~ N(0, 1): the protocol of
+shared/anchors/bench_kda_k3gate.py); `sharp` (the same gate with A_log = dt_bias = 0: -2.5 per token on average,
+every chunk spans more than 80). fla-core takes `safe_gate=True` on the gated rows. Forward medians under no_grad,
+forward+backward medians (`triton.testing.do_bench`, grads reset each call); backward = difference; relative RMS of
+o and every gradient (dA_log and ddt_bias included) of ours vs fla-core up to 32K tokens.
+`--gate-ab`: our forward+backward at 16K (k3init, H16) with the gate's backward as gate.py's Triton pass vs torch
+autograd over the reference gate (CONFIG gate_bwd), same process. `--decode`: fused_recurrent_kda with K3's safe
+gate in the kernel, initial state in and final state out, at batch 1 / 32 / 256 and 1 / 4 tokens (verification),
+H = 16 and 96. `--breakdown`: device time per kernel in one 16K k3init forward+backward, ours and fla-core's.
+`--rows a,b,...` picks rows (default: all, in `ROWS` order); `--budget S`: start no row after S seconds;
+`--merge FILE`: keep FILE's rows that this run does not measure. Writes benchmarks/results/kda.json (or $OUT/kda.json)
+with benchmarks/_results.py's header after every row.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
-import triton
-from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
 import k3_kernels.kda.chunk as ours_mod
+from benchmarks._results import run_header, write_results
 
 dev = "cuda"
 H, D, C = 16, 128, 64
+LENGTHS = {"16K": 16384, "64K": 65536, "128K": 131072, "varlen": 32768}
+GATES = ("precomputed", "k3init", "sharp")
+ROWS = [f"{n}_{g}_H{h}" for h in (16, 96) for n in LENGTHS for g in GATES]
 
 
 def med(fn, rep=100, grad_to_none=None) -> float:
     return do_bench(fn, warmup=10, rep=rep, grad_to_none=grad_to_none, return_mode="median")
 
 
-def inputs(T: int, seed: int = 0):
+def inputs(T: int, seed: int = 0, heads: int = H):
+    """q, k, v, g (0.5 logsigmoid(randn): the precomputed gate), beta for B=1 and `heads` heads, requiring grad."""
     torch.manual_seed(seed)
-    q = torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16)
-    k = F.normalize(torch.randn(1, T, H, D, device=dev), dim=-1).to(torch.bfloat16)
-    v = torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16)
-    g = F.logsigmoid(torch.randn(1, T, H, D, device=dev)) * 0.5
-    beta = torch.rand(1, T, H, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(1, T, heads, D, device=dev, dtype=torch.bfloat16)
+    k = F.normalize(torch.randn(1, T, heads, D, device=dev), dim=-1).to(torch.bfloat16)
+    v = torch.randn(1, T, heads, D, device=dev, dtype=torch.bfloat16)
+    g = F.logsigmoid(torch.randn(1, T, heads, D, device=dev)) * 0.5
+    beta = torch.rand(1, T, heads, device=dev, dtype=torch.bfloat16)
     return [x.requires_grad_(True) for x in (q, k, v, g, beta)]
 
 
-def sharp_safe_gate(T: int, device: str = dev) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The `safe_gate` row's gate, for the kernels to apply: K3's safe gate (lower bound -5) with the raw input
-    f ~ N(0, 1) [1, T, H, D] fp32 (in place of the log-decay), A_log = 0 and dt_bias = 0, so the log-decay is
+def sharp_safe_gate(T: int, device: str = dev, heads: int = H) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The `sharp` gate, for the kernels to apply: K3's safe gate (lower bound -5) with the raw input
+    f ~ N(0, 1) [1, T, heads, D] fp32 (in place of the log-decay), A_log = 0 and dt_bias = 0, so the log-decay is
     -5 sigmoid(f): -2.5 per token on average and every 64-token chunk spans more than 80 (the kernels' hard case:
-    our 16-row blocks; fla-core's `safe_gate` path is built for it). K3's own init is milder (dt_bias ~ log U(1e-3,
-    1e-1) puts the decay near -5 dt per token)."""
+    our 16-row blocks; fla-core's `safe_gate` path is built for it)."""
     gen = torch.Generator(device=device).manual_seed(3)
-    f = torch.randn(1, T, H, D, device=device, generator=gen)
-    return (f.requires_grad_(True), torch.zeros(H, device=device, requires_grad=True),
-            torch.zeros(H * D, device=device, requires_grad=True))
+    f = torch.randn(1, T, heads, D, device=device, generator=gen)
+    return (f.requires_grad_(True), torch.zeros(heads, device=device, requires_grad=True),
+            torch.zeros(heads * D, device=device, requires_grad=True))
+
+
+def k3_init_gate(T: int, device: str = dev, heads: int = H) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The `k3init` gate: raw f ~ N(0, 1), A_log = log U(1, 16) per head, dt_bias = softplus^-1(dt) with
+    dt ~ logU(1e-3, 1e-1) per channel (K3's init; its chunks take the whole-chunk paths)."""
+    gen = torch.Generator(device=device).manual_seed(4)
+    f = torch.randn(1, T, heads, D, device=device, generator=gen)
+    A_log = torch.log(torch.empty(heads, device=device).uniform_(1, 16, generator=gen))
+    dt = torch.exp(torch.empty(heads * D, device=device).uniform_(math.log(1e-3), math.log(1e-1), generator=gen))
+    dt_bias = dt + torch.log(-torch.expm1(-dt))
+    return tuple(x.requires_grad_(True) for x in (f, A_log, dt_bias))
 
 
 def safe_gate_kwargs(A_log: torch.Tensor, dt_bias: torch.Tensor) -> dict:
@@ -75,14 +94,13 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
 
 
-def floors(T: int, copy_Bps: float, mm_flops: float) -> dict:
-    tok = T * H
+def floors(T: int, copy_Bps: float, mm_flops: float, heads: int = H) -> dict:
+    tok = T * heads
     fwd_bytes = tok * (2 * D + 2 * D + 2 * D + 4 * D + 2 + 2 * D)
     bwd_bytes = fwd_bytes + tok * (2 * D + 2 * D + 2 * D + 4 * D + 2)  # + do read, grads written
-    fwd_flops = H * (6 * T * D * D + 3 * T * C * D + T * C * C)
-    return dict(fwd_bytes=fwd_bytes, fwd_floor_ms=max(fwd_bytes / copy_Bps, fwd_flops / mm_flops) * 1e3,
-                bwd_bytes=bwd_bytes, bwd_floor_ms=max(bwd_bytes / copy_Bps, 2 * fwd_flops / mm_flops) * 1e3,
-                fwd_flops=fwd_flops)
+    fwd_flops = heads * (6 * T * D * D + 3 * T * C * D + T * C * C)
+    return dict(fwd_floor_ms=max(fwd_bytes / copy_Bps, fwd_flops / mm_flops) * 1e3,
+                bwd_floor_ms=max(bwd_bytes / copy_Bps, 2 * fwd_flops / mm_flops) * 1e3)
 
 
 def run_pair(fla_kda, xs, do, cu=None, check=False, rep=100, gate=None):
@@ -127,56 +145,31 @@ def run_pair(fla_kda, xs, do, cu=None, check=False, rep=100, gate=None):
     return res
 
 
-def sweep(T: int) -> list:
-    """Pick launch settings stage by stage (each keeps the best of its candidates): the forward intra kernel by our
-    forward, the backward kernels (intra, prep, the prep's K slice `ka`, state pass) by our forward+backward, at
-    length T."""
-    xs = inputs(T)
-    do = torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16)
-    log = []
-    def t_fwd():
-        with torch.no_grad():
-            ours_mod.chunk_kda(*xs)
-            return med(lambda: ours_mod.chunk_kda(*xs), rep=50)
-
-    def t_fb():
-        def fb():
-            ours_mod.chunk_kda(*xs)[0].backward(do)
-        fb()
-        return med(fb, rep=30, grad_to_none=xs)
-    space = [("intra", ("bk", "warps", "stages"), [(32, 4, 2), (32, 4, 3)], t_fwd),
-             ("bwd_intra", ("bk", "warps", "stages"), [(32, 4, 3), (32, 4, 2), (64, 8, 2)], t_fb),
-             ("bwd_prep", ("bv", "warps", "stages"), [(32, 4, 1), (32, 4, 2), (64, 4, 1), (32, 8, 1), (16, 4, 1)],
-              t_fb),
-             ("", ("ka",), [(32,), (64,)], t_fb),
-             ("bwd_state", ("bv", "warps", "stages"), [(None, 4, 3), (16, 4, 2), (16, 2, 3), (32, 8, 3)], t_fb)]
-    for stage, keys, cands, timer in space:
-        best = None
-        for cand in cands:
-            ours_mod.CONFIG.update({"_".join(filter(None, (stage, k))): x for k, x in zip(keys, cand)})
-            try:
-                t = timer()
-            except (OutOfResources, triton.CompilationError) as e:  # e.g. shared memory, dot shape: skip it
-                log.append(dict(stage=stage, T=T, **dict(zip(keys, cand)), error=str(e)[:300]))
-                print("sweep", log[-1], flush=True)
-                continue
-            log.append(dict(stage=stage, T=T, **dict(zip(keys, cand)), ms=t))
-            print("sweep", log[-1], flush=True)
-            if best is None or t < best[0]:
-                best = (t, cand)
-        ours_mod.CONFIG.update({"_".join(filter(None, (stage, k))): x for k, x in zip(keys, best[1])})
-    return log
+def row_inputs(name: str) -> tuple[list, torch.Tensor, torch.Tensor | None, tuple | None, int, int]:
+    """(q, k, v, g, beta leaves; upstream do; cu_seqlens or None; (A_log, dt_bias) or None; T; heads) of a row."""
+    length, gate, heads = name.split("_")
+    T, heads = LENGTHS[length], int(heads[1:])
+    xs = inputs(T, heads=heads)
+    params = None
+    if gate != "precomputed":
+        xs[3], *params = (k3_init_gate if gate == "k3init" else sharp_safe_gate)(T, heads=heads)
+    do = torch.randn(1, T, heads, D, device=dev, dtype=torch.bfloat16)
+    return xs, do, packed_cu_seqlens() if length == "varlen" else None, params, T, heads
 
 
-def breakdown(T: int, kda=None) -> dict:
-    """Device time per kernel (ms) in one forward+backward at length T (torch.profiler); ours by default."""
+def breakdown(kda=None, row: str = "16K_k3init_H16") -> dict:
+    """Device time per kernel (ms) in one forward+backward of a gated row (torch.profiler); ours by default."""
     kda = kda or ours_mod.chunk_kda
-    xs = inputs(T)
-    do = torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16)
+    xs, do, _, params, _, _ = row_inputs(row)
+    leaves = xs + list(params)
+    kw = safe_gate_kwargs(*params)
+    if kda is not ours_mod.chunk_kda:
+        kw["safe_gate"] = True
+
     def fb():
-        for x in xs:  # fresh gradients, as in the timed rows (no accumulation kernels in the table)
+        for x in leaves:  # fresh gradients, as in the timed rows (no accumulation kernels in the table)
             x.grad = None
-        kda(*xs)[0].backward(do)
+        kda(*xs, **kw)[0].backward(do)
     for _ in range(2):
         fb()
     torch.cuda.synchronize()
@@ -188,69 +181,126 @@ def breakdown(T: int, kda=None) -> dict:
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
         if t:
             out[e.key] = out.get(e.key, 0.) + t / 1e3
-    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:20])
+    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:25])
+
+
+def gate_ab() -> dict:
+    """Our 16K k3init H16 forward+backward with the gate's backward by gate.py's pass and by torch autograd."""
+    xs, do, _, params, _, _ = row_inputs("16K_k3init_H16")
+    leaves, kw = xs + list(params), safe_gate_kwargs(*params)
+    out = {}
+    for how in ("torch", "triton", "torch", "triton"):  # A B A B
+        ours_mod.CONFIG["gate_bwd"] = how
+
+        def fb():
+            ours_mod.chunk_kda(*xs, **kw)[0].backward(do)
+        fb()
+        out.setdefault(how + "_fwdbwd_ms", []).append(med(fb, rep=50, grad_to_none=leaves))
+    ours_mod.CONFIG["gate_bwd"] = "triton"
+    return {k: sorted(v)[0] for k, v in out.items()} | {"runs": out}
+
+
+def decode_rows(fla_recurrent) -> list:
+    """fused_recurrent_kda, ours vs fla-core, K3's safe gate in the kernel (k3init parameters), bf16 q/k/v/beta, fp32
+    raw gate and state [B, HV, K, V] in, final state out."""
+    from k3_kernels.kda import fused_recurrent_kda
+    rows = []
+    for heads in (16, 96):
+        for B in (1, 32, 256):
+            for T in (1, 4):
+                torch.manual_seed(5)
+                q = torch.randn(B, T, heads, D, device=dev, dtype=torch.bfloat16)
+                k = F.normalize(torch.randn(B, T, heads, D, device=dev), dim=-1).to(torch.bfloat16)
+                v = torch.randn(B, T, heads, D, device=dev, dtype=torch.bfloat16)
+                beta = torch.rand(B, T, heads, device=dev, dtype=torch.bfloat16)
+                f, A_log, dt_bias = (x.detach() for x in k3_init_gate(T * B, heads=heads))
+                f = f.view(B, T, heads, D)
+                h0 = torch.randn(B, heads, D, D, device=dev)
+                kw = dict(A_log=A_log, dt_bias=dt_bias, initial_state=h0, output_final_state=True,
+                          use_gate_in_kernel=True, lower_bound=-5.)
+                row = dict(B=B, T=T, heads=heads)
+                outs = {}
+                for name, fn in (("fla", fla_recurrent), ("ours", fused_recurrent_kda)):
+                    outs[name] = fn(q, k, v, f, beta, **kw)
+                    row[name + "_ms"] = med(lambda: fn(q, k, v, f, beta, **kw), rep=50)
+                row["speedup"] = row["fla_ms"] / row["ours_ms"]
+                row["rel_rms_ours_vs_fla"] = dict(o=rel(outs["ours"][0], outs["fla"][0]),
+                                                  ht=rel(outs["ours"][1], outs["fla"][1]))
+                print("decode", row, flush=True)
+                rows.append(row)
+    return rows
+
+
+def device_rates() -> tuple[float, float]:
+    """(bf16 copy bytes/s, bf16 8192^3 matmul FLOP/s) measured now, for the floors."""
+    x = torch.randn(1 << 29, device=dev, dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    copy_Bps = 2 * x.numel() * 2 / (med(lambda: y.copy_(x), rep=100) * 1e-3)
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    return copy_Bps, 2 * 8192 ** 3 / (med(lambda: a @ a, rep=100) * 1e-3)
+
+
+def _arg(flag: str, default=None):
+    return sys.argv[sys.argv.index(flag) + 1] if flag in sys.argv else default
 
 
 def main() -> None:
-    quick = "--quick" in sys.argv  # no sweep, 4K and 16K only
-    do_sweep = not quick or "--sweep" in sys.argv
-    from fla import __version__ as fla_version
     from fla.ops.kda import chunk_kda as fla_kda
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "fla_core": fla_version, "shape": dict(B=1, H=H, K=D, V=D, dtype="bf16", g="fp32 0.5*logsigmoid(randn)")}
-    x = torch.randn(1 << 29, device=dev, dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-    t = med(lambda: y.copy_(x), rep=100)
-    copy_Bps = 2 * x.numel() * 2 / (t * 1e-3)
-    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-    t = med(lambda: a @ a, rep=100)
-    mm_flops = 2 * 8192 ** 3 / (t * 1e-3)
-    del x, y, a
+    from fla.ops.kda import fused_recurrent_kda as fla_recurrent
+    start = time.time()
+    budget = float(_arg("--budget", "inf"))
+    res = {**run_header("kda", torch.cuda.get_device_name(), ("triton", "fla-core")),
+           "kernels_commit": os.environ.get("K3_KERNELS_COMMIT"),
+           "shape": dict(B=1, K=D, V=D, dtype="bf16 q/k/v/beta, fp32 g", heads=[16, 96])}
+    copy_Bps, mm_flops = device_rates()
     res["copy_TBps"], res["bf16_mm_TFLOPs"] = copy_Bps / 1e12, mm_flops / 1e12
-    t0 = time.time()
-    res["sweep"] = sweep(16384) if do_sweep else []
     res["config"] = dict(ours_mod.CONFIG)
-    print("config", res["config"], f"sweep {time.time() - t0:.0f}s", flush=True)
-    if "--no-breakdown" not in sys.argv:
-        res["breakdown_T16384_fwdbwd_ms"] = breakdown(16384)
-        print("breakdown", res["breakdown_T16384_fwdbwd_ms"], flush=True)
-        res["fla_breakdown_T16384_fwdbwd_ms"] = breakdown(16384, fla_kda)
-        print("fla breakdown", res["fla_breakdown_T16384_fwdbwd_ms"], flush=True)
-    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
-    os.makedirs(out_dir, exist_ok=True)
+    merged = _arg("--merge")
+    old = json.load(open(merged)) if merged and os.path.exists(merged) else {}
+    out_path = os.path.join(os.environ["OUT"], "kda.json") if os.environ.get("OUT") else "kda"
 
     def save() -> None:  # after every row, so a run cut short still leaves its measured rows
-        with open(os.path.join(out_dir, "kda.json"), "w") as f:
-            json.dump(res, f, indent=1)
-    rows = res["chunk_kda"] = []
-    cu = packed_cu_seqlens()
-    named = {"varlen": 32768, "safe_gate": 16384}  # rows by name -> tokens
-    sizes = [4096, 16384] if quick else [4096, 16384, "varlen", 65536, 131072, "safe_gate"]
-    if "--rows" in sys.argv:  # e.g. --rows 65536,131072,varlen,safe_gate
-        sizes = [x if x in named else int(x) for x in sys.argv[sys.argv.index("--rows") + 1].split(",")]
-    for T in sizes:
-        varlen, gated = T == "varlen", T == "safe_gate"
-        T = named.get(T, T)
-        xs = inputs(T)
-        gate = None
-        if gated:
-            xs[3], *gate = sharp_safe_gate(T)
-        do = torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16)
-        kind = dict(varlen=cu.tolist()) if varlen else dict(gate="sharp_safe_gate") if gated else {}
-        row = dict(T=T, **kind, **run_pair(fla_kda, xs, do, cu=cu if varlen else None, check=T <= 32768,
-                                           rep=100 if T <= 32768 else 30, gate=gate), **floors(T, copy_Bps, mm_flops))
+        write_results(out_path, res)
+    if "--gate-ab" in sys.argv:
+        res["gate_bwd_ab_16K_k3init_H16"] = gate_ab()
+        print("gate_ab", res["gate_bwd_ab_16K_k3init_H16"], flush=True)
+        save()
+    if "--breakdown" in sys.argv:
+        res["breakdown_16K_k3init_H16_fwdbwd_ms"] = breakdown()
+        res["fla_breakdown_16K_k3init_H16_fwdbwd_ms"] = breakdown(fla_kda)
+        print("breakdown", res["breakdown_16K_k3init_H16_fwdbwd_ms"], res["fla_breakdown_16K_k3init_H16_fwdbwd_ms"],
+              flush=True)
+        save()
+    if "--decode" in sys.argv:
+        res["fused_recurrent_kda"] = decode_rows(fla_recurrent)
+        save()
+    elif "fused_recurrent_kda" in old:
+        res["fused_recurrent_kda"] = old["fused_recurrent_kda"]
+    names = _arg("--rows", ",".join(ROWS)).split(",") if _arg("--rows") != "none" else []
+    rows = res["chunk_kda"] = [r for r in old.get("chunk_kda", []) if r.get("row") not in names]
+    for name in names:
+        if time.time() - start > budget:
+            print("budget: not started", name, flush=True)
+            continue
+        xs, do, cu, params, T, heads = row_inputs(name)
+        try:
+            row = dict(row=name, T=T, heads=heads, **run_pair(fla_kda, xs, do, cu=cu, check=T <= 32768,
+                                                              rep=100 if T * heads <= 32768 * 16 else 30,
+                                                              gate=params), **floors(T, copy_Bps, mm_flops, heads))
+        except torch.cuda.OutOfMemoryError as e:
+            row = dict(row=name, T=T, heads=heads, error=str(e)[:200])
+        if cu is not None:
+            row["varlen"] = cu.tolist()
         print("kda", row, flush=True)
         rows.append(row)
         save()
         del xs, do
         torch.cuda.empty_cache()
-    print(f"\n{'T':>7} {'fla fwd':>8} {'ours':>7} {'x':>5} | {'fla bwd':>8} {'ours':>7} {'x':>5} | "
-          f"{'floor f/b ms':>13}")
-    for r in rows:
-        kind = "v" if "varlen" in r else "g" if "gate" in r else " "
-        print(f"{r['T']:>7}{kind}{r['fla_fwd_ms']:>8.3f} {r['ours_fwd_ms']:>7.3f} "
-              f"{r['speedup_fwd']:>5.2f} | {r['fla_bwd_ms']:>8.3f} {r['ours_bwd_ms']:>7.3f} {r['speedup_bwd']:>5.2f} | "
-              f"{r['fwd_floor_ms']:>6.3f}/{r['bwd_floor_ms']:.3f}")
+    print(f"\n{'row':>22} {'fla fwd':>8} {'ours':>7} {'x':>5} | {'fla bwd':>8} {'ours':>7} {'x':>5}")
+    for r in sorted(rows, key=lambda r: ROWS.index(r["row"]) if r.get("row") in ROWS else 99):
+        if "fla_fwd_ms" in r:
+            print(f"{r['row']:>22} {r['fla_fwd_ms']:>8.3f} {r['ours_fwd_ms']:>7.3f} {r['speedup_fwd']:>5.2f} | "
+                  f"{r['fla_bwd_ms']:>8.3f} {r['ours_bwd_ms']:>7.3f} {r['speedup_bwd']:>5.2f}")
 
 
 if __name__ == "__main__":
