@@ -251,6 +251,8 @@ class Service:
                                                                   else r.payload, r.payload))
             except ServiceError as e:
                 r.future.set_exception(e)
+            except FloatingPointError as e:
+                r.future.set_exception(ServiceError(422, f"{kind}: {e}"))
             except Exception as e:  # noqa: BLE001 - reported to that request only
                 r.future.set_exception(ServiceError(500, f"{kind}: {type(e).__name__}: {e}"))
 

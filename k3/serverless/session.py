@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from k3.lora import LoRAAdapter, LoRAConfig
-from k3.serverless.types import AdamParams
+from k3.serverless.types import AdamParams, ServiceError
 
 _STAGER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-opt-stage")
 
@@ -93,14 +93,14 @@ class Session:
     # ------------------------------------------------------------------ optimizer step
     def optim_step(self, adam: AdamParams) -> dict[str, float]:
         if self.pending == 0:
-            raise ValueError("optim_step: no gradient accumulated (call forward_backward first)")
+            raise ServiceError(409, "optim_step: no gradient accumulated (call forward_backward first)")
         self.ready()
         grads = [p.grad for p in self.params]
         sq = sum(float((g.double() ** 2).sum()) for g in grads if g is not None)
         norm = math.sqrt(sq)
         if not math.isfinite(norm):
             self.drop_grads()
-            raise FloatingPointError(f"optim_step: gradient norm is {norm}; step refused, gradient dropped")
+            raise ServiceError(422, f"optim_step: gradient norm is {norm}; step refused, gradient dropped")
         before = self.state_tensors()
         try:
             if adam.grad_clip_norm > 0:
