@@ -74,9 +74,10 @@ class KimiDeltaAttention(nn.Module):
         H, K = self.n_heads, self.head_dim
         h0, conv = cache.kda(layer)
         windows = [None, None, None] if conv is None else list(conv.unbind(1))
-        q, wq = self._short_conv(self.q_proj(x), self.q_conv1d, windows[0])
-        k, wk = self._short_conv(self.k_proj(x), self.k_conv1d, windows[1])
-        v, wv = self._short_conv(self.v_proj(x), self.v_conv1d, windows[2])
+        xq, xk, xv = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, wq = self._short_conv(xq, self.q_conv1d, windows[0])
+        k, wk = self._short_conv(xk, self.k_conv1d, windows[1])
+        v, wv = self._short_conv(xv, self.v_conv1d, windows[2])
         q, k = l2norm(q.view(B, T, H, K)), l2norm(k.view(B, T, H, K))
         v = v.view(B, T, H, K)
         f = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
@@ -85,6 +86,9 @@ class KimiDeltaAttention(nn.Module):
         else:
             g = naive_kda_gate(f, self.A_log, self.dt_bias)
         beta = torch.sigmoid(self.b_proj(x).float())
+        record = getattr(cache, "record_kda_inputs", None)   # speculative verify (k3.rollout.spec): ReplaySSM inputs
+        if record is not None:
+            record(layer, k, v, g, beta, torch.stack([xq, xk, xv], dim=2))   # pre-conv inputs [B, T, 3, H*K]
         o, h = self.mix(q, k, v, g, beta, h0)
         gate = self._output_gate(x).view(B, T, H, K)
         o = ops.gated_rms_norm(o, gate, self.o_norm.weight, self.eps).reshape(B, T, H * K)

@@ -6,6 +6,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
+from k3.rollout.spec.config import SpecConfig
 from k3.rollout.types import MAX_SEGMENT
 
 
@@ -38,8 +39,11 @@ class EngineConfig:
     host_states: int = 64
     seed: int = 0                  # seeds requests that give none
     prefix_match: PrefixMatch = PrefixMatch.EXACT
+    speculative: SpecConfig | None = None   # speculative decoding (k3.rollout.spec); a str like "ngram:3" is parsed
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative, str):
+            object.__setattr__(self, "speculative", SpecConfig.parse(self.speculative))
         if not isinstance(self.prefix_match, PrefixMatch):
             try:
                 object.__setattr__(self, "prefix_match", PrefixMatch(self.prefix_match))
@@ -50,7 +54,9 @@ class EngineConfig:
     def validate(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name != "prefix_match" and (isinstance(v, bool) or not isinstance(v, int)):
+            if f.name in ("prefix_match", "speculative"):
+                continue
+            if isinstance(v, bool) or not isinstance(v, int):
                 raise ValueError(f"{f.name}: expected an integer, got {type(v).__name__} ({v!r})")
         for name in ("page_size", "chunk_size", "checkpoint_interval", "decode_batch", "max_step_tokens",
                      "max_running", "device_pages", "device_states"):
@@ -65,6 +71,11 @@ class EngineConfig:
         if self.checkpoint_interval % self.chunk_size:
             raise ValueError(f"checkpoint_interval: {self.checkpoint_interval} must be a multiple of chunk_size "
                              f"{self.chunk_size} (checkpoints sit at segment ends)")
+        if self.speculative is not None:
+            if not isinstance(self.speculative, SpecConfig):
+                raise ValueError(f"speculative: expected a SpecConfig, a string like 'ngram:3', or None, got "
+                                 f"{type(self.speculative).__name__}")
+            self.speculative.validate()
         if self.max_step_tokens < self.chunk_size:
             raise ValueError(f"max_step_tokens: {self.max_step_tokens} must be >= chunk_size {self.chunk_size}")
 

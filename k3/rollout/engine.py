@@ -28,6 +28,7 @@ from k3.rollout.config import EngineConfig, PrefixMatch, RequestFailed
 from k3.rollout.pools import TieredPool
 from k3.rollout.radix import Node, RadixTree, common_prefix
 from k3.rollout.sampler import sample, sample_generator
+from k3.rollout.spec.decode import SpecDecoder
 from k3.rollout.types import (KIND_DECODE, KIND_PREFILL_END, Completion, Prompt, SamplingParams,
                               as_token_ids, key_kind, key_len, key_token, make_key)
 from k3.rollout.view import PoolView
@@ -121,6 +122,7 @@ class Engine:
         self.stats = {"requests": 0, "prompt_tokens": 0, "hit_tokens": 0, "prefix_tokens": 0, "computed_tokens": 0,
                       "recomputed_tokens": 0, "resumes": 0, "resume_recomputed_tokens": 0, "generated_tokens": 0,
                       "checkpoints": 0, "forwards": 0, "failed_calls": 0}
+        self.spec = None if cfg.speculative is None else SpecDecoder(self, cfg.speculative)
 
     @property
     def lora(self):
@@ -464,7 +466,10 @@ class Engine:
         B = self.cfg.decode_batch
         for i in range(0, len(decode), B):
             group = decode[i:i + B]
-            self._forward(group + [None] * (B - len(group)), 1)
+            if self.spec is not None:   # speculative decoding: draft, verify, ReplaySSM commit (k3.rollout.spec)
+                self.spec.step(group)
+            else:
+                self._forward(group + [None] * (B - len(group)), 1)
         for s, t in prefill:
             self._forward([s], t)
 
@@ -555,8 +560,12 @@ class Engine:
                 self._sample_next(sib, logits, routing)
 
     def _sample_next(self, s: _Seq, logits: torch.Tensor, routing: torch.Tensor) -> None:
+        tok, lp, slp = sample(logits, s.req.params, s.gen)
+        self._emit(s, tok, lp, slp, routing)
+
+    def _emit(self, s: _Seq, tok: int, lp: float, slp: float, routing: torch.Tensor) -> None:
+        """Append a produced token (sampled, or accepted by speculative verification) and finish on stop/length."""
         p = s.req.params
-        tok, lp, slp = sample(logits, p, s.gen)
         s.out_tokens.append(tok)
         s.out_logprobs.append(lp)
         s.out_slogprobs.append(slp)

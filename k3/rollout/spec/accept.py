@@ -1,0 +1,83 @@
+"""Which draft tokens the target accepts, and the tokens a verify emits.
+
+Greedy: draft token t+1 is kept while it equals the target's argmax after position t; then the target's own token
+(correction or bonus). Temperature > 0: standard speculative rejection sampling (Leviathan et al. 2023, Chen et al.
+2023): accept draft d with probability min(1, p(d) / q(d)), else draw from norm(max(p - q, 0)); after a fully
+accepted draft, one bonus token from p. The emitted tokens are then distributed exactly as the target's own samples.
+`p` is the distribution plain decoding samples from (temperature, top-k, top-p: the same ops as
+k3.rollout.sampler.sample), and the reported log-probs are the target's, computed as plain decoding computes them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from k3.rollout.sampler import sample
+from k3.rollout.types import SamplingParams
+
+
+@dataclass
+class Emitted:
+    token: int
+    logprob: float            # log p(token) under the target's full softmax at temperature 1
+    sampling_logprob: float   # log p(token) under the distribution sampled from (0.0 for greedy)
+
+
+def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """(full log-softmax, log of the sampling distribution) for one position's logits, op for op as
+    `k3.rollout.sampler.sample` forms them (so equal tokens get bitwise equal log-probs)."""
+    x = logits.detach().float().cpu()
+    full = torch.log_softmax(x, dim=-1)
+    z = x / params.temperature
+    if params.top_k and params.top_k < z.numel():
+        kth = torch.topk(z, params.top_k).values[-1]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if params.top_p < 1.0:
+        order = torch.argsort(z, descending=True, stable=True)
+        probs = torch.softmax(z[order], dim=-1)
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        z = z.clone()
+        z[order[drop]] = float("-inf")
+    return full, torch.log_softmax(z, dim=-1)
+
+
+def accept_greedy(logits: list[torch.Tensor], draft: list[int], params: SamplingParams) -> list[Emitted]:
+    """logits[t] after verify position t (t = 0: the pending token; t = j: draft token j); len = len(draft) + 1."""
+    out = []
+    for t, lg in enumerate(logits):
+        tok, lp, slp = sample(lg, params, None)
+        out.append(Emitted(tok, lp, slp))
+        if t >= len(draft) or tok != draft[t]:
+            break
+    return out
+
+
+def accept_sampled(logits: list[torch.Tensor], draft: list[int], draft_probs: list[torch.Tensor] | None,
+                   params: SamplingParams, gen: torch.Generator) -> list[Emitted]:
+    """Rejection sampling; draft_probs[t] is the drafter's distribution q for draft token t (None: a point mass on
+    each draft token, as the n-gram drafter's)."""
+    out = []
+    for t, lg in enumerate(logits):
+        full, logp = sampling_logprobs(lg, params)
+        p = logp.exp()
+        if t >= len(draft):   # the draft was accepted in full: the bonus token, from p
+            tok = int(torch.multinomial(p, 1, generator=gen))
+            out.append(Emitted(tok, float(full[tok]), float(logp[tok])))
+            break
+        d = draft[t]
+        q = draft_probs[t] if draft_probs is not None else None
+        q_d = 1.0 if q is None else float(q[d])
+        u = float(torch.rand((), generator=gen))
+        if q_d > 0 and u * q_d < float(p[d]):   # u < p(d) / q(d)
+            out.append(Emitted(d, float(full[d]), float(logp[d])))
+            continue
+        if q is None:
+            residual = p.clone()
+            residual[d] = 0.0
+        else:
+            residual = (p - q.float().cpu()).clamp_min(0.0)
+        tok = int(torch.multinomial(residual, 1, generator=gen))   # multinomial normalises
+        out.append(Emitted(tok, float(full[tok]), float(logp[tok])))
+        break
+    return out

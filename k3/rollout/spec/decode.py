@@ -1,0 +1,144 @@
+"""Speculative decode step of the embedded engine: draft, verify (verify.py), accept (accept.py), commit.
+
+The commit is ReplaySSM: each KDA layer folds the accepted prefix's stored step inputs into the committed state
+(k3.model.ops.kda_replay_commit, run at the decode batch size as decode runs) and rolls the short-conv window
+forward by the same tokens; MLA pages past the committed length (rejected positions) are released. Only committed
+states ever reach the state pool, so the prefix cache (checkpoints, turn ends) only ever sees committed states.
+
+Drafts never cross a position where plain decoding would checkpoint (every `checkpoint_interval` tokens, branch
+points): the prefix cache holds the same entries with and without speculation. Drafts also stop one short of the
+request's token budget.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from k3.model import ops
+from k3.rollout.spec.accept import Emitted, accept_greedy, accept_sampled
+from k3.rollout.spec.config import SpecConfig, SpecMethod, VerifyMode
+from k3.rollout.spec.ngram import NgramDrafter
+from k3.rollout.spec.scratch import ReplayScratch
+from k3.rollout.spec.verify import verify
+from k3.rollout.types import key_token
+from k3_kernels.replay_ssm.naive import naive_conv_roll
+
+if TYPE_CHECKING:
+    from k3.rollout.engine import Engine, _Seq
+
+SPEC_STATS = ("spec_verifies", "spec_draft_tokens", "spec_accepted_tokens", "spec_emitted_tokens",
+              "spec_scratch_bytes_max")
+
+
+class SpecDecoder:
+    def __init__(self, eng: "Engine", cfg: SpecConfig):
+        cfg.validate()
+        self.eng, self.cfg = eng, cfg
+        if cfg.method is SpecMethod.NGRAM:
+            self.drafter = NgramDrafter(cfg.ngram_max, cfg.ngram_min)
+        else:
+            from k3.rollout.spec.drafter import load_drafter
+            self.drafter = load_drafter(cfg.drafter_path, eng.model)
+        for k in SPEC_STATS:
+            eng.stats.setdefault(k, 0)
+
+    # ------------------------------------------------------------------ drafting
+    def draft_limit(self, s: "_Seq") -> int:
+        """Draft tokens row `s` may verify now: one short of its remaining budget, and never past the next position
+        where plain decoding checkpoints."""
+        eng = self.eng
+        k = min(self.cfg.draft_len, s.req.params.max_tokens - len(s.out_tokens) - 1)
+        if eng.prefix_cache:
+            interval = eng.cfg.checkpoint_interval
+            nxt = (s.pos // interval + 1) * interval
+            nxt = min([nxt] + [b for b in s.branch_at if b > s.pos])
+            k = min(k, nxt - s.pos - 1)
+        return max(k, 0)
+
+    def _propose(self, s: "_Seq", k: int) -> tuple[list[int], list[torch.Tensor] | None]:
+        if k == 0:
+            return [], None
+        return self.drafter.propose_for(self.eng, s, k) if hasattr(self.drafter, "propose_for") else (
+            self.drafter.propose([key_token(x) for x in s.key], k), None)
+
+    # ------------------------------------------------------------------ one decode group
+    def step(self, group: list["_Seq"]) -> None:
+        eng = self.eng
+        # rows recomputing a history's decode span (prefix cache off, or past its hit) feed known tokens: no draft
+        speculating = [s.sampling and s.pending == 1 for s in group]
+        drafts, probs = zip(*(self._propose(s, self.draft_limit(s) if spec else 0)
+                              for s, spec in zip(group, speculating)))
+        tokens = [[key_token(s.key[s.pos])] + list(d) for s, d in zip(group, drafts)]
+        T = max(len(t) for t in tokens)
+        batched = self.cfg.verify is VerifyMode.BATCHED
+        for s, toks in zip(group, tokens):
+            eng._prepare_pages(s, T if batched else len(toks))
+            for p in s.bt:
+                eng.pages.touch(p)
+            eng.states.touch(s.state)
+        res = verify(eng, group, tokens, self.cfg.verify)
+        eng.stats["forwards"] += res.forwards
+        emitted: list[list[Emitted]] = []
+        for s, d, q, lg, spec in zip(group, drafts, probs, res.logits, speculating):
+            if not spec:
+                emitted.append([None])
+                continue
+            p = s.req.params
+            em = accept_greedy(lg, d, p) if p.temperature == 0.0 else accept_sampled(lg, d, q, p, s.gen)
+            eng.stats["spec_accepted_tokens"] += len(em) - 1
+            kept = []
+            for e in em:   # stop where plain decoding would finish
+                kept.append(e)
+                if e.token in p.stop_token_ids or len(s.out_tokens) + len(kept) >= p.max_tokens:
+                    break
+            emitted.append(kept)
+        commit(eng, group, res.scratch, [len(e) for e in emitted])
+        st = eng.stats
+        st["spec_verifies"] += sum(speculating)
+        st["spec_draft_tokens"] += sum(len(d) for d in drafts)
+        st["spec_scratch_bytes_max"] = max(st["spec_scratch_bytes_max"], res.scratch.nbytes())
+        for s, toks, em, rt, lg, spec in zip(group, tokens, emitted, res.routing, res.logits, speculating):
+            st["computed_tokens"] += len(toks)
+            s.pos += len(em)
+            if not spec:   # as plain decoding continues a fed history token
+                eng._after_segment(s, lg[0], rt[0])
+                continue
+            st["spec_emitted_tokens"] += len(em)
+            for j, e in enumerate(em):
+                if j == len(em) - 1 and eng.prefix_cache and (
+                        s.pos % eng.cfg.checkpoint_interval == 0 or s.pos in s.branch_at):
+                    eng._checkpoint(s, None)
+                eng._emit(s, e.token, e.logprob, e.sampling_logprob, rt[j])
+
+
+def commit(eng: "Engine", rows: list["_Seq"], scratch: ReplayScratch, n_commit: list[int]) -> None:
+    """Keep the first n_commit[r] verify positions of row r: ReplaySSM fold of every KDA layer's stored inputs from
+    the committed state (at the decode batch size, rows in the seats they verified in), conv windows rolled
+    forward, MLA pages past the new length released."""
+    B, R = eng.cfg.decode_batch, len(rows)
+    dev = eng.device
+    slots = torch.tensor([eng.states.slot(s.state) for s in rows], dtype=torch.long, device=dev)
+    n_seat = torch.zeros(B, dtype=torch.long, device=dev)
+    n_seat[:R] = torch.tensor(n_commit, dtype=torch.long)
+    seat_of_row = list(range(R))
+    rec_store, conv_store = eng.states.dev["rec"], eng.states.dev["conv"]
+    new_states = []
+    for ki in range(len(eng.kda_index)):   # computed in full before anything is written
+        S0 = rec_store.new_zeros(B, *rec_store.shape[2:])
+        S0[:R] = rec_store[slots, ki]
+        k, v, g, beta = (scratch.seats(ki, name, seat_of_row, B) for name in ("k", "v", "g", "beta"))
+        S = ops.kda_replay_commit(S0, k, v, g, beta, n_seat)
+        conv = naive_conv_roll(conv_store[slots, ki], scratch.bufs[ki]["conv_in"].transpose(0, 1), n_seat[:R])
+        new_states.append((S[:R], conv))
+    for ki, (S, conv) in enumerate(new_states):
+        rec_store[slots, ki] = S.to(torch.float32)
+        conv_store[slots, ki] = conv.to(conv_store.dtype)
+    P = eng.cfg.page_size
+    for s, n in zip(rows, n_commit):
+        keep = math.ceil((s.pos + n) / P)
+        for p in s.bt[keep:]:
+            eng.pages.unpin(p)
+            eng.pages.decref(p)
+        del s.bt[keep:]

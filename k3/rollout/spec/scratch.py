@@ -1,0 +1,71 @@
+"""ReplaySSM scratch: the KDA step inputs a verify pass stores per draft position, allocated for the running
+requests of one verify (never per pool slot), and what it costs against one fp32 state snapshot per draft."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from k3.config import K3Config
+
+
+def scratch_layout(mc: K3Config, dtype: torch.dtype, positions: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Per sequence and KDA layer: name -> (shape, dtype) of what the verify pass stores for `positions` draft
+    positions. k (post-conv, L2-normed) and v in the model dtype; the log-decay g and beta in fp32 (as the gate
+    computes them); the pre-conv q/k/v inputs (for the short-conv rollback) in the model dtype. No recurrent state."""
+    H, K, V = mc.kda_num_heads, mc.kda_head_dim, mc.kda_head_dim
+    return {"k": ((positions, H, K), dtype), "v": ((positions, H, V), dtype), "g": ((positions, H, K), torch.float32),
+            "beta": ((positions, H), torch.float32), "conv_in": ((positions, 3, H * K), dtype)}
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return torch.empty(shape, dtype=dtype, device="meta").numel() * torch.empty((), dtype=dtype).element_size()
+
+
+def scratch_bytes_per_sequence_layer(mc: K3Config, dtype: torch.dtype, positions: int) -> int:
+    """Bytes `ReplayScratch` allocates per sequence per KDA layer for `positions` positions (from the layout the
+    allocation uses)."""
+    return sum(_nbytes(s, dt) for s, dt in scratch_layout(mc, dtype, positions).values())
+
+
+def snapshot_bytes_per_draft(mc: K3Config) -> int:
+    """One fp32 recurrent-state snapshot [H, K, V] (what per-draft snapshotting keeps for every draft token)."""
+    H, K = mc.kda_num_heads, mc.kda_head_dim
+    return _nbytes((H, K, K), torch.float32)
+
+
+@dataclass
+class ReplayScratch:
+    """Step inputs of one verify pass: for every KDA layer (engine index) and name, [R, T, ...] for the R running
+    requests of the pass (row r = request r of the pass) and T positions."""
+    bufs: list[dict[str, torch.Tensor]]
+    rows: int
+    positions: int
+
+    @staticmethod
+    def allocate(mc: K3Config, n_kda_layers: int, dtype: torch.dtype, rows: int, positions: int,
+                 device: torch.device) -> "ReplayScratch":
+        layout = scratch_layout(mc, dtype, positions)
+        bufs = [{name: torch.zeros((rows, *shape), dtype=dt, device=device) for name, (shape, dt) in layout.items()}
+                for _ in range(n_kda_layers)]
+        return ReplayScratch(bufs, rows, positions)
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for layer in self.bufs for t in layer.values())
+
+    def store(self, ki: int, rows: list[int], t0: int, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+              beta: torch.Tensor, conv_in: torch.Tensor) -> None:
+        """Positions [t0, t0+T) of requests `rows` from one forward's per-seat tensors [len(rows), T, ...]."""
+        T = k.shape[1]
+        b = self.bufs[ki]
+        idx = torch.as_tensor(rows, dtype=torch.long, device=b["k"].device)
+        for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta), ("conv_in", conv_in)):
+            b[name][idx, t0:t0 + T] = x.to(b[name].dtype)
+
+    def seats(self, ki: int, name: str, seat_of_row: list[int], n_seats: int) -> torch.Tensor:
+        """Position-major [T, n_seats, ...] contiguous, request r at seat seat_of_row[r], zeros in empty seats (the
+        replay runs at the decode batch size, as decode does)."""
+        src = self.bufs[ki][name]
+        out = src.new_zeros(self.positions, n_seats, *src.shape[2:])
+        out[:, seat_of_row] = src.transpose(0, 1)
+        return out

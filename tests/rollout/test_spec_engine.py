@@ -1,0 +1,186 @@
+"""Speculative decoding in the engine (chain drafts, ReplaySSM commit): greedy outputs -- tokens, both log-prob
+lists, routing -- bitwise those of plain decoding, with the prefix cache on and off, under tiny pools, across turns;
+the committed KDA and conv states equal plain decoding's after every step; sampled log-probs are the target's for
+the emitted tokens; bad settings are refused before any request runs; a failed verify harms no later call."""
+import pytest
+import torch
+
+import k3.rollout.engine as engine_module
+from k3.rollout import Engine, EngineConfig, RequestFailed, SamplingParams
+from k3.rollout.spec import SpecConfig
+from k3.rollout.spec.accept import sampling_logprobs
+
+from _engine_helpers import SMALL, TINY_POOLS, rand_tokens, same
+
+
+class OracleDrafter:
+    """Drafts the reference continuation (plain decoding's own greedy output), corrupting one token of every third
+    draft, so verifies accept full drafts, partial drafts and nothing."""
+
+    def __init__(self, references: list[list[int]], vocab: int):
+        self.refs, self.vocab, self.calls = references, vocab, 0
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        self.calls += 1
+        for ref in self.refs:
+            if len(ref) > len(context) and ref[:len(context)] == context:
+                cont = list(ref[len(context):len(context) + k])
+                if self.calls % 3 == 0 and cont:
+                    j = self.calls % len(cont)
+                    cont[j] = (cont[j] + 1) % self.vocab
+                return cont
+        return []
+
+
+def _prompts():
+    # repeated material (prompt lookup finds it) and plain random prompts, several lengths
+    return [rand_tokens(20, 1) * 2, rand_tokens(13, 2), rand_tokens(37, 3), rand_tokens(9, 4) * 3, rand_tokens(26, 5)]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=(7,))
+
+
+def _turns(eng: Engine) -> list:
+    """Two greedy turns: the completions of turn 1 continue with new user tokens."""
+    out = eng.generate(_prompts(), GREEDY)
+    nxt = [c.extend(rand_tokens(6 + i, 30 + i)) for i, c in enumerate(out)]
+    return out + eng.generate(nxt, GREEDY)
+
+
+def _spec_engine(model, references, prefix_cache=True, spec="ngram:3", **kw):
+    eng = Engine(model, prefix_cache=prefix_cache, speculative=spec, **{**SMALL, **kw})
+    eng.spec.drafter = OracleDrafter(references, model.config.vocab_size)
+    eng.check_each_step = True
+    return eng
+
+
+def _record_states(eng: Engine) -> dict:
+    """(request id, sample, position) -> (recurrent, conv) of every running sequence after every engine step."""
+    seen = {}
+    step = eng._step
+
+    def wrapped():
+        step()
+        for s in eng.running:
+            slot = eng.states.slot(s.state)
+            seen[(s.req.rid, s.index, s.pos)] = (eng.states.dev["rec"][slot].clone(),
+                                                 eng.states.dev["conv"][slot].clone())
+    eng._step = wrapped
+    return seen
+
+
+@pytest.fixture(scope="module")
+def plain(model):
+    eng = Engine(model, prefix_cache=False, **SMALL)
+    states = _record_states(eng)
+    out = _turns(eng)
+    refs = [list(c.prompt) + c.token_ids for c in out]
+    return out, refs, states
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_greedy_chain_is_bitwise_plain_decoding(model, plain, prefix_cache):
+    out, refs, plain_states = plain
+    eng = _spec_engine(model, refs, prefix_cache=prefix_cache)
+    states = _record_states(eng)
+    got = _turns(eng)
+    assert same(got, out)
+    st = eng.stats
+    # drafts were accepted in full, in part and not at all: more tokens than verifies
+    assert st["spec_accepted_tokens"] > 0 and st["spec_draft_tokens"] > st["spec_accepted_tokens"]
+    assert st["spec_emitted_tokens"] > 1.5 * st["spec_verifies"]
+    # committed KDA recurrent and conv states after every step equal plain decoding's at the same position
+    common = set(states) & set(plain_states)
+    assert len(common) > 40
+    for key in common:
+        assert torch.equal(states[key][0], plain_states[key][0]), key
+        assert torch.equal(states[key][1], plain_states[key][1]), key
+
+
+def test_greedy_chain_under_tiny_pools_and_long_drafts(model, plain):
+    """Spills, restores and evictions around verify passes; draft length 7 crosses pages and checkpoints."""
+    out, refs, _ = plain
+    eng = _spec_engine(model, refs, spec="ngram:7", **TINY_POOLS)
+    assert same(_turns(eng), out)
+    assert eng.pages.stats["spills"] + eng.states.stats["spills"] > 0
+
+
+def test_ngram_drafter_runs_in_the_engine(model, plain):
+    out, _, _ = plain
+    eng = Engine(model, prefix_cache=True, speculative=SpecConfig(draft_len=3), **SMALL)
+    eng.check_each_step = True
+    assert same(eng.generate(_prompts(), GREEDY), out[:len(_prompts())])
+    assert eng.stats["spec_verifies"] > 0
+
+
+def test_batched_verify_is_close_to_plain(model, plain):
+    """One [decode_batch, k+1] forward per verify: the same tokens here, log-probs equal up to rounding."""
+    out, refs, _ = plain
+    eng = _spec_engine(model, refs, spec="ngram:3:batched")
+    got = _turns(eng)
+    assert eng.stats["spec_accepted_tokens"] > 0
+    for a, b in zip(got, out):
+        n = 0
+        while n < min(len(a.token_ids), len(b.token_ids)) and a.token_ids[n] == b.token_ids[n]:
+            n += 1
+        assert n >= min(len(a.token_ids), len(b.token_ids)) // 2
+        assert max((abs(x - y) for x, y in zip(a.logprobs[:n], b.logprobs[:n])), default=0.0) < 1e-4
+
+
+def test_sampled_logprobs_are_the_targets(model, plain, monkeypatch):
+    """Temperature > 0: force plain decoding to emit the spec run's tokens; both log-prob lists match bitwise."""
+    _, refs, _ = plain
+    sp = SamplingParams(temperature=0.02, top_k=50, top_p=0.95, seed=3, max_tokens=12, n=2)
+    eng = _spec_engine(model, refs)
+    got = eng.generate(_prompts(), sp)
+    assert eng.stats["spec_accepted_tokens"] > 0
+    forced = {(c.request_id, c.index): list(c.token_ids) for c in got}
+
+    base = Engine(model, prefix_cache=False, **SMALL)
+
+    def sample_next(s, logits, routing):
+        tok = forced[(s.req.rid, s.index)][len(s.out_tokens)]
+        full, logp = sampling_logprobs(logits, s.req.params)
+        base._emit(s, tok, float(full[tok]), float(logp[tok]), routing)
+    base._sample_next = sample_next
+    ref = base.generate(_prompts(), sp)
+    assert same(got, ref)
+
+
+def test_sampling_logprobs_mirror_the_sampler():
+    g = torch.Generator().manual_seed(0)
+    for i in range(20):
+        logits = torch.randn(64, generator=g) * 3
+        p = SamplingParams(temperature=0.5 + i * 0.05, top_k=[0, 10][i % 2], top_p=[1.0, 0.8][i // 10], seed=1)
+        tok, lp, slp = engine_module.sample(logits, p, torch.Generator().manual_seed(i))
+        full, logp = sampling_logprobs(logits, p)
+        assert float(full[tok]) == lp and float(logp[tok]) == slp
+
+
+@pytest.mark.parametrize("bad, field", [("ngram:0", "draft_len"), ("ngram:16", "draft_len"), ("tree:3", "method"),
+                                        ("ngram:x", "draft length"), ("ngram:3:fast", "verify"),
+                                        (SpecConfig(ngram_min=3, ngram_max=2), "ngram_min")])
+def test_bad_settings_are_refused_before_any_request(model, bad, field):
+    with pytest.raises(ValueError, match=field):
+        Engine(model, speculative=bad, **SMALL)
+    with pytest.raises(ValueError, match="speculative"):
+        EngineConfig(speculative=3).validate()
+
+
+def test_failed_verify_harms_no_later_call(model, plain, monkeypatch):
+    out, refs, _ = plain
+    eng = _spec_engine(model, refs)
+    real = engine_module.SpecDecoder.step
+    calls = {"n": 0}
+
+    def flaky(self, group):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected verify failure")
+        return real(self, group)
+    monkeypatch.setattr(engine_module.SpecDecoder, "step", flaky)
+    with pytest.raises(RequestFailed):
+        eng.generate(_prompts(), GREEDY)
+    eng.check()
+    assert not eng.running
+    assert same(_turns(eng), out)
