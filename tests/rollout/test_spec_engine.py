@@ -184,3 +184,18 @@ def test_failed_verify_harms_no_later_call(model, plain, monkeypatch):
     eng.check()
     assert not eng.running
     assert same(_turns(eng), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_gpu_greedy_chain_is_bitwise_plain_decoding(prefix_cache):
+    """On the GPU: decode through the Triton decode kernel, commits through the Triton replay kernel."""
+    from k3.config import K3Config
+    from k3.model import K3ForCausalLM
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.preset("tiny")).cuda().eval()
+    out = _turns(Engine(model, prefix_cache=False, **SMALL))
+    refs = [list(c.prompt) + c.token_ids for c in out]
+    eng = _spec_engine(model, refs, prefix_cache=prefix_cache)
+    assert same(_turns(eng), out)
+    assert eng.stats["spec_accepted_tokens"] > 0
