@@ -110,7 +110,11 @@ def _rl(args: argparse.Namespace, cfg: JobConfig) -> int:
     if getattr(args, "serverless", None):  # the same GSPO loop through a `k3 serve` service
         from k3.serverless.job import run_serverless_rl
 
-        run_serverless_rl(cfg, args.serverless, Path(args.out), api_key=os.environ.get("K3_SERVE_KEY"))
+        try:
+            run_serverless_rl(cfg, args.serverless, Path(args.out), api_key=os.environ.get("K3_SERVE_KEY"))
+        except ConnectionError as e:
+            print(f"k3 rl: {e}", file=sys.stderr)
+            return 2
         return 0
     from k3.jobs.rl import run_rl
 
