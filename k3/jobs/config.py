@@ -58,6 +58,7 @@ class RolloutSection:
     checkpoint_every: int = 64   # KDA state checkpoint interval in tokens (a multiple of the engine's chunk, 64)
     state_slots: int = 512       # KDA state slots (device tier; as many again on the host tier)
     kv_pages: int = 8192         # MLA latent pages of 16 tokens (device tier; as many again on the host tier)
+    speculative: str = "off"     # speculative decoding: "off" or "METHOD[:DRAFT_LEN[:VERIFY[:ACCEPTANCE]]]", "ngram:3"
 
 
 @dataclass
@@ -161,6 +162,9 @@ _RULES: dict[str, Rule] = {
     "rollout.checkpoint_every": _at_least(1),  # and what the engine requires: engine_config()
     "rollout.state_slots": _at_least(1),       # and room for one request: _check_pools()
     "rollout.kv_pages": _at_least(1),
+    "rollout.speculative": ((lambda v: _speculative_ok(v)), "must be 'off' or 'METHOD[:DRAFT_LEN[:VERIFY[:ACCEPTANCE]]]'"
+                            " with METHOD ngram or drafter, DRAFT_LEN in [1, 15], VERIFY exact or batched, ACCEPTANCE"
+                            " rejection or match (k3.rollout.spec)"),
     "rl.mode": ((lambda v: v in ("lora", "full")), "must be 'lora' or 'full'"),
     "rl.lr": _positive(),
     "rl.lora_rank": _at_least(1),
@@ -180,6 +184,15 @@ _RULES: dict[str, Rule] = {
                      f"{HELDOUT_SIZE} tasks)"),
     "eval.samples": _at_least(1),
 }
+
+
+def _speculative_ok(text: str) -> bool:
+    from k3.rollout.spec import SpecConfig
+    try:
+        SpecConfig.parse(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _field_type(f: dataclasses.Field) -> type:
@@ -230,7 +243,12 @@ def engine_config(cfg: JobConfig) -> "EngineConfig":
     ValueError (`<engine field>: why`) becomes a JobConfigError naming the job field (`ENGINE_FIELDS`)."""
     from k3.rollout import EngineConfig
 
-    ec = EngineConfig(**{k: _get(cfg, v) for k, v in ENGINE_FIELDS.items()})
+    from k3.rollout.spec import SpecConfig
+    try:   # "off" or "ngram:3"-style (the field's rule has checked it in validate())
+        speculative = SpecConfig.parse(cfg.rollout.speculative)
+    except ValueError as e:
+        raise JobConfigError(f"rollout.speculative: {e}") from e
+    ec = EngineConfig(**{k: _get(cfg, v) for k, v in ENGINE_FIELDS.items()}, speculative=speculative)
     try:
         ec.validate()
     except ValueError as e:

@@ -10,7 +10,7 @@ from k3.rollout import Engine, EngineConfig, RequestFailed, SamplingParams
 from k3.rollout.spec import SpecConfig
 from k3.rollout.spec.accept import sampling_logprobs
 
-from _engine_helpers import SMALL, TINY_POOLS, rand_tokens, same
+from _engine_helpers import SMALL, TINY_POOLS, rand_tokens, same, workload
 
 
 class OracleDrafter:
@@ -145,6 +145,33 @@ def test_sampled_logprobs_are_the_targets(model, plain, monkeypatch):
     base._sample_next = sample_next
     ref = base.generate(_prompts(), sp)
     assert same(got, ref)
+
+
+def test_sampled_match_acceptance_is_bitwise_plain_decoding(model):
+    """MATCH acceptance draws as plain decoding draws: the branching multi-turn workload (n = 2, sampled turns,
+    top-k/top-p) gives bitwise plain decoding's samples, log-probs and routing, with the prefix cache on."""
+    ref = workload(Engine(model, prefix_cache=False, **SMALL), greedy=False)
+    eng = _spec_engine(model, [list(c.prompt) + c.token_ids for c in ref], spec="ngram:3:exact:match")
+    assert same(workload(eng, greedy=False), ref)
+    assert eng.stats["spec_accepted_tokens"] > 0
+
+
+def test_job_rollouts_unchanged_by_speculation(model):
+    """`k3 rl --set rollout.speculative=ngram:3:exact:match`: the job's engine (k3.jobs.config.engine_config) gives
+    the same episodes, rewards and rollout log-probs as without speculation."""
+    from k3.envs import CalculatorEnv
+    from k3.envs.calc_task import train_tasks
+    from k3.jobs.config import engine_config, load_config
+    from k3.jobs.episodes import run_episodes
+    env, tasks = CalculatorEnv(), train_tasks(0, 2)
+    runs = []
+    for spec in ("off", "ngram:3:exact:match"):
+        cfg = load_config(None, {"rollout.speculative": spec, "rollout.state_slots": 64, "rollout.kv_pages": 2048})
+        eng = Engine(model, prefix_cache=True, config=engine_config(cfg))
+        assert (eng.spec is None) == (spec == "off")
+        rs = run_episodes(eng, env, tasks, 2, temperature=1.0, top_p=1.0, top_k=0, max_turn_tokens=8, seed=3)
+        runs.append([(r.episode.tokens, r.reward, r.logprobs) for r in rs])
+    assert runs[0] == runs[1]
 
 
 def test_sampling_logprobs_mirror_the_sampler():

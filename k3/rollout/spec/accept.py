@@ -53,6 +53,20 @@ def accept_greedy(logits: list[torch.Tensor], draft: list[int], params: Sampling
     return out
 
 
+def accept_matching(logits: list[torch.Tensor], draft: list[int], params: SamplingParams,
+                    gen: torch.Generator) -> list[Emitted]:
+    """Each position's token drawn as plain decoding draws it (`sample`, the request's generator); keep going while
+    it equals the draft. Bitwise plain decoding's samples; for point-mass drafts each draft token is kept with
+    probability p(d), as under rejection sampling."""
+    out = []
+    for t, lg in enumerate(logits):
+        tok, lp, slp = sample(lg, params, gen)
+        out.append(Emitted(tok, lp, slp))
+        if t >= len(draft) or tok != draft[t]:
+            break
+    return out
+
+
 def accept_sampled(logits: list[torch.Tensor], draft: list[int], draft_probs: list[torch.Tensor] | None,
                    params: SamplingParams, gen: torch.Generator) -> list[Emitted]:
     """Rejection sampling; draft_probs[t] is the drafter's distribution q for draft token t (None: a point mass on

@@ -33,6 +33,20 @@ class VerifyMode(str, enum.Enum):
     BATCHED = "batched"
 
 
+class Acceptance(str, enum.Enum):
+    """How sampled (temperature > 0) drafts are accepted; greedy rows keep the matching prefix either way.
+
+    REJECTION: standard speculative rejection sampling: accept draft d with probability min(1, p(d)/q(d)), else
+      draw from the residual. The emitted tokens are distributed as the target's samples (not the same samples).
+    MATCH: draw each position's token exactly as plain decoding does (the request's own generator, one draw per
+      emitted token) and keep going while it equals the draft. For point-mass drafts (n-gram, a greedy drafter)
+      the acceptance probability is the same p(d), and the emitted tokens are bitwise plain decoding's samples, so
+      a job's rollouts, rewards and KL do not change at all.
+    """
+    REJECTION = "rejection"
+    MATCH = "match"
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     method: SpecMethod = SpecMethod.NGRAM
@@ -41,9 +55,10 @@ class SpecConfig:
     ngram_max: int = 4                 # prompt lookup: longest suffix matched
     ngram_min: int = 1                 # shortest suffix matched
     drafter_path: str | None = None    # method=drafter: the trained head's directory (None: the cached default)
+    acceptance: Acceptance = Acceptance.REJECTION
 
     def __post_init__(self) -> None:
-        for name, enum_type in (("method", SpecMethod), ("verify", VerifyMode)):
+        for name, enum_type in (("method", SpecMethod), ("verify", VerifyMode), ("acceptance", Acceptance)):
             v = getattr(self, name)
             if not isinstance(v, enum_type):
                 try:
@@ -69,14 +84,14 @@ class SpecConfig:
 
     @staticmethod
     def parse(text: str) -> "SpecConfig | None":
-        """'off' | 'METHOD[:DRAFT_LEN[:VERIFY]]', e.g. 'ngram:3', 'drafter:3:exact'; validated."""
+        """'off' | 'METHOD[:DRAFT_LEN[:VERIFY[:ACCEPTANCE]]]', e.g. 'ngram:3', 'drafter:3:exact:match'."""
         if not isinstance(text, str):
             raise ValueError(f"speculative: expected a string like 'ngram:3' or 'off', got {type(text).__name__}")
         if text.strip().lower() in ("", "off", "none"):
             return None
         parts = text.strip().split(":")
-        if len(parts) > 3:
-            raise ValueError(f"speculative: expected 'METHOD[:DRAFT_LEN[:VERIFY]]', got {text!r}")
+        if len(parts) > 4:
+            raise ValueError(f"speculative: expected 'METHOD[:DRAFT_LEN[:VERIFY[:ACCEPTANCE]]]', got {text!r}")
         kw: dict = {"method": parts[0]}
         if len(parts) > 1:
             try:
@@ -85,6 +100,8 @@ class SpecConfig:
                 raise ValueError(f"speculative: draft length {parts[1]!r} in {text!r} is not an integer") from None
         if len(parts) > 2:
             kw["verify"] = parts[2]
+        if len(parts) > 3:
+            kw["acceptance"] = parts[3]
         cfg = SpecConfig(**kw)
         cfg.validate()
         return cfg

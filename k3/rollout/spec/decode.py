@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from k3.model import ops
-from k3.rollout.spec.accept import Emitted, accept_greedy, accept_sampled
-from k3.rollout.spec.config import SpecConfig, SpecMethod, VerifyMode
+from k3.rollout.spec.accept import Emitted, accept_greedy, accept_matching, accept_sampled
+from k3.rollout.spec.config import Acceptance, SpecConfig, SpecMethod, VerifyMode
 from k3.rollout.spec.ngram import NgramDrafter
 from k3.rollout.spec.scratch import ReplayScratch
 from k3.rollout.spec.verify import verify
@@ -86,7 +86,12 @@ class SpecDecoder:
                 emitted.append([None])
                 continue
             p = s.req.params
-            em = accept_greedy(lg, d, p) if p.temperature == 0.0 else accept_sampled(lg, d, q, p, s.gen)
+            if p.temperature == 0.0:
+                em = accept_greedy(lg, d, p)
+            elif self.cfg.acceptance is Acceptance.MATCH:
+                em = accept_matching(lg, d, p, s.gen)
+            else:
+                em = accept_sampled(lg, d, q, p, s.gen)
             eng.stats["spec_accepted_tokens"] += len(em) - 1
             kept = []
             for e in em:   # stop where plain decoding would finish
