@@ -226,3 +226,26 @@ def test_gpu_greedy_chain_is_bitwise_plain_decoding(prefix_cache):
     eng = _spec_engine(model, refs, prefix_cache=prefix_cache)
     assert same(_turns(eng), out)
     assert eng.stats["spec_accepted_tokens"] > 0
+
+
+def test_multi_lora_rows_are_bitwise_plain_decoding():
+    """Mixed adapters in one decode group: every row verifies and commits under its own adapter."""
+    from k3.config import K3Config
+    from k3.lora import LoRAConfig, LoRAManager
+    from k3.model import K3ForCausalLM
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.preset("tiny")).eval()
+    lora = LoRAManager(model)
+    try:
+        cfg = LoRAConfig(rank=4, alpha=8.0, targets=("attn", "mlp", "experts"), init_scale=0.05)
+        lora.create("a", cfg, seed=1)
+        lora.create("b", cfg, seed=2)
+        prompts = _prompts()[:4]
+        params = [SamplingParams(temperature=0.0, max_tokens=12, adapter_id=a) for a in ("a", None, "b", "a")]
+        ref = Engine(model, prefix_cache=False, **SMALL).generate(prompts, params)
+        eng = _spec_engine(model, [list(c.prompt) + c.token_ids for c in ref])
+        assert same(eng.generate(prompts, params), ref)
+        assert eng.stats["spec_accepted_tokens"] > 0
+        assert len({tuple(c.token_ids) for c in ref[:3]}) == 3
+    finally:
+        lora.close()
