@@ -51,9 +51,15 @@ $(VENV_VLLM)/.installed: pyproject.toml setup.py
 test-vllm: $(VENV_VLLM)/.installed
 	$(VENV_VLLM)/bin/python -m pytest -q tests/plugins/vllm_k3
 
-# TorchTitan plugin (plugins/torchtitan_k3): its venv rule and test target.
-test-titan:
-	@echo "test-titan: no TorchTitan plugin tests yet"
+# TorchTitan plugin (plugins/torchtitan_k3): TorchTitan 0.3.0's real trainer on CPU with gloo (spawned ranks).
+$(VENV_TITAN)/.installed: pyproject.toml setup.py
+	$(PY) -m venv $(VENV_TITAN)
+	$(VENV_TITAN)/bin/pip install $(PIP_FLAGS) $(TORCH)
+	$(VENV_TITAN)/bin/pip install $(PIP_FLAGS) -e '.[torchtitan]' 'pytest>=8'
+	touch $@
+
+test-titan: $(VENV_TITAN)/.installed
+	$(VENV_TITAN)/bin/python -m pytest -q tests/plugins/torchtitan_k3
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/python -m benchmarks.weight_sync
