@@ -105,6 +105,16 @@ def _sft(args: argparse.Namespace, cfg: JobConfig) -> int:
     return 0
 
 
+def _train_drafter(args: argparse.Namespace, cfg: JobConfig) -> int:
+    from k3.rollout.spec.train_drafter import ensure_drafter
+
+    _apply_cpu_threads(args.threads)
+    path, trained = ensure_drafter(cfg)
+    print(f"drafter {'trained and saved' if trained else 'found (cached)'}: {path}  "
+          f"(use: --set rollout.speculative=drafter:3)")
+    return 0
+
+
 def _rl(args: argparse.Namespace, cfg: JobConfig) -> int:
     _apply_cpu_threads(args.threads)
     if getattr(args, "serverless", None):  # the same GSPO loop through a `k3 serve` service
@@ -148,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=_demo)
     for name, fn, text in (("sft", _sft, "warm start: train (or find cached) the SFT base of the calculator task"),
-                           ("rl", _rl, "GSPO (LoRA or full) on the multi-turn calculator task, end to end")):
+                           ("rl", _rl, "GSPO (LoRA or full) on the multi-turn calculator task, end to end"),
+                           ("train-drafter", _train_drafter, "speculative decoding: train (or find cached) the "
+                            "EAGLE3-style draft head on the SFT base's own calculator rollouts")):
         p = sub.add_parser(name, help=text)
         p.add_argument("--config", default=None, help="TOML job config (defaults if omitted)")
         p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="override a config field")

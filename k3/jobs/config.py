@@ -248,6 +248,13 @@ def engine_config(cfg: JobConfig) -> "EngineConfig":
         speculative = SpecConfig.parse(cfg.rollout.speculative)
     except ValueError as e:
         raise JobConfigError(f"rollout.speculative: {e}") from e
+    if speculative is not None and speculative.method.value == "drafter" and speculative.drafter_path is None:
+        from k3.rollout.spec.train_drafter import default_drafter_dir
+        path = default_drafter_dir(cfg)
+        if not path.exists():
+            raise JobConfigError(f"rollout.speculative: no trained drafter for this SFT base at {path}; run "
+                                 f"`k3 train-drafter` (same --config/--set) first")
+        speculative = dataclasses.replace(speculative, drafter_path=str(path))
     ec = EngineConfig(**{k: _get(cfg, v) for k, v in ENGINE_FIELDS.items()}, speculative=speculative)
     try:
         ec.validate()

@@ -12,6 +12,7 @@ request's token budget.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,6 +42,7 @@ class SpecDecoder:
         else:
             from k3.rollout.spec.drafter import load_drafter
             self.drafter = load_drafter(cfg.drafter_path, eng.model)
+        self.features: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # seq -> its latest features
         for k in SPEC_STATS:
             eng.stats.setdefault(k, 0)
 
@@ -60,8 +62,10 @@ class SpecDecoder:
     def _propose(self, s: "_Seq", k: int) -> tuple[list[int], list[torch.Tensor] | None]:
         if k == 0:
             return [], None
-        return self.drafter.propose_for(self.eng, s, k) if hasattr(self.drafter, "propose_for") else (
-            self.drafter.propose([key_token(x) for x in s.key], k), None)
+        if getattr(self.drafter, "needs_features", False):
+            feat = self.features.get(s)
+            return ([] if feat is None else self.drafter.propose_tokens(feat, key_token(s.key[s.pos]), k)), None
+        return self.drafter.propose([key_token(x) for x in s.key], k), None
 
     # ------------------------------------------------------------------ one decode group
     def step(self, group: list["_Seq"]) -> None:
@@ -78,7 +82,11 @@ class SpecDecoder:
             for p in s.bt:
                 eng.pages.touch(p)
             eng.states.touch(s.state)
-        res = verify(eng, group, tokens, self.cfg.verify)
+        capture = None
+        if getattr(self.drafter, "needs_features", False):
+            from k3.rollout.spec.drafter import FeatureCapture
+            capture = FeatureCapture(eng.model)
+        res = verify(eng, group, tokens, self.cfg.verify, capture)
         eng.stats["forwards"] += res.forwards
         emitted: list[list[Emitted]] = []
         for s, d, q, lg, spec in zip(group, drafts, probs, res.logits, speculating):
@@ -104,8 +112,11 @@ class SpecDecoder:
         st["spec_verifies"] += sum(speculating)
         st["spec_draft_tokens"] += sum(len(d) for d in drafts)
         st["spec_scratch_bytes_max"] = max(st["spec_scratch_bytes_max"], res.scratch.nbytes())
-        for s, toks, em, rt, lg, spec in zip(group, tokens, emitted, res.routing, res.logits, speculating):
+        for r, (s, toks, em, rt, lg, spec) in enumerate(zip(group, tokens, emitted, res.routing, res.logits,
+                                                             speculating)):
             st["computed_tokens"] += len(toks)
+            if res.features is not None:   # the last committed position's features draft the next step
+                self.features[s] = res.features[r][len(em) - 1]
             s.pos += len(em)
             if not spec:   # as plain decoding continues a fed history token
                 eng._after_segment(s, lg[0], rt[0])

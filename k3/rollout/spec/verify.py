@@ -59,6 +59,7 @@ class VerifyResult:
     routing: list[list[torch.Tensor]]   # [row][t] routed experts of position t
     scratch: ReplayScratch
     forwards: int
+    features: list[list[torch.Tensor]] | None = None   # [row][t] the target's drafter features of position t
 
 
 @contextlib.contextmanager
@@ -74,9 +75,11 @@ def _at_positions(rows: list["_Seq"], offset: int):
             s.pos = p
 
 
-def verify(eng: "Engine", rows: list["_Seq"], tokens: list[list[int]], mode: VerifyMode) -> VerifyResult:
+def verify(eng: "Engine", rows: list["_Seq"], tokens: list[list[int]], mode: VerifyMode,
+           capture=None) -> VerifyResult:
     """Score `tokens[r]` (the pending token, then the draft) for every row; rows must have their pages prepared
-    for len(tokens[r]) positions. The decode batch size is the engine's `decode_batch` (rows <= it)."""
+    for len(tokens[r]) positions. The decode batch size is the engine's `decode_batch` (rows <= it). `capture`: a
+    drafter.FeatureCapture whose hooks are on the target during the pass (features returned per row, position)."""
     B = eng.cfg.decode_batch
     if len(rows) > B:
         raise ValueError(f"verify: {len(rows)} rows exceed decode_batch {B}")
@@ -88,6 +91,7 @@ def verify(eng: "Engine", rows: list["_Seq"], tokens: list[list[int]], mode: Ver
     routing: list[list[torch.Tensor]] = [[] for _ in rows]
     working: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     forwards = 0
+    features: list[list[torch.Tensor]] | None = [[] for _ in rows] if capture is not None else None
     spans = [(t, 1) for t in range(T)] if mode is VerifyMode.EXACT else [(0, T)]
     for t0, width in spans:
         seats = [s if (r is not None and len(tokens[r]) > t0) else None
@@ -101,8 +105,9 @@ def verify(eng: "Engine", rows: list["_Seq"], tokens: list[list[int]], mode: Ver
                 ids[b, len(toks):] = toks[-1]   # batched mode: rows with shorter drafts repeat their last token
         with _at_positions(live, t0):
             view = SpecView(eng, seats, width, t0, scratch, row_of_seat, working)
-            with eng._adapters_for(seats):
+            with eng._adapters_for(seats), (capture if capture is not None else contextlib.nullcontext()):
                 out = eng.model(ids.to(eng.device), view, return_routed_experts=True)
+            feats = capture.features() if capture is not None else None
         forwards += 1
         for b, s in enumerate(seats):
             if s is None:
@@ -111,6 +116,8 @@ def verify(eng: "Engine", rows: list["_Seq"], tokens: list[list[int]], mode: Ver
             for j in range(width):
                 if t0 + j < len(tokens[r]):
                     logits[r].append(out.logits[b, j])
+                    if feats is not None:
+                        features[r].append(feats[b, j])
                     routing[r].append(out.routed_experts[b, j] if out.routed_experts is not None
                                       else torch.zeros(0, dtype=torch.long))
-    return VerifyResult(logits, routing, scratch, forwards)
+    return VerifyResult(logits, routing, scratch, forwards, features)

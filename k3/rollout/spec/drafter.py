@@ -1,0 +1,138 @@
+"""A trained drafter for the target: an EAGLE3-style head over the target's low, mid and high hidden states.
+
+Features of position t: the outputs of decoder layers 1 and n/2 and the final normed hidden state (the lm_head's
+input), concatenated [3d]. The head fuses them to d (`fuse`), then drafts autoregressively: each step mixes its
+running hidden with the embedding of the last token (the target's frozen embedding), one residual SiTU-free MLP
+block, and scores with the target's frozen lm_head. Step 1 after position t sees the target's features of t and the
+token at t+1 and predicts t+2; later steps feed back the head's own hidden (EAGLE's feature recurrence).
+
+Its features come from the verify pass (forward hooks on the target, `FeatureCapture`): a row's first decode step
+of a turn has none yet and drafts nothing (one plain step), every later step drafts. Trained by `k3 train-drafter`
+(`train_drafter.py`) on the target's own rollouts, cached like the SFT base.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from k3.model import K3ForCausalLM
+
+WEIGHTS = "drafter.safetensors"
+META = "drafter.json"
+
+
+def feature_layers(n_layers: int) -> tuple[int, int]:
+    """The decoder layers whose outputs are the low and mid features (the high one is the final normed hidden)."""
+    return min(1, n_layers - 1), n_layers // 2
+
+
+class FeatureCapture:
+    """Forward hooks on the target recording the low/mid/high features of its latest forward ([B, T, 3d])."""
+
+    def __init__(self, model: K3ForCausalLM):
+        self.model = model
+        self.low, self.mid = feature_layers(model.config.num_hidden_layers)
+        self.parts: dict[str, torch.Tensor] = {}
+        self.handles: list = []
+
+    def __enter__(self) -> "FeatureCapture":
+        layers = self.model.model.layers
+        self.handles = [layers[self.low].register_forward_hook(self._keep("low")),
+                        layers[self.mid].register_forward_hook(self._keep("mid")),
+                        self.model.lm_head.register_forward_pre_hook(self._keep_input("high"))]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def _keep(self, name: str):
+        def hook(module, args, output):
+            self.parts[name] = output[0].detach()
+        return hook
+
+    def _keep_input(self, name: str):
+        def hook(module, args):
+            self.parts[name] = args[0].detach()
+        return hook
+
+    def features(self) -> torch.Tensor:
+        return torch.cat([self.parts["low"], self.parts["mid"], self.parts["high"]], dim=-1).float()
+
+
+class DraftHead(nn.Module):
+    def __init__(self, hidden: int, eps: float = 1e-6):
+        super().__init__()
+        self.hidden = hidden
+        self.fuse = nn.Linear(3 * hidden, hidden, bias=False)
+        self.mix = nn.Linear(2 * hidden, hidden, bias=False)
+        self.up = nn.Linear(hidden, 2 * hidden, bias=False)
+        self.down = nn.Linear(2 * hidden, hidden, bias=False)
+        self.eps = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def step(self, h: torch.Tensor, tok_emb: torch.Tensor) -> torch.Tensor:
+        """(running hidden [N, d], embedding of the last token [N, d]) -> the next hidden [N, d]."""
+        u = self.mix(torch.cat([self._norm(h), self._norm(tok_emb)], dim=-1))
+        return u + self.down(F.silu(self.up(self._norm(u))))
+
+    def logits(self, target: K3ForCausalLM, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._norm(h), target.lm_head.weight.float())
+
+
+class TrainedDrafter:
+    """Greedy chain drafts (point masses) from a DraftHead, continuing the target's features of a position."""
+    needs_features = True
+
+    def __init__(self, head: DraftHead, target: K3ForCausalLM):
+        self.head, self.target = head.eval(), target
+
+    @torch.no_grad()
+    def propose_tokens(self, feat: torch.Tensor, last_token: int, k: int) -> list[int]:
+        emb = self.target.model.embed_tokens.weight
+        h = self.head.fuse(feat.float().view(1, -1))
+        tok, out = last_token, []
+        for _ in range(k):
+            h = self.head.step(h, emb[tok].float().view(1, -1))
+            tok = int(torch.argmax(self.head.logits(self.target, h)[0]))
+            out.append(tok)
+        return out
+
+
+def save_drafter(head: DraftHead, path: Path, meta: dict) -> None:
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous() for k, v in head.state_dict().items()}, str(tmp / WEIGHTS))
+    (tmp / META).write_text(json.dumps({**meta, "hidden": head.hidden}, indent=2))
+    if path.exists():
+        import shutil
+        shutil.rmtree(path)
+    tmp.rename(path)
+
+
+def load_drafter(path: str | Path | None, target: K3ForCausalLM) -> TrainedDrafter:
+    """The trained head at `path` (a `k3 train-drafter` output directory) for `target`; errors name the field."""
+    if path is None:
+        raise ValueError("speculative.drafter_path: method 'drafter' needs the trained head's directory "
+                         "(`k3 train-drafter` prints it)")
+    p = Path(path)
+    if not (p / WEIGHTS).exists() or not (p / META).exists():
+        raise ValueError(f"speculative.drafter_path: no trained drafter at {p} (expected {WEIGHTS} and {META}; "
+                         f"run `k3 train-drafter`)")
+    meta = json.loads((p / META).read_text())
+    if meta["hidden"] != target.config.hidden_size:
+        raise ValueError(f"speculative.drafter_path: the drafter at {p} was trained for hidden size "
+                         f"{meta['hidden']}, the target has {target.config.hidden_size}")
+    head = DraftHead(meta["hidden"])
+    head.load_state_dict(load_file(str(p / WEIGHTS)))
+    dev = next(target.parameters()).device
+    return TrainedDrafter(head.to(dev), target)
