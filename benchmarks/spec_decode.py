@@ -1,0 +1,256 @@
+"""Speculative decoding (k3.rollout.spec) against plain decoding, in the same process, same engine settings.
+
+CPU (`--cpu`, tiny model: the main job's SFT base and its trained drafter, trained here if not cached; CPU figures,
+one intra-op thread as `k3` runs):
+  * accept length (tokens per verify step, bonus included) and acceptance rate (accepted / drafted) for the n-gram
+    drafter and the trained drafter at draft length 3, greedy, on the held-out calculator prompts (turn 0); whether
+    tokens and log-probs are bitwise plain decoding's;
+  * decode tokens/s at decode batch 1, 8, 32 (as many prompts as seats): plain, n-gram exact, drafter exact,
+    drafter batched. Decode time = wall time inside the decode forwards (plain) or the speculative steps (spec);
+    tokens = generated tokens less each sequence's first (sampled from the prefill). Median of `--repeats`.
+  * ReplaySSM commit time of the reference fold (torch, CPU) at the tiny model's dims.
+GPU (`--gpu`): a K3-width model with 4 layers (3 KDA + 1 MLA, 96 heads x 128, hidden 7168, 16 experts top-8; random
+  weights, bf16): decode tokens/s at batch 1, 8, 32 for plain, spec exact and spec batched with an oracle drafter
+  (plain decoding's own greedy continuation, one draft token in three corrupted: accept length measured, not set)
+  and n-gram; the Triton replay kernel against the torch fold at K3's dims.
+Both: the memory table (spec scratch bytes per sequence per KDA layer at K3 dims vs fp32 snapshots), from the
+allocation code (k3.rollout.spec.scratch). Token trees are not implemented: no tree row.
+Writes benchmarks/results/spec_decode.json (`--out` to redirect; `--merge` keeps the other device's section).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks._results import RESULTS, run_header, write_results
+from k3.rollout import Engine, SamplingParams
+from k3.rollout.spec import SpecConfig
+from k3.rollout.spec.scratch import scratch_bytes_per_sequence_layer, snapshot_bytes_per_draft
+
+
+def memory_table() -> list[dict]:
+    from k3.config import K3Config
+    mc = K3Config.preset("k3")
+    snap = snapshot_bytes_per_draft(mc)
+    rows = []
+    for name, drafts, positions in (("chain 3", 3, 4), ("chain 7", 7, 8), ("16-node tree (same per-node layout)", 16, 16)):
+        ours = scratch_bytes_per_sequence_layer(mc, torch.bfloat16, positions)
+        rows.append({"shape": name, "verify_positions": positions, "ours_bytes": ours,
+                     "snapshot_per_draft_bytes": drafts * snap, "snapshot_per_position_bytes": positions * snap,
+                     "ratio_vs_per_draft": ours / (drafts * snap), "ratio_vs_per_position": ours / (positions * snap)})
+    return rows
+
+
+class _DecodeTimer:
+    """Wall time inside an engine's decode work: plain decode forwards, or speculative steps."""
+
+    def __init__(self, eng: Engine):
+        self.eng, self.seconds = eng, 0.0
+        sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
+        if eng.spec is not None:
+            step = eng.spec.step
+
+            def timed_step(group):
+                sync()
+                t = time.perf_counter()
+                step(group)
+                sync()
+                self.seconds += time.perf_counter() - t
+            eng.spec.step = timed_step
+        else:
+            fwd = eng._forward
+
+            def timed_forward(rows, T):
+                decode = T == 1 and all(r is None or r.sampling for r in rows)
+                sync()
+                t = time.perf_counter()
+                fwd(rows, T)
+                sync()
+                if decode:
+                    self.seconds += time.perf_counter() - t
+            eng._forward = timed_forward
+
+
+class Oracle:
+    """Drafts plain decoding's own continuation, corrupting one draft token in three (see the module docstring)."""
+
+    def __init__(self, refs: list[list[int]], vocab: int):
+        self.refs, self.vocab, self.calls = refs, vocab, 0
+
+    def propose(self, context, k):
+        self.calls += 1
+        for ref in self.refs:
+            if len(ref) > len(context) and ref[:len(context)] == context:
+                cont = list(ref[len(context):len(context) + k])
+                if self.calls % 3 == 0 and cont:
+                    cont[self.calls % len(cont)] = (cont[self.calls % len(cont)] + 1) % self.vocab
+                return cont
+        return []
+
+
+def _run(model, prompts, sp, spec, batch, oracle_refs=None, repeats=1) -> dict:
+    times, out, stats = [], None, None
+    for _ in range(repeats):
+        eng = Engine(model, prefix_cache=False, speculative=spec, decode_batch=batch, max_running=max(32, batch),
+                     device_states=max(64, 2 * batch + 2))
+        if oracle_refs is not None:
+            eng.spec.drafter = Oracle(oracle_refs, model.config.vocab_size)
+        timer = _DecodeTimer(eng)
+        out = eng.generate(prompts, sp)
+        times.append(timer.seconds)
+        stats = eng.stats
+    tokens = stats["generated_tokens"] - len(out)
+    med = statistics.median(times)
+    row = {"decode_tokens": tokens, "decode_seconds_median": med, "decode_seconds": times,
+           "decode_tokens_per_s": tokens / med if med else None, "forwards": stats["forwards"]}
+    if spec is not None:
+        row.update(accept_length=stats["spec_emitted_tokens"] / max(stats["spec_verifies"], 1),
+                   acceptance_rate=stats["spec_accepted_tokens"] / max(stats["spec_draft_tokens"], 1),
+                   verifies=stats["spec_verifies"], scratch_bytes_max=stats["spec_scratch_bytes_max"])
+    return row, out
+
+
+def _same(a, b) -> bool:
+    return all(x.token_ids == y.token_ids and x.logprobs == y.logprobs for x, y in zip(a, b))
+
+
+def cpu_section(repeats: int) -> dict:
+    from k3.envs import CalculatorEnv
+    from k3.envs.calc_task import heldout_tasks
+    from k3.jobs.config import load_config
+    from k3.jobs.sft import ensure_base
+    from k3.model import K3ForCausalLM
+    from k3.rollout.spec.train_drafter import ensure_drafter
+    from k3_kernels.replay_ssm import naive_replay_commit
+    torch.set_num_threads(1)
+    job = load_config(None, {})
+    base, _ = ensure_base(job)
+    drafter_dir, _ = ensure_drafter(job)
+    model = K3ForCausalLM.from_pretrained(base).eval()
+    env = CalculatorEnv()
+    tasks = heldout_tasks()
+    sp = SamplingParams(temperature=0.0, max_tokens=job.rollout.max_turn_tokens, stop_token_ids=tuple(env.stop_ids))
+    methods = {"ngram_exact": SpecConfig(draft_len=3),
+               "drafter_exact": SpecConfig(method="drafter", draft_len=3, drafter_path=str(drafter_dir)),
+               "drafter_batched": SpecConfig(method="drafter", draft_len=3, verify="batched",
+                                             drafter_path=str(drafter_dir))}
+    rows = []
+    for batch in (1, 8, 32):
+        prompts = [env.prompt(t) for t in tasks[:max(batch, 8)]]
+        plain, ref = _run(model, prompts, sp, None, batch, repeats=repeats)
+        row = {"batch": batch, "prompts": len(prompts), "plain": plain}
+        for name, spec in methods.items():
+            r, out = _run(model, prompts, sp, spec, batch, repeats=repeats)
+            r["bitwise_equal_to_plain"] = _same(out, ref)
+            r["speedup_vs_plain"] = (r["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
+                                     if plain["decode_tokens_per_s"] else None)
+            row[name] = r
+        rows.append(row)
+        print(json.dumps({k: (v if not isinstance(v, dict) else {kk: vv for kk, vv in v.items()
+                                                                 if kk != "decode_seconds"}) for k, v in row.items()}))
+    mc = model.config
+    B, T, H, K = 8, 4, mc.kda_num_heads, mc.kda_head_dim
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(B, H, K, K, generator=g), torch.randn(T, B, H, K, generator=g),
+            torch.randn(T, B, H, K, generator=g), -torch.rand(T, B, H, K, generator=g), torch.rand(T, B, H, generator=g),
+            torch.full((B,), 3))
+    ts = []
+    for _ in range(30):
+        t = time.perf_counter()
+        naive_replay_commit(*args)
+        ts.append(time.perf_counter() - t)
+    return {"device": "cpu", "model": "tiny (the main job's SFT base)", "drafter": str(drafter_dir),
+            "workload": f"{len(tasks)} held-out calculator prompts (first max(batch, 8)), greedy, turn 0, "
+                        f"max_tokens {sp.max_tokens}, stop at the task's stop tokens",
+            "throughput": rows,
+            "replay_commit_cpu": {"shape": f"B={B} T={T} H={H} K=V={K}, 3 accepted", "torch_fold_us_median":
+                                  statistics.median(ts) * 1e6}}
+
+
+def k3_width_model():
+    import dataclasses
+    from k3.config import K3Config
+    from k3.model import K3ForCausalLM
+    base = K3Config.preset("k3")
+    cfg = dataclasses.replace(base, num_hidden_layers=4, num_experts=16, num_experts_per_token=8,
+                              linear_attn_config={**base.linear_attn_config, "kda_layers": [1, 2, 3]},
+                              attn_res_block_size=2)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = K3ForCausalLM(cfg)
+    return model.to(torch.bfloat16).eval()
+
+
+def gpu_section(repeats: int, budget_s: float) -> dict:
+    import triton.testing
+    from k3_kernels.replay_ssm import naive_replay_commit, replay_commit
+    t_start = time.perf_counter()
+    model = k3_width_model()
+    g = torch.Generator().manual_seed(0)
+    prompts_all = [torch.randint(3, 1000, (48,), generator=g).tolist() for _ in range(32)]
+    sp = SamplingParams(temperature=0.0, max_tokens=32)
+    rows = []
+    for batch in (1, 8, 32):
+        if time.perf_counter() - t_start > budget_s:
+            rows.append({"batch": batch, "skipped": f"time budget {budget_s} s reached"})
+            continue
+        prompts = prompts_all[:batch]
+        plain, ref = _run(model, prompts, sp, None, batch, repeats=repeats)
+        refs = [p + c.token_ids for p, c in zip(prompts, ref)]
+        row = {"batch": batch, "plain": plain}
+        for name, spec, oracle in (("oracle_exact", "ngram:3", refs), ("oracle_batched", "ngram:3:batched", refs),
+                                   ("ngram_batched", "ngram:3:batched", None)):
+            r, out = _run(model, prompts, sp, spec, batch, oracle_refs=oracle, repeats=repeats)
+            r["bitwise_equal_to_plain"] = _same(out, ref)
+            r["speedup_vs_plain"] = (r["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
+                                     if plain["decode_tokens_per_s"] else None)
+            row[name] = r
+        rows.append(row)
+        print(json.dumps({k: (v if not isinstance(v, dict) else {kk: vv for kk, vv in v.items()
+                                                                 if kk != "decode_seconds"}) for k, v in row.items()}))
+    B, T, H, K = 8, 4, 96, 128
+    dev = "cuda"
+    args = (torch.randn(B, H, K, K, device=dev), torch.randn(T, B, H, K, device=dev).bfloat16(),
+            torch.randn(T, B, H, K, device=dev).bfloat16(), -torch.rand(T, B, H, K, device=dev),
+            torch.rand(T, B, H, device=dev), torch.full((B,), 3, device=dev))
+    tri = triton.testing.do_bench(lambda: replay_commit(*args), return_mode="median")
+    ref = triton.testing.do_bench(lambda: naive_replay_commit(*args), return_mode="median")
+    return {"device": torch.cuda.get_device_name(), "model": "K3 width, 4 layers (3 KDA + 1 MLA), 16 experts top-8, "
+            "random weights, bf16", "workload": "32 random prompts of 48 tokens (first batch), greedy, 32 new tokens",
+            "throughput": rows,
+            "replay_commit": {"shape": f"B={B} T={T} H={H} K=V={K}, 3 accepted, bf16 k/v", "triton_ms_median": tri,
+                              "torch_fold_ms_median": ref, "speedup": ref / tri}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--gpu", action="store_true")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--gpu-budget", type=float, default=200.0)
+    ap.add_argument("--out", default=str(RESULTS / "spec_decode.json"))
+    ap.add_argument("--merge", default=None, help="keep this results file's sections that this run does not measure")
+    a = ap.parse_args()
+    device = "cuda" if a.gpu else "cpu"
+    res = run_header("spec_decode", device)
+    if a.merge and Path(a.merge).exists():
+        old = json.loads(Path(a.merge).read_text())
+        for k in ("cpu", "gpu"):
+            if k in old:
+                res[k] = old[k]
+    res["memory_table_k3_dims_per_sequence_per_kda_layer"] = memory_table()
+    if a.cpu:
+        res["cpu"] = cpu_section(a.repeats)
+    if a.gpu:
+        res["gpu"] = gpu_section(a.repeats, a.gpu_budget)
+    print(json.dumps(res["memory_table_k3_dims_per_sequence_per_kda_layer"], indent=1))
+    print("wrote", write_results(a.out, res))
+
+
+if __name__ == "__main__":
+    main()
