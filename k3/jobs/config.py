@@ -59,6 +59,7 @@ class RolloutSection:
     state_slots: int = 512       # KDA state slots (device tier; as many again on the host tier)
     kv_pages: int = 8192         # MLA latent pages of 16 tokens (device tier; as many again on the host tier)
     speculative: str = "off"     # speculative decoding: "off" or "METHOD[:DRAFT_LEN[:VERIFY[:ACCEPTANCE]]]", "ngram:3"
+    backend: str = "embedded"    # who rolls out: "embedded" (k3.rollout.Engine) or "vllm" (k3_vllm, pip install .[vllm])
 
 
 @dataclass
@@ -162,6 +163,8 @@ _RULES: dict[str, Rule] = {
     "rollout.checkpoint_every": _at_least(1),  # and what the engine requires: engine_config()
     "rollout.state_slots": _at_least(1),       # and room for one request: _check_pools()
     "rollout.kv_pages": _at_least(1),
+    "rollout.backend": ((lambda v: v in _rollout_backends()), "must be a rollout backend of k3.rollout.backend.BACKENDS "
+                        "('embedded', 'vllm')"),
     "rollout.speculative": ((lambda v: _speculative_ok(v)), "must be 'off' or 'METHOD[:DRAFT_LEN[:VERIFY[:ACCEPTANCE]]]'"
                             " with METHOD ngram or drafter, DRAFT_LEN in [1, 15], VERIFY exact or batched, ACCEPTANCE"
                             " rejection or match (k3.rollout.spec)"),
@@ -216,6 +219,12 @@ def _leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, type, Any]]:
 def _type_ok(want: type, value: Any) -> bool:
     """Exact types (a bool is not an int); an int is accepted for a float field."""
     return type(value) is want or (want is float and type(value) is int)
+
+
+def _rollout_backends() -> tuple[str, ...]:
+    from k3.rollout.backend import BACKENDS
+
+    return tuple(BACKENDS)
 
 
 def _check_type(name: str, want: type, value: Any) -> None:
