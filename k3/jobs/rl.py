@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from k3.envs import CalculatorEnv, heldout_tasks, train_tasks
-from k3.jobs.config import JobConfig, engine_config
+from k3.jobs.config import JobConfig, JobConfigError, engine_config, max_episode_tokens
 from k3.jobs.episodes import Rollout, run_episodes
 from k3.jobs.report import MetricsLog, plot, summary_table
 from k3.jobs.sft import ensure_base
@@ -28,6 +28,7 @@ from k3.model import K3ForCausalLM
 from k3.rl import Batch, Learner, LearnerConfig, group_advantages
 from k3.rl.learner import POLICY_ADAPTER
 from k3.rollout import Engine
+from k3.rollout.backend import load_backend, state_digest
 from k3.sync import WeightPublisher, WeightReceiver, states_equal
 
 PUBLISH_DTYPE = torch.bfloat16
@@ -57,6 +58,10 @@ def build_batch(rollouts: list[Rollout], advantages: torch.Tensor, n_moe: int, t
 class RLJob:
     def __init__(self, cfg: JobConfig, out: Path, progress: bool = True) -> None:
         cfg.validate()   # a config built in code gets the same checks as `load_config`, before any work
+        backend_cls = load_backend(cfg.rollout.backend)   # a missing plugin fails here, before any work
+        if backend_cls is not None and cfg.rollout.speculative != "off":
+            raise JobConfigError(f"rollout.speculative: {cfg.rollout.speculative!r} runs in the embedded engine only; "
+                                 f"rollout.backend={cfg.rollout.backend!r} needs 'off'")
         self.cfg, self.out, self.progress = cfg, out, progress
         out.mkdir(parents=True, exist_ok=True)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -87,6 +92,15 @@ class RLJob:
         self._load_serving(self.receiver.state_dict())
         # the engine config load_config already checked (k3.jobs.config.engine_config: one place for both)
         self.engine = Engine(serving, prefix_cache=cfg.rollout.prefix_cache, config=engine_config(cfg))
+        # rollout.backend != "embedded": a framework's engine (k3.rollout.backend) does the rollouts; it loads the
+        # SFT base from disk and receives the policy only through k3.sync payloads, like the embedded one
+        self.backend = None
+        if backend_cls is not None:
+            self.backend = backend_cls.launch(base_dir, max_model_len=max_episode_tokens(cfg.rollout.max_turn_tokens),
+                                              seed=cfg.rl.train_seed)
+            self.backend.start_sync(first, publish_dtype=PUBLISH_DTYPE, lora=self.lora_cfg,
+                                    adapter_id=self.adapter_id)
+            self.engine = self.backend
         self.model_bytes = sum(v.numel() * 2 for v in trainer.state_dict().values())  # bf16 full checkpoint
 
     # ------------------------------------------------------------------ weights
@@ -111,12 +125,24 @@ class RLJob:
         """Publish the learner's weights as version `version`, apply on the engine side; (payload, full) bytes."""
         state = self._published()
         payload = self.publisher.publish(state, version)
+        full_bytes = sum(v.numel() * v.element_size() for v in state.values())
+        if self.backend is not None:   # applied inside the backend's engine; proven by the digest of what it serves
+            self.backend.apply_weight_payload(payload)
+            if self.backend.weights_digest() != state_digest(state):
+                raise RuntimeError(f"sync: {self.cfg.rollout.backend} engine weights differ from the published "
+                                   f"ones after version {version}")
+            return len(payload), full_bytes
         self.receiver.apply(payload)
         self._load_serving(self.receiver.state_dict())
         self.engine.update_weights(None, version)  # the receiver already wrote the weights; new cache scope
         if not states_equal(self._serving_state(), state):
             raise RuntimeError(f"sync: engine weights differ from the published ones after version {version}")
         return len(payload), sum(v.numel() * v.element_size() for v in state.values())
+
+    def close(self) -> None:
+        """Stop the rollout backend's engine (its processes), if any."""
+        if self.backend is not None:
+            self.backend.close()
 
     # ------------------------------------------------------------------ loop
     def evaluate(self, version: int) -> tuple[float, float]:
@@ -198,7 +224,10 @@ def _hit_rate(before: dict | None, after: dict) -> float:
 
 def run_rl(cfg: JobConfig, out: Path, updates: int | None = None, progress: bool = True) -> dict:
     job = RLJob(cfg, out, progress)
-    summary = job.run(updates or cfg.updates)
+    try:
+        summary = job.run(updates or cfg.updates)
+    finally:
+        job.close()
     if progress:
         print(summary_table(summary))
         print(f"metrics: {out / 'metrics.jsonl'}  plot: {out / 'rl.png'}  summary: {out / 'summary.json'}")
