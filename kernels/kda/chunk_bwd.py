@@ -9,7 +9,7 @@ import triton.language as tl
 from k3_kernels.launch import cdiv
 
 from .chunk_bwd_intra import _bwd_intra
-from .plan import BT, CONFIG, _forked, _join, _p2, _prec, _state_split
+from .plan import BT, CONFIG, _forked, _join, _prec, _state_split, tile_dims
 from .utils import _chunk_rows
 
 
@@ -148,7 +148,7 @@ def _bwd(q, k, v, beta, do, dht, has_h0, scale, saved, plan):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N, NC = coff.numel(), cidx.shape[0]
-    BK, BVF = _p2(K), _p2(V)
+    BK, BVF = tile_dims(K, V, k.dtype, q.device)
     KA = min(CONFIG["ka"], BK)
     dev, dt, f32, prec = q.device, k.dtype, torch.float32, _prec(k.dtype)
     DHc = torch.empty(NC, HV, BK, BVF, device=dev, dtype=dt)
@@ -156,7 +156,7 @@ def _bwd(q, k, v, beta, do, dht, has_h0, scale, saved, plan):
     dh0 = torch.empty(N, HV, K, V, device=dev, dtype=f32) if has_h0 else None
     forks = len(classes) - 1 if dev.type == "cuda" else 0  # all classes' passes at once, the longest first
     for i, (seqs, count, _, _) in enumerate(classes):
-        BV, stages = _state_split("bwd", count * HV, K, V, BVF, dev)
+        BV, stages = _state_split("bwd", count * HV, K, V, BK, BVF, k.element_size(), dev)
         with _forked(i < forks, dev, i):
             _bwd_state[(count, HV, cdiv(V, BV))](
                 QGc, Wc, KDc, Aqk, Gc, do, dht if dht is not None else Gc, dh0 if has_h0 else Gc, DHc, DVNc, cu,

@@ -9,7 +9,7 @@ import triton.language as tl
 from k3_kernels.launch import cdiv
 
 from .chunk_intra import _fwd_intra
-from .plan import BT, CONFIG, _forked, _join, _p2, _prec, _state_split, state_stages
+from .plan import BT, CONFIG, _forked, _join, _prec, _state_split, state_stages, tile_dims
 from .utils import _chunk_rows
 
 
@@ -93,7 +93,7 @@ def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound
     H, K = q.shape[2], q.shape[3]
     HV, V = v.shape[2], v.shape[3]
     N, NC = coff.numel(), cidx.shape[0]
-    BK, BVF = _p2(K), _p2(V)
+    BK, BVF = tile_dims(K, V, k.dtype, q.device)
     KA = min(CONFIG["ka"], BK, BVF)
     dev, dt, f32, prec = q.device, k.dtype, torch.float32, _prec(k.dtype)
     Gc = torch.empty(NC, HV, BT, BK, device=dev, dtype=f32)
@@ -123,11 +123,11 @@ def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound
                     BVS=min(CONFIG["intra_bk"], BVF), BVF=BVF, SAVE=save, WHOLE=whole, PREC=prec,
                     FAST=dev.type == "cuda", num_warps=CONFIG[f"{launch}_warps"],
                     num_stages=CONFIG[f"{launch}_stages"], **({"maxnreg": cap} if cap else {}))
-        BV, stages = _state_split("fwd", count * HV, K, V, BVF, dev)
+        BV, stages = _state_split("fwd", count * HV, K, V, BK, BVF, k.element_size(), dev)
         if forks:
             which = "forked" if i < forks else "rest"
             BV = min(CONFIG[f"fwd_state_{which}_bv"] or BV, BVF)
-            stages = state_stages(CONFIG[f"fwd_state_{which}_stages"] or stages, BK)
+            stages = state_stages(CONFIG[f"fwd_state_{which}_stages"] or stages, BK, BV, k.element_size())
         with _forked(i < forks, dev, i):
             _fwd_state[(count, HV, cdiv(V, BV))](
                 Wc, Uc, QGc, KDc, Aqk, Gc, o, h0 if h0 is not None else dummy, ht if ht is not None else dummy,

@@ -44,14 +44,34 @@ def _prec(dtype: torch.dtype, kernel: str | None = None) -> str:
     return (CONFIG.get(f"{kernel}_precision") if kernel else None) or "tf32"
 
 
-def state_stages(stages: int, BK: int) -> int:
-    """The state passes' pipeline depth for state tiles of BK rows: each stage buffers a chunk's three [64, BK]
-    operands, so K > 128 takes one stage (offline sm_90a builds at K = V = 256, bf16, V block 32: 354,304 bytes of
-    shared memory at 3 stages, 242,688 at 2, 126,976 at 1; the H200 allows 232,448 per block)."""
-    return 1 if BK > 128 else stages
+SHARED_LIMIT = 232448  # bytes of shared memory a block may take on the H200 (Hopper)
 
 
-def _state_split(direction: str, states: int, K: int, V: int, BVF: int, device: torch.device) -> tuple[int, int]:
+def tile_dims(K: int, V: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
+    """(BK, BVF): the padded head dims of the chunk-layout intermediates and the kernels' tiles. Powers of two
+    (masked past K / V); on CUDA with 16-bit inputs at least 128: with fewer than three 32-wide slices in the intra
+    kernel's W / U loops (K or V <= 64) Triton 3.6's sm_90 build of the 16-bit W / U dots read shared memory out of
+    bounds (compute-sanitizer memcheck, H200: K = 60 -> 64, and K = V = 16), as a 1-stage build of them did in an
+    earlier session (kernels/kda/NOTES.md); 128, the layout of every measured row, is the one known good. The
+    interpreter keeps the plain powers of two."""
+    BK, BVF = _p2(K), _p2(V)
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        BK, BVF = max(BK, 128), max(BVF, 128)
+    return BK, BVF
+
+
+def state_stages(stages: int, BK: int, BV: int, elsize: int) -> int:
+    """The state passes' pipeline depth: at most `stages`, and as many as fit in shared memory, each stage buffering
+    a chunk's three [64, BK] operands, its [64, 64] Aqk, a [64, BV] tile and G's last row (offline sm_90a builds,
+    K = V = 256, bf16, V block 32: 354,304 bytes at 3 stages, 242,688 at 2, 126,976 at 1, i.e. 111,616 per stage as
+    counted here plus ~20 KB; fp32 at K = 128 with 2 stages asked for 259,072 on the H200). 32 KB is kept for the
+    rest."""
+    per_stage = (3 * 64 * BK + 64 * 64 + 64 * BV) * elsize + 4 * BK
+    return max(1, min(stages, (SHARED_LIMIT - 32768) // per_stage))
+
+
+def _state_split(direction: str, states: int, K: int, V: int, BK: int, BVF: int, elsize: int,
+                 device: torch.device) -> tuple[int, int]:
     """(V block, pipeline stages) of the serial state pass, one program per (sequence, head, V block). Every
     program reloads its chunk's [64, K] operands, so wider blocks cut that traffic and narrower ones add programs:
     the widest block that still gives half the multiprocessors a program. H200, state-pass ms by V block 16 / 32 /
@@ -60,10 +80,12 @@ def _state_split(direction: str, states: int, K: int, V: int, BVF: int, device: 
     `<direction>_state_bv` overrides it (the benchmark's sweep)."""
     forced = CONFIG[f"{direction}_state_bv"]
     if forced is not None:
-        return min(forced, BVF), state_stages(CONFIG[f"{direction}_state_stages"], _p2(K))
+        bv = min(forced, BVF)
+        return bv, state_stages(CONFIG[f"{direction}_state_stages"], BK, bv, elsize)
     sms = num_sms(device)  # (state tiles no larger than the measured [128, 64]: K > 128 keeps them narrower)
-    bv = next((b for b in (64, 32) if 2 * states * cdiv(V, b) >= sms and _p2(K) * b <= 128 * 64), 16)
-    return min(bv, BVF), state_stages(2 if bv == 64 else CONFIG[f"{direction}_state_stages"], _p2(K))
+    bv = next((b for b in (64, 32) if 2 * states * cdiv(V, b) >= sms and BK * b <= 128 * 64), 16)
+    bv = min(bv, BVF)
+    return bv, state_stages(2 if bv == 64 else CONFIG[f"{direction}_state_stages"], BK, bv, elsize)
 
 
 @functools.lru_cache(maxsize=32)

@@ -236,3 +236,21 @@ def test_gpu_head_dims_against_reference(D):
     _check_against_reference(inp, cu=cu, gate="safe", lower_bound=-5.0)
     o, _ = fused_recurrent_kda(**{n: x[:, :3] for n, x in inp.items() if n in ("q", "k", "v", "g", "beta")})
     assert torch.isfinite(o).all()
+
+
+def test_state_stages_fit_shared_memory_and_tiles_pad_on_cuda():
+    """The state passes' stages always fit the H200's shared memory by plan.state_stages' count (the figures in its
+    docstring: bf16 K = 256 one stage, K3's bf16 K = 128 V block 64 keeps its 2, fp32 K = 128 drops to 1), and
+    16-bit inputs on CUDA get tiles of at least 128 (tile_dims), the interpreter plain powers of two."""
+    from k3_kernels.kda.plan import SHARED_LIMIT, state_stages, tile_dims
+    assert state_stages(3, 256, 32, 2) == 1 and state_stages(2, 128, 64, 2) == 2 and state_stages(3, 128, 16, 2) == 3
+    assert state_stages(2, 128, 64, 4) == 1
+    for BK in (16, 32, 64, 128, 256):
+        for BV in (16, 32, 64):
+            for elsize in (2, 4):
+                s = state_stages(3, BK, BV, elsize)
+                assert 1 <= s <= 3 and s * ((3 * 64 * BK + 64 * 64 + 64 * BV) * elsize + 4 * BK) < SHARED_LIMIT
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert tile_dims(60, 16, torch.bfloat16, cuda) == (128, 128)
+    assert tile_dims(256, 100, torch.bfloat16, cuda) == (256, 128)
+    assert tile_dims(60, 16, torch.float32, cuda) == (64, 16) and tile_dims(60, 16, torch.bfloat16, cpu) == (64, 16)
