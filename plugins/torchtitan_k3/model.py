@@ -41,6 +41,13 @@ class K3TitanModel(BaseModel, K3ForCausalLM):
         K3ForCausalLM.__init__(self, config.k3, init=False)
         self.init_std = config.init_std
         self.cp_group = None     # set by parallelize_k3 when context parallelism is on
+        if config.k3.attn_res_block_size is not None:
+            # layer 0's attention input mixes an empty bank (k3.model skips the mixture there): these two weights
+            # never receive a gradient, and an optimizer state that exists for some parameters only would not
+            # round-trip through a DCP checkpoint; they are frozen (kept in the state dict).
+            first = self.model.layers[0]
+            for p in (first.self_attention_res_proj.weight, first.self_attention_res_norm.weight):
+                p.requires_grad_(False)
 
     # ------------------------------------------------------------------ TorchTitan protocol
     def verify_module_protocol(self) -> None:
