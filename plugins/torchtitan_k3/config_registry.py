@@ -79,3 +79,12 @@ def k3_tiny_r3_cpu() -> Trainer.Config:
     config.dataloader.routing_top_k = k3cfg.num_experts_per_token
     config.dataloader.routing_experts = k3cfg.num_experts
     return config
+
+
+def k3_tiny_lora_cpu() -> Trainer.Config:
+    """k3_tiny_cpu training a rank-8 k3.lora adapter on the attention and expert projections (base frozen)."""
+    from k3.lora import LoRAConfig
+
+    config = k3_tiny_cpu()
+    config.model_spec.model.lora = LoRAConfig.preset("tiny")
+    return config

@@ -15,8 +15,11 @@ from torchtitan.protocols.model import BaseModel
 from torchtitan.protocols.module import Module
 
 from k3.config import K3Config
+from k3.lora import LoRAConfig
 from k3.model import K3ForCausalLM, count_parameters
 from k3.model.kda import KimiDeltaAttention
+
+from .lora import attach_lora, reset_lora
 
 
 class K3TitanModel(BaseModel, K3ForCausalLM):
@@ -27,6 +30,8 @@ class K3TitanModel(BaseModel, K3ForCausalLM):
         k3: K3Config = field(default_factory=lambda: K3Config.preset("tiny"))
         init_std: float = 0.02
         """Normal(0, init_std) for matrices and experts (k3.model's init_weights)."""
+        lora: LoRAConfig | None = None
+        """A k3.lora adapter on these targets, the base frozen (lora.py)."""
 
         def update_from_config(self, *, config, **kwargs) -> None:
             seq_len = config.training.seq_len
@@ -48,6 +53,8 @@ class K3TitanModel(BaseModel, K3ForCausalLM):
             first = self.model.layers[0]
             for p in (first.self_attention_res_proj.weight, first.self_attention_res_norm.weight):
                 p.requires_grad_(False)
+        if config.lora is not None:
+            attach_lora(self, config.lora)
 
     # ------------------------------------------------------------------ TorchTitan protocol
     def verify_module_protocol(self) -> None:
@@ -69,6 +76,8 @@ class K3TitanModel(BaseModel, K3ForCausalLM):
                 if name.endswith("norm.weight"):  # every RMSNorm weight (k3.model builds them as ones)
                     p.fill_(1.0)
             K3ForCausalLM.init_weights(self, std=self.init_std)
+            if getattr(self, "lora", None) is not None:
+                reset_lora(self.lora)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 routed_experts: torch.Tensor | None = None, attention_masks=None) -> torch.Tensor:
@@ -82,8 +91,8 @@ class K3TitanModel(BaseModel, K3ForCausalLM):
 
 def _is_k3_module(m: nn.Module) -> bool:
     mod = type(m).__module__
-    return mod.startswith(("k3.", "k3_torchtitan.")) or type(m) in (nn.ModuleList, nn.Embedding, nn.Conv1d,
-                                                                      nn.Module)
+    return mod.startswith(("k3.", "k3_torchtitan.")) or type(m) in (nn.ModuleList, nn.ParameterDict,
+                                                                      nn.Embedding, nn.Conv1d, nn.Module)
 
 
 def _cp_local_slice(routed: torch.Tensor, local_len: int, group) -> torch.Tensor:
