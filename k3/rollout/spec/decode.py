@@ -86,7 +86,11 @@ class SpecDecoder:
         if getattr(self.drafter, "needs_features", False):
             from k3.rollout.spec.drafter import FeatureCapture
             capture = FeatureCapture(eng.model)
-        res = verify(eng, group, tokens, self.cfg.verify, capture)
+        def keep_going(r: int, t: int, logits: torch.Tensor) -> bool:   # greedy rows stop at their first rejection
+            if group[r].req.params.temperature != 0.0 or t + 1 >= len(tokens[r]):
+                return True
+            return int(torch.argmax(logits.detach().float().cpu())) == tokens[r][t + 1]
+        res = verify(eng, group, tokens, self.cfg.verify, capture, keep_going)
         eng.stats["forwards"] += res.forwards
         emitted: list[list[Emitted]] = []
         for s, d, q, lg, spec in zip(group, drafts, probs, res.logits, speculating):

@@ -76,10 +76,12 @@ def _at_positions(rows: list["_Seq"], offset: int):
 
 
 def verify(eng: "Engine", rows: list["_Seq"], tokens: list[list[int]], mode: VerifyMode,
-           capture=None) -> VerifyResult:
+           capture=None, keep_going=None) -> VerifyResult:
     """Score `tokens[r]` (the pending token, then the draft) for every row; rows must have their pages prepared
     for len(tokens[r]) positions. The decode batch size is the engine's `decode_batch` (rows <= it). `capture`: a
-    drafter.FeatureCapture whose hooks are on the target during the pass (features returned per row, position)."""
+    drafter.FeatureCapture whose hooks are on the target during the pass (features returned per row, position).
+    `keep_going(r, t, logits)` (EXACT mode): False once row r's draft is known rejected after position t; its later
+    positions are then not computed (greedy rows: the target's argmax differs from the draft)."""
     B = eng.cfg.decode_batch
     if len(rows) > B:
         raise ValueError(f"verify: {len(rows)} rows exceed decode_batch {B}")
@@ -93,8 +95,9 @@ def verify(eng: "Engine", rows: list["_Seq"], tokens: list[list[int]], mode: Ver
     forwards = 0
     features: list[list[torch.Tensor]] | None = [[] for _ in rows] if capture is not None else None
     spans = [(t, 1) for t in range(T)] if mode is VerifyMode.EXACT else [(0, T)]
+    stopped = [False] * len(rows)
     for t0, width in spans:
-        seats = [s if (r is not None and len(tokens[r]) > t0) else None
+        seats = [s if (r is not None and len(tokens[r]) > t0 and not stopped[r]) else None
                  for s, r in zip(rows + [None] * (B - len(rows)), row_of_seat)]
         live = [s for s in seats if s is not None]
         ids = torch.zeros(B, width, dtype=torch.long)
@@ -120,4 +123,6 @@ def verify(eng: "Engine", rows: list["_Seq"], tokens: list[list[int]], mode: Ver
                         features[r].append(feats[b, j])
                     routing[r].append(out.routed_experts[b, j] if out.routed_experts is not None
                                       else torch.zeros(0, dtype=torch.long))
+            if keep_going is not None and width == 1 and not keep_going(r, t0, out.logits[b, 0]):
+                stopped[r] = True
     return VerifyResult(logits, routing, scratch, forwards, features)
