@@ -9,6 +9,7 @@ import k3.rollout.engine as engine_module
 from k3.rollout import Engine, EngineConfig, RequestFailed, SamplingParams
 from k3.rollout.spec import SpecConfig
 from k3.rollout.spec.accept import sampling_logprobs
+from k3.rollout.spec.scratch import scratch_bytes_per_sequence_layer
 
 from _engine_helpers import SMALL, TINY_POOLS, rand_tokens, same, workload
 
@@ -103,6 +104,10 @@ def test_greedy_chain_under_tiny_pools_and_long_drafts(model, plain):
     eng = _spec_engine(model, refs, spec="ngram:7", **TINY_POOLS)
     assert same(_turns(eng), out)
     assert eng.pages.stats["spills"] + eng.states.stats["spills"] > 0
+    # ReplaySSM scratch is per running request of a verify (at most decode_batch rows x 8 positions), whatever
+    # the pools hold
+    per_row = scratch_bytes_per_sequence_layer(model.config, torch.float32, 8) * len(eng.kda_index)
+    assert 0 < eng.stats["spec_scratch_bytes_max"] <= SMALL["decode_batch"] * per_row
 
 
 def test_ngram_drafter_runs_in_the_engine(model, plain):
