@@ -27,6 +27,7 @@ class ServeConfig:
     max_num_samples: int = 64        # samples per sample call
     max_sample_tokens: int = 256
     max_sessions: int = 64
+    max_loaded_samplers: int = 64    # sampler snapshots held in the manager at once (others hot-load on use)
     length_bucket: int = 32          # rows are padded to a multiple of this (see k3.serverless.compute)
     max_batch_rows: int = 256        # rows in one packed forward/backward
     offload_after: int = 4           # scheduler rounds without a session's request before its optimizer state moves to host

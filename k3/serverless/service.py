@@ -5,13 +5,18 @@ Every public method checks its inputs in the caller's thread (ServiceError 4xx n
 and then queues the work; the scheduler batches it with other sessions' (`k3.serverless.scheduler`) and runs it
 (`k3.serverless.compute`). Sampler snapshots are immutable adapters (session, name, step) registered in the same
 manager; the engine serves them by id, so its prefix cache is scoped by (adapter, version) by construction, and a
-snapshot id that is registered again (after a restart) is flushed from the cache with `engine.adapter_updated`."""
+snapshot id that is loaded again is flushed from the cache with `engine.adapter_updated`.
+
+Snapshots are hot-loaded: at most `max_loaded_samplers` are held by the manager (least recently used ones are
+unloaded, and their cache entries released); a request for an unloaded one starts reading its file on a loader
+thread when it is submitted, so the scheduler thread only registers the ready adapter."""
 from __future__ import annotations
 
 import secrets
 import threading
 import time
-from concurrent.futures import Future
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -47,7 +52,11 @@ class Service:
         self.engine = Engine(self.model, prefix_cache=True, config=config.engine)
         self.store = Store(config.data_dir)
         self.sessions: dict[str, Session] = {}
-        self.samplers: dict[str, str] = {}       # sampler id -> owning session
+        self.samplers: dict[str, str] = {}       # sampler id -> owning session (loaded or not)
+        self._sampler_files: dict[str, str] = {}
+        self._loaded: OrderedDict[str, None] = OrderedDict()   # samplers held by the manager, LRU order
+        self._loading: dict[str, Future] = {}
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-adapter-load")
         self._lock = threading.Lock()
         self.stats = {"trained_rows": 0, "trained_tokens": 0, "sampled_tokens": 0}
         self._restore()
@@ -59,6 +68,7 @@ class Service:
 
     def close(self) -> None:
         self.scheduler.close()
+        self._loader.shutdown(wait=True)
         self.store.close()
         self.manager.close()
 
@@ -75,8 +85,9 @@ class Service:
             self.manager.add(row.id, s.adapter)
             self.sessions[row.id] = s
         for sampler_id, sid, _name, _step, file in self.store.samplers():
-            if sid in self.sessions:
-                self._register_sampler(sampler_id, self.sessions[sid], read_tensors(self.store.root / file))
+            if sid in self.sessions:   # loaded on first use (hot-load)
+                self.samplers[sampler_id] = sid
+                self._sampler_files[sampler_id] = file
 
     # ------------------------------------------------------------------ auth and checks
     def authorize(self, sid: str, key: str | None) -> Session:
@@ -225,26 +236,43 @@ class Service:
             raise ServiceError(400, str(e)) from None
         if len(prompt) + mt > self.model.config.max_position_embeddings:
             raise ServiceError(413, "sampling_params.max_tokens: prompt + max_tokens exceed the model's positions")
+        self._prefetch(sampler_id)
         return self._wait(self.scheduler.submit("sample", owner.id, (prompt, sp), rows=num_samples))
 
     def compute_logprobs(self, sampler_id: str, owner: Session, prompt: list[int]) -> list[float | None]:
         self._check_tokens(prompt, "prompt")
+        self._prefetch(sampler_id)
         return self._wait(self.scheduler.submit("logprobs", owner.id, (sampler_id, prompt)))
 
     # ------------------------------------------------------------------ execution (scheduler thread)
     def _execute(self, kind: str, batch: list[Request]) -> None:
-        if kind in ("forward_backward", "forward"):
-            self._run_training(batch, backward=kind == "forward_backward")
+        gone = [r for r in batch if r.session not in self.sessions and kind != "register"]
+        for r in gone:   # deleted while the request waited
+            r.future.set_exception(ServiceError(404, f"session_id: no session {r.session!r}"))
+        batch = [r for r in batch if r not in gone]
+        if not batch:
             return
-        if kind == "sample":
-            self._run_sample(batch)
-            return
-        if kind == "logprobs":
-            items = [r.payload for r in batch]
-            for r, lp in zip(batch, prompt_logprobs(self.model, self.manager, items,
-                                                    bucket=self.config.length_bucket)):
-                r.future.set_result(lp)
-            return
+        try:
+            if kind in ("forward_backward", "forward"):
+                self._run_training(batch, backward=kind == "forward_backward")
+            elif kind in ("sample", "logprobs"):
+                self._ensure_loaded([r.payload[1].adapter_id if kind == "sample" else r.payload[0] for r in batch])
+                if kind == "sample":
+                    self._run_sample(batch)
+                else:
+                    for r, lp in zip(batch, prompt_logprobs(self.model, self.manager, [r.payload for r in batch],
+                                                            bucket=self.config.length_bucket)):
+                        r.future.set_result(lp)
+            else:
+                self._run_each(kind, batch)
+        except ServiceError:
+            raise
+        except FloatingPointError as e:
+            raise ServiceError(422, f"{kind}: {e}") from None
+        except Exception as e:  # noqa: BLE001 - reported to this round's requests; the service goes on
+            raise ServiceError(500, f"{kind}: {type(e).__name__}: {e}") from None
+
+    def _run_each(self, kind: str, batch: list[Request]) -> None:
         for r in batch:
             try:
                 r.future.set_result(getattr(self, f"_do_{kind}")(self.sessions[r.session] if kind != "register"
@@ -297,10 +325,7 @@ class Service:
         return {"session_id": s.id}
 
     def _do_delete(self, s: Session, _payload) -> dict:
-        for sampler_id in [k for k, v in self.samplers.items() if v == s.id]:
-            self.manager.remove(sampler_id)
-            self.engine.adapter_updated(sampler_id)
-            del self.samplers[sampler_id]
+        self._unload_samplers_of(s.id)
         self.manager.remove(s.id)
         self.store.delete_session(s.id)
         del self.sessions[s.id]
@@ -346,15 +371,64 @@ class Service:
             self.store.commit_step(s.id, step, str(path))
         return {"step": s.step}
 
-    def _register_sampler(self, sampler_id: str, s: Session, tensors: dict[str, torch.Tensor]) -> None:
+    def _build_sampler(self, sampler_id: str, owner: str, tensors: dict[str, torch.Tensor] | None) -> LoRAAdapter:
+        s = self.sessions[owner]
+        if tensors is None:
+            tensors = read_tensors(self.store.root / self._sampler_files[sampler_id])
         ad = LoRAAdapter(s.config, s.adapter.targets, device=self.device)
         ad.load_tensors(tensors)
         ad.requires_grad_(False)
+        return ad
+
+    def _prefetch(self, sampler_id: str) -> None:
+        """Start reading an unloaded snapshot on the loader thread (called at submit, off the scheduler)."""
+        with self._lock:
+            if sampler_id in self._loaded or sampler_id in self._loading:
+                return
+            owner = self.samplers[sampler_id]
+            self._loading[sampler_id] = self._loader.submit(self._build_sampler, sampler_id, owner, None)
+
+    def _register(self, sampler_id: str, ad: LoRAAdapter) -> None:
+        """Scheduler thread: put a snapshot into the manager (LRU eviction beyond max_loaded_samplers)."""
         if sampler_id in self.manager.adapters:
             self.manager.remove(sampler_id)
-            self.engine.adapter_updated(sampler_id)
+        self.engine.adapter_updated(sampler_id)      # nothing cached under this id survives a (re)load
         self.manager.add(sampler_id, ad)
-        self.samplers[sampler_id] = s.id
+        self._loaded[sampler_id] = None
+        self._loaded.move_to_end(sampler_id)
+        while len(self._loaded) > self.config.max_loaded_samplers:
+            old, _ = self._loaded.popitem(last=False)
+            self.manager.remove(old)
+            self.engine.adapter_updated(old)
+
+    def _ensure_loaded(self, sampler_ids: list[str]) -> None:
+        if len(set(sampler_ids)) > self.config.max_loaded_samplers:
+            raise ServiceError(503, f"sampler_id: one round needs {len(set(sampler_ids))} snapshots, more than "
+                                    f"max_loaded_samplers {self.config.max_loaded_samplers}")
+        for sid in dict.fromkeys(sampler_ids):
+            if sid in self._loaded:
+                self._loaded.move_to_end(sid)
+                continue
+            with self._lock:
+                fut = self._loading.pop(sid, None)
+            ad = fut.result() if fut is not None else self._build_sampler(sid, self.samplers[sid], None)
+            self._register(sid, ad)
+        for sid in sampler_ids:   # a later registration in this loop may not evict an earlier one of this round
+            if sid not in self._loaded:
+                raise ServiceError(503, f"sampler_id: {sid!r} could not be kept loaded")
+
+    def _unload_samplers_of(self, owner: str) -> None:
+        for sampler_id in [k for k, v in self.samplers.items() if v == owner]:
+            if sampler_id in self._loaded:
+                del self._loaded[sampler_id]
+                self.manager.remove(sampler_id)
+                self.engine.adapter_updated(sampler_id)
+            with self._lock:
+                fut = self._loading.pop(sampler_id, None)
+            if fut is not None:
+                fut.cancel()
+            del self.samplers[sampler_id]
+            self._sampler_files.pop(sampler_id, None)
 
     def _do_save_sampler(self, s: Session, name: str) -> dict:
         sampler_id = f"{s.id}.{name}.{s.step}"
@@ -362,8 +436,10 @@ class Service:
             tensors = s.adapter.tensors()
             rel = Path("samplers") / f"{sampler_id}.safetensors"
             write_tensors(self.store.root / rel, tensors)
-            self._register_sampler(sampler_id, s, tensors)
             self.store.add_sampler(sampler_id, s.id, name, s.step, str(rel))
+            self.samplers[sampler_id] = s.id
+            self._sampler_files[sampler_id] = str(rel)
+            self._register(sampler_id, self._build_sampler(sampler_id, s.id, tensors))
         return {"sampler_id": sampler_id, "step": s.step}
 
     def _do_read_weights(self, s: Session, _payload) -> dict[str, torch.Tensor]:
