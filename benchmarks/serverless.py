@@ -42,8 +42,22 @@ def job_config(seed: int) -> JobConfig:
     return cfg
 
 
+def call_kind(method: str, path: str) -> str:
+    """The client call an HTTP request belongs to (for the latency table)."""
+    parts = path.strip("/").split("/")
+    if parts == ["sessions"]:
+        return "create_lora_training_client"
+    if parts[0] == "sessions" and len(parts) == 2:
+        return "delete" if method == "DELETE" else "get_info"
+    if parts[-1] == "samplers":
+        return "save_weights_for_sampler"
+    if parts[-1] == "weights":
+        return "download_weights"
+    return {"logprobs": "compute_logprobs", "info": "get_server_capabilities"}.get(parts[-1], parts[-1])
+
+
 class Timed:
-    """Records the wall time of every HTTP call of a client, by call kind (last path segment)."""
+    """Records the wall time of every HTTP call of a client, by client call."""
 
     def __init__(self, client: ServiceClient, sink: dict[str, list[float]], lock: threading.Lock) -> None:
         http = client._http
@@ -55,8 +69,7 @@ class Timed:
                 return orig(method, path, key, body, raw)
             finally:
                 with lock:
-                    sink.setdefault(path.rsplit("/", 1)[-1] if "/samplers/" not in path or method != "POST"
-                                    else path.rsplit("/", 1)[-1], []).append(time.perf_counter() - t0)
+                    sink.setdefault(call_kind(method, path), []).append(time.perf_counter() - t0)
         http.call = call
 
 
@@ -84,6 +97,7 @@ def scenario(url: str, seeds: list[int], updates: int, concurrent: bool) -> dict
     lat: dict[str, list[float]] = {}
     lock = threading.Lock()
     out: dict = {}
+    load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
     if concurrent:
         threads = [threading.Thread(target=run_client, args=(url, s, updates, lat, lock, out)) for s in seeds]
@@ -101,6 +115,7 @@ def scenario(url: str, seeds: list[int], updates: int, concurrent: bool) -> dict
     tokens = sum(v["trained_tokens"] for v in out.values())
     rates = [v["samples"] / v["wall_s"] for v in out.values()]
     return {"sessions": len(seeds), "updates_per_session": updates, "concurrent": concurrent, "wall_s": wall,
+            "loadavg_1min_before_after": [load_before, os.getloadavg()[0]],
             "samples": samples, "trained_tokens": tokens, "samples_per_s": samples / wall,
             "trained_tokens_per_s": tokens / wall,
             "jain_fairness": sum(rates) ** 2 / (len(rates) * sum(r * r for r in rates)),
@@ -123,8 +138,10 @@ def main() -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        cfg = ServeConfig(port=port, data_dir=tmp, max_sessions=64, max_batch_rows=256)
+        # 32 rows per packed forward/backward bounds the autograd memory (~3 GB) on the shared box
+        cfg = ServeConfig(port=port, data_dir=tmp, max_sessions=64, max_batch_rows=32)
         with ServerThread(cfg) as url:
+            scenario(url, [99], 1, concurrent=False)    # warm-up (first forwards allocate), not reported
             seeds = [100 + i for i in range(args.clients)]
             seq = scenario(url, seeds, args.updates, concurrent=False)
             print(f"one after another: {seq['wall_s']:.1f} s, {seq['samples_per_s']:.2f} samples/s", flush=True)
@@ -147,7 +164,7 @@ def main() -> None:
               "note": "CPU figures (2-core shared dev box, tiny preset, loopback HTTP); samples = episodes sampled "
                       "(multi-turn), trained tokens = tokens with weight > 0 in forward_backward",
               "workload": {"tasks_per_update": 2, "group_size": 4, "max_turn_tokens": 8, "lora_rank": 8,
-                           "loss": "gspo"},
+                           "loss": "gspo", "max_batch_rows": 32},
               "one_after_another": seq, "concurrent": conc,
               "speedup_samples_per_s": conc["samples_per_s"] / seq["samples_per_s"],
               "speedup_trained_tokens_per_s": conc["trained_tokens_per_s"] / seq["trained_tokens_per_s"],

@@ -29,7 +29,7 @@ class ServeConfig:
     max_sessions: int = 64
     max_loaded_samplers: int = 64    # sampler snapshots held in the manager at once (others hot-load on use)
     length_bucket: int = 32          # rows are padded to a multiple of this (see k3.serverless.compute)
-    max_batch_rows: int = 256        # rows in one packed forward/backward
+    max_batch_rows: int = 64         # rows in one packed forward/backward (bounds the autograd memory)
     offload_after: int = 4           # scheduler rounds without a session's request before its optimizer state moves to host
     max_skips: int = 2               # rounds a waiting session may be passed over for locality before it goes first
     create_key_sha256: str = ""      # if set, creating a session needs the key whose SHA-256 this is
