@@ -2,7 +2,6 @@
 between sessions (403), bad requests (4xx naming the field, nothing applied, the next request unharmed), limits
 stated in the refusal, an optimizer step that is whole or not at all, concurrent sessions bitwise equal to
 the same sessions run one after another."""
-import io
 import threading
 from concurrent.futures import Future
 
