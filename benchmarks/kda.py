@@ -15,7 +15,7 @@ autograd over the reference gate (CONFIG gate_bwd), same process. `--decode`: fu
 gate in the kernel, initial state in and final state out, at batch 1 / 32 / 256 and 1 / 4 tokens (verification),
 H = 16 and 96. `--breakdown`: device time per kernel in one 16K k3init forward+backward, ours and fla-core's.
 `--rows a,b,...` picks rows (default: all, in `ROWS` order); `--budget S`: start no row after S seconds;
-`--merge FILE`: keep FILE's rows that this run does not measure. Writes benchmarks/results/kda.json (or $OUT/kda.json)
+`--merge FILE`: keep FILE's rows that this run does not measure and its other entries. Writes benchmarks/results/kda.json (or $OUT/kda.json)
 with benchmarks/_results.py's header after every row.
 """
 from __future__ import annotations
@@ -277,7 +277,12 @@ def main() -> None:
     elif "fused_recurrent_kda" in old:
         res["fused_recurrent_kda"] = old["fused_recurrent_kda"]
     names = _arg("--rows", ",".join(ROWS)).split(",") if _arg("--rows") != "none" else []
-    rows = res["chunk_kda"] = [r for r in old.get("chunk_kda", []) if r.get("row") not in names]
+    rows = res["chunk_kda"] = [r for r in old.get("chunk_kda", []) if "row" in r and r["row"] not in names]
+    for key, value in old.items():  # the merged file's other entries (earlier sessions' figures) stay as they were
+        if key not in res and key != "chunk_kda":
+            res[key] = value
+    if any("row" not in r for r in old.get("chunk_kda", [])):  # rows of the format before named rows
+        res.setdefault("chunk_kda_unnamed_rows", [r for r in old["chunk_kda"] if "row" not in r])
     for name in names:
         if time.time() - start > budget:
             print("budget: not started", name, flush=True)
