@@ -15,8 +15,8 @@ autograd over the reference gate (CONFIG gate_bwd), same process. `--decode`: fu
 gate in the kernel, initial state in and final state out, at batch 1 / 32 / 256 and 1 / 4 tokens (verification),
 H = 16 and 96. `--breakdown`: device time per kernel in one 16K k3init forward+backward, ours and fla-core's.
 `--rows a,b,...` picks rows (default: all, in `ROWS` order); `--budget S`: start no row after S seconds;
-`--merge FILE`: keep FILE's rows that this run does not measure and its other entries. Writes benchmarks/results/kda.json (or $OUT/kda.json)
-with benchmarks/_results.py's header after every row.
+`--merge FILE`: keep FILE's rows that this run does not measure and its other entries. Writes
+benchmarks/results/kda.json (or $OUT/kda.json) with benchmarks/_results.py's header after every row.
 """
 from __future__ import annotations
 
