@@ -7,7 +7,9 @@ one intra-op thread as `k3` runs):
     tokens and log-probs are bitwise plain decoding's;
   * decode tokens/s at decode batch 1, 8, 32 (as many prompts as seats): plain, n-gram exact, drafter exact,
     drafter batched. Decode time = wall time inside the decode forwards (plain) or the speculative steps (spec);
-    tokens = generated tokens less each sequence's first (sampled from the prefill). Median of `--repeats`.
+    tokens = those sampled in decode steps (each sequence's first comes from its prefill). Median of `--repeats`.
+    Also on the job's own rollouts (k3.jobs.episodes.run_episodes: G = 4 samples per task, all turns, temperature
+    1, prefix cache on) with MATCH acceptance, so spec and plain produce the same episodes.
   * ReplaySSM commit time of the reference fold (torch, CPU) at the tiny model's dims.
 GPU (`--gpu`): a K3-width model with 4 layers (3 KDA + 1 MLA, 96 heads x 128, hidden 7168, 16 experts top-8; random
   weights, bf16): decode tokens/s at batch 1, 8, 32 for plain, spec exact and spec batched with an oracle drafter
@@ -50,7 +52,7 @@ class _DecodeTimer:
     """Wall time inside an engine's decode work: plain decode forwards, or speculative steps."""
 
     def __init__(self, eng: Engine):
-        self.eng, self.seconds = eng, 0.0
+        self.eng, self.seconds, self.tokens = eng, 0.0, 0   # tokens: plain decode's (spec: its stats)
         sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
         if eng.spec is not None:
             step = eng.spec.step
@@ -73,6 +75,7 @@ class _DecodeTimer:
                 sync()
                 if decode:
                     self.seconds += time.perf_counter() - t
+                    self.tokens += sum(r is not None for r in rows)
             eng._forward = timed_forward
 
 
@@ -93,18 +96,19 @@ class Oracle:
         return []
 
 
-def _run(model, prompts, sp, spec, batch, oracle_refs=None, repeats=1) -> dict:
+def _run(model, prompts, sp, spec, batch, oracle_refs=None, repeats=1, drive=None) -> dict:
+    """`drive(engine) -> completions` (default: one generate of `prompts` with `sp`)."""
     times, out, stats = [], None, None
     for _ in range(repeats):
-        eng = Engine(model, prefix_cache=False, speculative=spec, decode_batch=batch, max_running=max(32, batch),
-                     device_states=max(64, 2 * batch + 2))
+        eng = Engine(model, prefix_cache=drive is not None, speculative=spec, decode_batch=batch,
+                     max_running=max(32, batch), device_states=max(256, 2 * batch + 2), device_pages=8192)
         if oracle_refs is not None:
             eng.spec.drafter = Oracle(oracle_refs, model.config.vocab_size)
         timer = _DecodeTimer(eng)
-        out = eng.generate(prompts, sp)
+        out = drive(eng) if drive is not None else eng.generate(prompts, sp)
         times.append(timer.seconds)
         stats = eng.stats
-    tokens = stats["generated_tokens"] - len(out)
+    tokens = stats["spec_emitted_tokens"] if spec is not None else timer.tokens
     med = statistics.median(times)
     row = {"decode_tokens": tokens, "decode_seconds_median": med, "decode_seconds": times,
            "decode_tokens_per_s": tokens / med if med else None, "forwards": stats["forwards"]}
@@ -139,6 +143,32 @@ def cpu_section(repeats: int) -> dict:
                "drafter_exact": SpecConfig(method="drafter", draft_len=3, drafter_path=str(drafter_dir)),
                "drafter_batched": SpecConfig(method="drafter", draft_len=3, verify="batched",
                                              drafter_path=str(drafter_dir))}
+    from k3.jobs.episodes import run_episodes
+
+    def episodes(n_tasks):
+        def drive(eng):
+            rs = run_episodes(eng, env, tasks[:n_tasks], 4, temperature=1.0, top_p=1.0, top_k=0,
+                              max_turn_tokens=job.rollout.max_turn_tokens, seed=5)
+            return [r.last for r in rs]
+        return drive
+    job_rows = []
+    for batch in (8, 32):
+        drive = episodes(max(2, batch // 4))
+        plain, ref = _run(model, None, None, None, batch, repeats=repeats, drive=drive)
+        row = {"batch": batch, "tasks": max(2, batch // 4), "group": 4, "plain": plain}
+        for name, spec in (("ngram_exact_match", SpecConfig(draft_len=3, acceptance="match")),
+                           ("drafter_exact_match", SpecConfig(method="drafter", draft_len=3, acceptance="match",
+                                                              drafter_path=str(drafter_dir))),
+                           ("drafter_batched_match", SpecConfig(method="drafter", draft_len=3, acceptance="match",
+                                                                verify="batched", drafter_path=str(drafter_dir)))):
+            r, out = _run(model, None, None, spec, batch, repeats=repeats, drive=drive)
+            r["bitwise_equal_to_plain"] = _same(out, ref)
+            r["speedup_vs_plain"] = (r["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
+                                     if plain["decode_tokens_per_s"] else None)
+            row[name] = r
+        job_rows.append(row)
+        print(json.dumps({k: (v if not isinstance(v, dict) else {kk: vv for kk, vv in v.items()
+                                                                 if kk != "decode_seconds"}) for k, v in row.items()}))
     rows = []
     for batch in (1, 8, 32):
         prompts = [env.prompt(t) for t in tasks[:max(batch, 8)]]
@@ -167,7 +197,7 @@ def cpu_section(repeats: int) -> dict:
     return {"device": "cpu", "model": "tiny (the main job's SFT base)", "drafter": str(drafter_dir),
             "workload": f"{len(tasks)} held-out calculator prompts (first max(batch, 8)), greedy, turn 0, "
                         f"max_tokens {sp.max_tokens}, stop at the task's stop tokens",
-            "throughput": rows,
+            "throughput": rows, "job_rollouts": job_rows,
             "replay_commit_cpu": {"shape": f"B={B} T={T} H={H} K=V={K}, 3 accepted", "torch_fold_us_median":
                                   statistics.median(ts) * 1e6}}
 

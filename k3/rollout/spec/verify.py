@@ -100,6 +100,8 @@ def verify(eng: "Engine", rows: list["_Seq"], tokens: list[list[int]], mode: Ver
         seats = [s if (r is not None and len(tokens[r]) > t0 and not stopped[r]) else None
                  for s, r in zip(rows + [None] * (B - len(rows)), row_of_seat)]
         live = [s for s in seats if s is not None]
+        if not live:   # every row's draft was rejected earlier (or is shorter)
+            break
         ids = torch.zeros(B, width, dtype=torch.long)
         for b, s in enumerate(seats):
             if s is not None:
