@@ -254,3 +254,28 @@ def test_state_stages_fit_shared_memory_and_tiles_pad_on_cuda():
     assert tile_dims(60, 16, torch.bfloat16, cuda) == (128, 128)
     assert tile_dims(256, 100, torch.bfloat16, cuda) == (256, 128)
     assert tile_dims(60, 16, torch.float32, cuda) == (64, 16) and tile_dims(60, 16, torch.bfloat16, cpu) == (64, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk_size", [64, 32])
+def test_gpu_interface_against_fla(chunk_size):
+    """The new options against fla-core's chunk_kda itself (bf16, packed with an empty sequence, inference): state in
+    [N, HV, V, K], beta logits with allow_neg_eigval, K3's safe gate in the kernel, and the per-chunk states h
+    (layout, order, dtype) that SGLang's prefix caching reads."""
+    fla = pytest.importorskip("fla.ops.kda")
+    cu = [0, 200, 200, 330]
+    HV, K, V = 2, 128, 128
+    inp = make_inputs(1, cu[-1], 2, HV, K, V, dtype=torch.bfloat16, gate_raw=True)
+    inp["beta"] = torch.randn(1, cu[-1], HV, device=DEV).to(torch.bfloat16)
+    h0 = torch.randn(3, HV, V, K, device=DEV)
+    kw = dict(initial_state=h0, output_final_state=True, state_v_first=True, use_beta_sigmoid_in_kernel=True,
+              allow_neg_eigval=True, use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0,
+              A_log=torch.zeros(HV, device=DEV), dt_bias=torch.randn(HV * K, device=DEV) * 0.1,
+              cu_seqlens=torch.tensor(cu, device=DEV), return_intermediate_states=True, chunk_size=chunk_size)
+    with torch.inference_mode():
+        o, ht, h = chunk_kda(**inp, **kw)
+        fo, fht, fh = fla.chunk_kda(**inp, **kw)
+    assert h.shape == fh.shape and h.dtype == fh.dtype and ht.shape == fht.shape
+    assert_close("o vs fla", fo.float(), o.float(), TOL["o"])
+    assert_close("ht vs fla", fht.float(), ht.float(), TOL["ht"])
+    assert_close("h vs fla", fh.float(), h.float(), TOL["ht"])
