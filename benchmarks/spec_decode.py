@@ -226,7 +226,7 @@ def gpu_section(repeats: int, budget_s: float) -> dict:
     model = k3_width_model()
     g = torch.Generator().manual_seed(0)
     # 16-token prompts: the prefill stays on the recurrent KDA path (no chunked-kernel builds in the timed call)
-    prompts_all = [torch.randint(3, 1000, (16,), generator=g).tolist() for _ in range(32)]
+    prompts_all = [torch.randint(3, min(1000, model.config.vocab_size), (16,), generator=g).tolist() for _ in range(32)]
     sp = SamplingParams(temperature=0.0, max_tokens=32)
     warm = SamplingParams(temperature=0.0, max_tokens=6)   # kernel builds (decode, verify widths) before timing
     for spec in (None, "ngram:3", "ngram:3:batched"):
