@@ -88,3 +88,19 @@ def k3_tiny_lora_cpu() -> Trainer.Config:
     config = k3_tiny_cpu()
     config.model_spec.model.lora = LoRAConfig.preset("tiny")
     return config
+
+
+def k3_tiny_full_ac_cpu() -> Trainer.Config:
+    """k3_tiny_cpu with full activation checkpointing of every decoder layer."""
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    config = k3_tiny_cpu()
+    config.activation_checkpoint = FullAC.Config()
+    return config
+
+
+def k3_tiny_selective_ac_cpu() -> Trainer.Config:
+    """k3_tiny_cpu with TorchTitan's selective (per-op) activation checkpointing of every decoder layer."""
+    config = k3_tiny_cpu()
+    config.activation_checkpoint = SelectiveAC.Config()
+    return config

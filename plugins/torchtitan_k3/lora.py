@@ -54,3 +54,17 @@ def _adapter(model: nn.Module) -> LoRAAdapter:
     if not isinstance(adapter, LoRAAdapter):
         raise ValueError("model: no LoRA adapter attached (K3TitanModel.Config.lora is None)")
     return adapter
+
+
+def export_adapter(checkpoint_dir: str | Path, model: nn.Module, path: str | Path) -> None:
+    """An adapter-only file from a TorchTitan DCP checkpoint (any step folder of a LoRA run, written by any number
+    of ranks): reads only the adapter's tensors into `model`'s adapter (one process, no process group), then
+    `save_adapter`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    adapter = _adapter(model)
+    state = {f"lora.{k}": v for k, v in adapter.state_dict().items()}
+    dcp.load(state, checkpoint_id=str(checkpoint_dir), planner=DefaultLoadPlanner(allow_partial_load=True))
+    adapter.load_state_dict({k[len("lora."):]: v for k, v in state.items()})
+    save_adapter(model, path)

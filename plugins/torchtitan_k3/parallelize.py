@@ -8,6 +8,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.tools.logging import logger
 
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
@@ -85,6 +86,7 @@ def parallelize_k3(model, *, parallel_dims, training, parallelism, compile_confi
         policy = ac_config.build(dump_folder=dump_folder)
         for i, layer in enumerate(layers):
             layers[i] = policy._wrap_block(layer, base_fqn=f"model.layers.{i}")
+        logger.info(f"K3: {type(policy).__name__} activation checkpointing on {len(layers)} decoder layers")
     if parallel_dims.fsdp_enabled or parallel_dims.cp > 1 or parallel_dims.ep > 1:
         apply_fsdp(model, parallel_dims, training, parallelism, expert_params)
     return model
