@@ -151,8 +151,9 @@ def _bwd(q, k, v, beta, do, dht, has_h0, scale, saved, plan):
     BK, BVF = tile_dims(K, V, k.dtype, q.device)
     KA = min(CONFIG["ka"], BK)
     dev, dt, f32, prec = q.device, k.dtype, torch.float32, _prec(k.dtype)
-    DHc = torch.empty(NC, HV, BK, BVF, device=dev, dtype=dt)
-    DVNc = torch.empty(NC, HV, BT, BVF, device=dev, dtype=dt)
+    alloc = torch.empty if V == BVF else torch.zeros  # as in `_fwd`: the prep reads V columns no block wrote
+    DHc = alloc(NC, HV, BK, BVF, device=dev, dtype=dt)
+    DVNc = alloc(NC, HV, BT, BVF, device=dev, dtype=dt)
     dh0 = torch.empty(N, HV, K, V, device=dev, dtype=f32) if has_h0 else None
     forks = len(classes) - 1 if dev.type == "cuda" else 0  # all classes' passes at once, the longest first
     for i, (seqs, count, _, _) in enumerate(classes):

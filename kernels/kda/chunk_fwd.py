@@ -105,8 +105,11 @@ def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound
     dummy = Gc
     o = torch.empty_like(v)
     ht = torch.empty(N, HV, K, V, device=dev, dtype=f32) if want_ht else None
-    Hc = torch.empty(NC, HV, BK, BVF, device=dev, dtype=dt) if save else None
-    VNc = torch.empty(NC, HV, BT, BVF, device=dev, dtype=dt) if save else None
+    # the state pass writes the V columns its blocks cover (cdiv(V, BV) * BV), the backward prep reads all BVF: a
+    # padded V gets zeros in the rest
+    alloc = torch.empty if V == BVF else torch.zeros
+    Hc = alloc(NC, HV, BK, BVF, device=dev, dtype=dt) if save else None
+    VNc = alloc(NC, HV, BT, BVF, device=dev, dtype=dt) if save else None
     forks = len(classes) - 1 if dev.type == "cuda" else 0  # every class's pass but the last one's is forked
     for i, (seqs, count, c_first, chunks) in enumerate(classes):
         if chunks:  # a class of empty sequences only has no chunk work, just its state pass (h0 -> ht)

@@ -279,3 +279,37 @@ def test_gpu_interface_against_fla(chunk_size):
     assert_close("o vs fla", fo.float(), o.float(), TOL["o"])
     assert_close("ht vs fla", fht.float(), ht.float(), TOL["ht"])
     assert_close("h vs fla", fh.float(), h.float(), TOL["ht"])
+
+
+@pytest.mark.parametrize("case", ["v100_bv16", "packed_gated"])
+def test_chunk_reads_no_unwritten_memory(monkeypatch, case):
+    """Every intermediate a kernel reads was written first, and every output element is written: with torch.empty
+    poisoned to NaN (floats), (a) V = 100 in tiles of 128 with state-pass V blocks of 16 (7 blocks cover 112
+    columns; the backward prep reads all 128: these columns were left unwritten before), (b) a packed batch with
+    empty sequences, K = 60, grouped value heads and the safe gate in the kernel; fwd + bwd against the reference,
+    and the per-chunk states at chunk_size 32."""
+    from k3_kernels.kda import chunk as chunk_mod
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        x = empty(*args, **kwargs)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+    monkeypatch.setitem(chunk_mod.CONFIG, "fwd_state_bv", 16)
+    monkeypatch.setitem(chunk_mod.CONFIG, "bwd_state_bv", 16)
+    if case == "v100_bv16":
+        cu, inp = None, make_inputs(1, 80, 1, 1, 32, 100)
+        inp["h0"] = torch.randn(1, 1, 32, 100, device=DEV)
+        kw = {}
+    else:
+        cu, inp = [0, 0, 90, 90, 130], make_inputs(1, 130, 1, 2, 60, 24, gate_raw=True)
+        inp["h0"] = torch.randn(4, 2, 60, 24, device=DEV)
+        inp["dt_bias"] = torch.randn(2 * 60, device=DEV)
+        kw = dict(gate="safe", lower_bound=-5.0)
+    monkeypatch.setattr(torch, "empty", poisoned)
+    _check_against_reference(inp, cu=cu, **kw)
+    with torch.no_grad():
+        o, _, h = chunk_kda(**{n: inp[n] for n in ("q", "k", "v", "g", "beta")}, initial_state=inp["h0"],
+                            cu_seqlens=torch.tensor(cu, device=DEV) if cu else None, return_intermediate_states=True,
+                            chunk_size=32, use_gate_in_kernel=case != "v100_bv16", lower_bound=kw.get("lower_bound"),
+                            dt_bias=inp.get("dt_bias"))
+    assert torch.isfinite(o).all() and torch.isfinite(h).all()
