@@ -8,15 +8,22 @@ import json
 import shutil
 
 import pytest
+import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from k3.lora import LoRAConfig
+from k3_torchtitan import model_registry
+from k3_torchtitan.lora import export_adapter
 
 from _helpers import StepMetrics, max_diff, parallel_args, run_trainer, seed_args
 
 LOSS_TOL, GRAD_NORM_TOL = 1e-4, 1e-3
-PARITY = {  # name: (trainer settings, the 1-rank reference's local batch)
-    "fsdp2": (dict(batch=2, dp_shard=2), 4),
-    "ep2_fsdp2": (dict(batch=2, dp_shard=2, ep=2), 4),
-    "cp2": (dict(batch=2, cp=2), 2),
-    "cp2_ep2": (dict(batch=2, cp=2, ep=2), 2),
+PARITY = {  # name: (trainer settings, config, the 1-rank reference's local batch); AC rides along two of them
+    "fsdp2_full_ac": (dict(batch=2, dp_shard=2), "k3_tiny_full_ac_cpu", 4),
+    "ep2_fsdp2": (dict(batch=2, dp_shard=2, ep=2), "k3_tiny_cpu", 4),
+    "cp2_selective_ac": (dict(batch=2, cp=2), "k3_tiny_selective_ac_cpu", 2),
+    "cp2_ep2": (dict(batch=2, cp=2, ep=2), "k3_tiny_cpu", 2),
 }
 
 
@@ -28,6 +35,10 @@ def runs(tmp_path_factory):
     out = {"root": root, "seed": seed}
     out["one_rank_b2"] = run_trainer(root / "one_b2", *seed, *parallel_args(batch=2, steps=5))
     out["one_rank_b4"] = run_trainer(root / "one_b4", *seed, *parallel_args(batch=4))
+    # the FSDP run also writes a sharded DCP checkpoint after step 2 (the resume test starts a new job from it)
+    settings, config, _ = PARITY["fsdp2_full_ac"]
+    out["fsdp2_full_ac"] = run_trainer(root / "fsdp2_full_ac", *seed[:-1], "--checkpoint.interval", "2",
+                                       *parallel_args(**settings), nproc=2, config=config)
     return out
 
 
@@ -41,8 +52,11 @@ def test_one_rank_five_steps_loss_falls(runs):
 
 @pytest.mark.parametrize("name", sorted(PARITY))
 def test_parallel_run_matches_one_rank(runs, name):
-    settings, reference_batch = PARITY[name]
-    got = run_trainer(runs["root"] / name, *runs["seed"], *parallel_args(**settings), nproc=2)
+    settings, config, reference_batch = PARITY[name]
+    got = runs.get(name) or run_trainer(runs["root"] / name, *runs["seed"], *parallel_args(**settings), nproc=2,
+                                        config=config)
+    if "_ac" in name:
+        assert "activation checkpointing on 8 decoder layers" in (runs["root"] / name / "run.log").read_text()
     ref = runs["one_rank_b4" if reference_batch == 4 else "one_rank_b2"][:3]
     loss_diff, grad_diff = max_diff(got, ref)
     (runs["root"] / f"{name}.json").write_text(json.dumps({"ours": [s.__dict__ for s in got],
@@ -51,18 +65,17 @@ def test_parallel_run_matches_one_rank(runs, name):
 
 
 def test_dcp_save_and_resume_gives_the_same_next_loss(runs):
-    """FSDP = 2: save a sharded DCP checkpoint (model, optimizer, lr schedule, dataloader) after step 2, resume in
-    a new job; step 3 equals the uninterrupted run's step 3."""
+    """FSDP = 2 with full AC: the sharded DCP checkpoint (model, optimizer, lr schedule, dataloader) the parity run
+    wrote after step 2 starts a new job, whose step 3 equals the uninterrupted run's step 3."""
+    settings, config, _ = PARITY["fsdp2_full_ac"]
     folder = runs["root"] / "dcp"
-    ckpt = ["--checkpoint.enable", "--checkpoint.interval", "2"]
-    first = run_trainer(folder, *runs["seed"][:-1], *ckpt, *parallel_args(batch=2, dp_shard=2, steps=2), nproc=2)
-    assert (folder / "checkpoint" / "step-2").is_dir()
-    resumed = run_trainer(folder, *ckpt, "--checkpoint.load_only", *parallel_args(batch=2, dp_shard=2, steps=3),
-                          nproc=2)
+    shutil.copytree(runs["root"] / "fsdp2_full_ac" / "checkpoint" / "step-2", folder / "checkpoint" / "step-2")
+    resumed = run_trainer(folder, "--checkpoint.enable", "--checkpoint.load_only", *parallel_args(**settings),
+                          nproc=2, config=config)
     assert [s.step for s in resumed] == [3]
-    reference = runs["one_rank_b4"]
-    assert max_diff(first, reference[:2])[0] <= LOSS_TOL
-    assert abs(resumed[0].loss - reference[2].loss) <= LOSS_TOL, (resumed, reference)
+    uninterrupted = runs["fsdp2_full_ac"][2]
+    assert abs(resumed[0].loss - uninterrupted.loss) <= LOSS_TOL and abs(
+        resumed[0].grad_norm - uninterrupted.grad_norm) <= GRAD_NORM_TOL, (resumed, uninterrupted)
     shutil.rmtree(folder / "checkpoint")
 
 
@@ -74,3 +87,29 @@ def test_router_replay_through_the_trainer(runs):
     assert abs(replay[0].loss - free[0].loss) > 5e-5   # logged with 5 decimals; the init's experts are small
     assert replay[-1].loss < replay[0].loss
     assert all(isinstance(s, StepMetrics) for s in replay)
+
+
+def test_lora_through_the_trainer_trains_only_the_adapter(runs, tmp_path):
+    """k3_tiny_lora_cpu: the base stays bitwise frozen across steps, every adapter tensor trains, the loss falls,
+    and an adapter-only file is exported from the run's DCP checkpoint."""
+    folder = runs["root"] / "lora"
+    steps = run_trainer(folder, "--checkpoint.enable", "--checkpoint.interval", "1", "--training.steps", "3",
+                        config="k3_tiny_lora_cpu")
+    assert steps[-1].loss < steps[0].loss
+    saved = {}
+    for step in (1, 3):
+        dcp_to_torch_save(folder / "checkpoint" / f"step-{step}", tmp_path / f"{step}.pt")
+        saved[step] = torch.load(tmp_path / f"{step}.pt", weights_only=False)
+    base = [k for k in saved[1] if k.startswith(("model.", "lm_head."))]
+    adapter = [k for k in saved[1] if k.startswith("lora.")]
+    assert base and adapter
+    assert all(torch.equal(saved[1][k], saved[3][k]) for k in base)
+    assert all(not torch.equal(saved[1][k], saved[3][k]) for k in adapter)
+    cfg = model_registry("k3_tiny").model
+    cfg.lora = LoRAConfig.preset("tiny")
+    model = cfg.build()
+    export_adapter(folder / "checkpoint" / "step-3", model, tmp_path / "adapter.safetensors")
+    exported = load_file(str(tmp_path / "adapter.safetensors"))
+    assert len(exported) == len(adapter) and all(k.endswith((".lora_A", ".lora_B")) for k in exported)
+    assert all(torch.equal(model.lora.state_dict()[k[len("lora."):]], saved[3][k]) for k in adapter)
+    shutil.rmtree(folder / "checkpoint")
