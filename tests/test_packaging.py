@@ -21,7 +21,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 # import name -> source directory (setup.py's package_dir); what the wheel must hold
-PACKAGE_DIRS = {"k3": "k3", "k3_kernels": "kernels", "k3_verl": "plugins/verl_k3"}
+PACKAGE_DIRS = {"k3": "k3", "k3_kernels": "kernels", "k3_verl": "plugins/verl_k3", "k3_vllm": "plugins/vllm_k3",
+                "k3_torchtitan": "plugins/torchtitan_k3"}
 BUILD_FILES = ("pyproject.toml", "setup.py")
 
 
@@ -50,11 +51,13 @@ wheel = sys.argv[1]
 names = sorted(n[:-3].replace("/", ".").removesuffix(".__init__") for n in zipfile.ZipFile(wheel).namelist()
                if n.endswith(".py"))
 assert not any("editable" in repr(f) for f in sys.meta_path), sys.meta_path
-have_verl = importlib.util.find_spec("verl") is not None
+# each plugin imports its framework, which only that framework's venv has (its files are checked in the wheel)
+FRAMEWORKS = {"k3_verl": "verl", "k3_vllm": "vllm", "k3_torchtitan": "torchtitan"}
+missing = {p for p, fw in FRAMEWORKS.items() if importlib.util.find_spec(fw) is None}
 imported = 0
 for name in names:
-    if name.split(".")[0] == "k3_verl" and not have_verl:
-        continue  # the verl plugin imports verl, which only the verl venv has (its file is checked in the wheel)
+    if name.split(".")[0] in missing:
+        continue
     mod = importlib.import_module(name)
     assert mod.__file__.startswith(sys.prefix + "/"), f"{name} imported from {mod.__file__}, not {sys.prefix}"
     imported += 1
@@ -94,7 +97,7 @@ def test_wheel_installs_and_runs_outside_the_repo(tmp_path):
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     r = run(str(venv / "bin" / "k3"), "--help", cwd=tmp_path, env=env)
-    assert r.returncode == 0 and "{demo,sft,rl}" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "{demo,sft,rl" in r.stdout, r.stdout + r.stderr
     r = run(str(python), "-I", "-c", _IMPORT_ALL, str(wheel), cwd=tmp_path, env=env)
     assert r.returncode == 0 and r.stdout.startswith("imported "), r.stdout + r.stderr
     print(f"packaging check: {time.perf_counter() - t0:.1f} s; {r.stdout.strip()}")
