@@ -23,6 +23,7 @@ from k3.rollout.spec.config import Acceptance, SpecConfig, SpecMethod, VerifyMod
 from k3.rollout.spec.ngram import NgramDrafter
 from k3.rollout.spec.scratch import ReplayScratch
 from k3.rollout.spec.verify import verify
+from k3.rollout.sampler import sample
 from k3.rollout.types import key_token
 from k3_kernels.replay_ssm.naive import naive_conv_roll
 
@@ -86,22 +87,32 @@ class SpecDecoder:
         if getattr(self.drafter, "needs_features", False):
             from k3.rollout.spec.drafter import FeatureCapture
             capture = FeatureCapture(eng.model)
-        def keep_going(r: int, t: int, logits: torch.Tensor) -> bool:   # greedy rows stop at their first rejection
-            if group[r].req.params.temperature != 0.0 or t + 1 >= len(tokens[r]):
+        match = self.cfg.acceptance is Acceptance.MATCH
+        drawn: dict[int, list[Emitted]] = {}   # MATCH rows in EXACT mode: drawn during the pass, in order
+
+        def keep_going(r: int, t: int, logits: torch.Tensor) -> bool:   # stop a row at its first rejection
+            s = group[r]
+            if not speculating[r]:
                 return True
-            return int(torch.argmax(logits.detach().float().cpu())) == tokens[r][t + 1]
+            if s.req.params.temperature == 0.0:
+                return t + 1 >= len(tokens[r]) or int(torch.argmax(logits.detach().float().cpu())) == tokens[r][t + 1]
+            if not match:
+                return True
+            tok, lp, slp = sample(logits, s.req.params, s.gen)   # plain decoding's draw for this position
+            drawn.setdefault(r, []).append(Emitted(tok, lp, slp))
+            return t + 1 >= len(tokens[r]) or tok == tokens[r][t + 1]
         res = verify(eng, group, tokens, self.cfg.verify, capture, keep_going)
         eng.stats["forwards"] += res.forwards
         emitted: list[list[Emitted]] = []
-        for s, d, q, lg, spec in zip(group, drafts, probs, res.logits, speculating):
+        for r, (s, d, q, lg, spec) in enumerate(zip(group, drafts, probs, res.logits, speculating)):
             if not spec:
                 emitted.append([None])
                 continue
             p = s.req.params
             if p.temperature == 0.0:
                 em = accept_greedy(lg, d, p)
-            elif self.cfg.acceptance is Acceptance.MATCH:
-                em = accept_matching(lg, d, p, s.gen)
+            elif match:
+                em = drawn[r] if r in drawn else accept_matching(lg, d, p, s.gen)
             else:
                 em = accept_sampled(lg, d, q, p, s.gen)
             eng.stats["spec_accepted_tokens"] += len(em) - 1
