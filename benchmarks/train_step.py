@@ -62,7 +62,7 @@ def _scaled_lac(cfg: K3Config, layers: int) -> dict:
 @contextlib.contextmanager
 def kernel_set(name: str):
     """Route k3.model.ops to one kernel set for the duration (restored after)."""
-    saved = {k: getattr(ops, k) for k in ("_on_cuda", "kda_chunk", "block_attnres")}
+    saved = {k: getattr(ops, k) for k in ("_on_cuda", "kda_chunk", "block_attnres", "attnres_bank_row")}
     try:
         if name == "reference":
             ops._on_cuda = lambda x: False
@@ -77,7 +77,8 @@ def kernel_set(name: str):
             def fla_attnres(rows, partial, query, norm_weight, eps, output_norm_weight=None):
                 return fused_attnres(query, [*rows, partial], norm_weight, output_norm_weight, rms_eps=eps)
 
-            ops.kda_chunk, ops.block_attnres = fla_kda, fla_attnres
+            # plain bank rows: ours stores grad-sink aliases meant for its own fused AttnRes backward
+            ops.kda_chunk, ops.block_attnres, ops.attnres_bank_row = fla_kda, fla_attnres, lambda x: x
         elif name != "ours":
             raise ValueError(f"kernel set: unknown {name!r}")
         yield
