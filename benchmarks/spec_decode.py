@@ -230,7 +230,7 @@ def gpu_section(repeats: int, budget_s: float) -> dict:
     sp = SamplingParams(temperature=0.0, max_tokens=32)
     warm = SamplingParams(temperature=0.0, max_tokens=6)   # kernel builds (decode, verify widths) before timing
     for spec in (None, "ngram:3", "ngram:3:batched"):
-        Engine(model, prefix_cache=False, speculative=spec, decode_batch=1).generate([prompts_all[0] * 2], warm)
+        Engine(model, prefix_cache=False, speculative=spec, decode_batch=1).generate([prompts_all[0]], warm)
     rows = []
     for batch in (1, 8, 32):
         if time.perf_counter() - t_start > budget_s:
