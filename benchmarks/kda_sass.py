@@ -60,7 +60,7 @@ ALL_TYPES = {"g": "*fp32", "A_log": "*fp32", "dt_bias": "*fp32", "Gc": "*fp32", 
              "Rs": "*fp32", "Ps": "*fp32", "DQs": "*fp32", "DKs": "*fp32", "DGs": "*fp32", "dg": "*fp32",
              "h0": "*fp32", "ht": "*fp32", "dht": "*fp32", "dh0": "*fp32", "cu": "*i64", "cidx": "*i32",
              "coff": "*i32", "seqs": "*i32", "idx": "*i64", "c_first": "i32", "scale": "fp32", "lower_bound": "fp32",
-             "H": "i32", "HV": "i32", "K": "i32", "V": "i32", "T": "i32"}  # other pointers: bf16
+             "H": "i32", "HV": "i32", "K": "i32", "V": "i32", "T": "i32", "P": "i32"}  # other pointers: bf16
 _STATE = dict(HV=16, K=128, V=128, BK=128, BVF=128, PREC="tf32")
 ALL_CASES = {  # name: (kernel, constexprs (those the version's kernel takes), options)
     "cumsum": ("_fwd_cumsum", dict(BK=128, KA=32, GATE=0, HAS_A=False, HAS_DT=False), dict(num_warps=4)),

@@ -19,7 +19,7 @@ from .plan import _p2
 
 
 @triton.jit
-def _recurrent_fwd(q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu, idx, scale, lower_bound, T,
+def _recurrent_fwd(q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu, idx, scale, lower_bound, T, P,
                    H, HV, K, V, BK: tl.constexpr,
                    BV: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
                    L2NORM: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, VARLEN: tl.constexpr,
@@ -28,15 +28,16 @@ def _recurrent_fwd(q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu, idx, scale, 
     hv = tl.program_id(1).to(tl.int64)
     iv = tl.program_id(2)
     h = hv // (HV // H)
-    if VARLEN:
-        bos = tl.load(cu + n).to(tl.int64)
-        eos = tl.load(cu + n + 1).to(tl.int64)
+    if VARLEN:  # clamped to the T tokens there are: a bad device-side cu_seqlens cannot reach past them
+        bos = tl.minimum(tl.maximum(tl.load(cu + n).to(tl.int64), 0), T)
+        eos = tl.minimum(tl.maximum(tl.load(cu + n + 1).to(tl.int64), bos), T)
     else:
         bos = n * T
         eos = bos + T
     slot = n
     if HAS_IDX:
         slot = tl.load(idx + n).to(tl.int64)
+        slot = tl.where(slot < P, slot, -1)  # past the pool's P slots: a padding row, as a negative index
     ok = tl.arange(0, BK)
     km = ok < K
     ov = iv * BV + tl.arange(0, BV)
@@ -101,15 +102,24 @@ def fused_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     State pool mode: with `ssm_state_indices` (int [N]), `initial_state` is a pool [P, HV, K, V] fp32; sequence n
     starts from `initial_state[ssm_state_indices[n]]` and its final state is written back to that slot in place
     (`inplace_final_state` defaults to True then); a negative index means a padding row: zero start, no write.
-    Slots must be distinct. Returns (o [B, T, HV, V] in v.dtype, final state: the pool when in place, else a new
+    Slots must be distinct. No call syncs with the device: device-side `cu_seqlens` and `ssm_state_indices` are
+    checked by shape and dtype, their values bounded in the kernel (boundaries clamped to the tokens, an index past
+    the pool a padding row); host-side ones are checked in full (ValueError). Returns (o [B, T, HV, V] in v.dtype, final state: the pool when in place, else a new
     [N, HV, K, V] fp32 tensor or None).
     """
     state_v_first = state_layout(state_v_first, transpose_state_layout)
     B, T, H, HV, K, V = check_shapes(q, k, v, g, beta)
     check_beta_options(use_beta_sigmoid_in_kernel, allow_neg_eigval)
     check_gate(use_gate_in_kernel, A_log, dt_bias, lower_bound, HV, K)
-    cu = check_cu_seqlens(cu_seqlens, None, B, T)
-    N = B if cu is None else len(cu) - 1
+    if cu_seqlens is not None and cu_seqlens.device.type != q.device.type:
+        raise ValueError(f"cu_seqlens must be on q's device ({q.device}), got {cu_seqlens.device}")
+    if cu_seqlens is not None and cu_seqlens.device.type == "cpu":
+        check_cu_seqlens(cu_seqlens, None, B, T)  # values too: no device sync on the host
+    elif cu_seqlens is not None and (B != 1 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2
+                                     or cu_seqlens.dtype.is_floating_point):
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N+1] with B = 1, got {cu_seqlens.dtype} "
+                         f"{tuple(cu_seqlens.shape)} with B = {B}")
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     if inplace_final_state is None:
         inplace_final_state = ssm_state_indices is not None
     if ssm_state_indices is not None:
@@ -124,7 +134,8 @@ def fused_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
                     "P" if pooled else "N")
         if inplace_final_state and not initial_state.is_contiguous():
             raise ValueError("initial_state must be contiguous to be updated in place")
-        if pooled and ssm_state_indices.numel() and int(ssm_state_indices.max()) >= initial_state.shape[0]:
+        if pooled and ssm_state_indices.device.type == "cpu" and ssm_state_indices.numel() \
+                and int(ssm_state_indices.max()) >= initial_state.shape[0]:  # (a device tensor: the kernel masks)
             raise ValueError(f"ssm_state_indices must be < the pool's {initial_state.shape[0]} slots, got "
                              f"{int(ssm_state_indices.max())}")
     if inplace_final_state and initial_state is None:
@@ -154,6 +165,7 @@ def fused_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
         o, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
         cu_seqlens if cu_seqlens is not None else dummy, idx if idx is not None else dummy,
         scale, float(lower_bound) if lower_bound is not None else 0., T,
+        initial_state.shape[0] if initial_state is not None else 0,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, GATE=gate, HAS_A=A_log is not None, HAS_DT=dt_bias is not None,
         L2NORM=use_qk_l2norm_in_kernel, HAS_H0=h0 is not None, STORE_HT=ht is not None,
         VARLEN=cu_seqlens is not None, HAS_IDX=idx is not None,

@@ -313,3 +313,23 @@ def test_chunk_reads_no_unwritten_memory(monkeypatch, case):
                             chunk_size=32, use_gate_in_kernel=case != "v100_bv16", lower_bound=kw.get("lower_bound"),
                             dt_bias=inp.get("dt_bias"))
     assert torch.isfinite(o).all() and torch.isfinite(h).all()
+
+
+@pytest.mark.gpu
+def test_gpu_recurrent_device_indices_bounded_in_kernel():
+    """Decode never syncs: device-side ssm_state_indices past the pool and cu_seqlens past the tokens are bounded in
+    the kernel (a padding row: zero start, nothing written; boundaries clamped), so nothing outside the pool or the
+    inputs is touched."""
+    HV, K, V, P = 2, 128, 128, 3
+    pool = torch.randn(P, HV, K, V, device=DEV)
+    before = pool.clone()
+    inp = make_inputs(2, 1, 1, HV, K, V, dtype=torch.bfloat16)
+    o, _ = fused_recurrent_kda(**inp, initial_state=pool, ssm_state_indices=torch.tensor([7, 1], device=DEV))
+    torch.cuda.synchronize()
+    assert torch.equal(pool[0], before[0]) and torch.equal(pool[2], before[2]) and not torch.equal(pool[1], before[1])
+    ref, _ = naive_recurrent_kda(**{n: x[:1].double() for n, x in inp.items()})
+    assert_close("padding row", ref, o[:1], 5e-3)
+    flat = {n: x.reshape(1, 2, *x.shape[2:]) for n, x in inp.items()}
+    o2, _ = fused_recurrent_kda(**flat, cu_seqlens=torch.tensor([0, 1, 9], device=DEV))
+    torch.cuda.synchronize()
+    assert torch.isfinite(o2).all()
