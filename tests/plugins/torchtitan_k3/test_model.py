@@ -230,3 +230,18 @@ def test_use_cpu_rebinds_torchtitan_device_globals():
     for name in _COPIES:
         assert getattr(importlib.import_module(name), "device_type", "cpu") == "cpu", name
     assert callable(torch.distributed.set_timeout)
+
+
+def test_every_registered_config_is_a_trainer_config_k3_can_run():
+    from torchtitan.trainer import Trainer
+
+    import k3_torchtitan.config_registry as registry
+
+    names = [n for n in dir(registry) if n.startswith("k3") and callable(getattr(registry, n))]
+    assert {"k3_tiny", "k3_small", "k3", "k3_tiny_cpu", "k3_tiny_lora_cpu", "k3_tiny_r3_cpu"} <= set(names)
+    for name in names:
+        config = getattr(registry, name)()
+        assert isinstance(config, Trainer.Config), name
+        assert config.model_spec.name == "k3" and config.training.disable_cuda_graphs, name
+        assert config.parallelism.spmd_backend == "partial_dtensor", name
+        assert config.parallelism.context_parallel_load_balancer is None, name
