@@ -8,13 +8,15 @@ calculator task through `k3 serve`'s client, concurrently vs one after another, 
   bitwise equal to its run alone);
 * sweep: 1, 4, 8, 16 concurrent sessions x `--sweep-updates` updates: throughput against the one-at-a-time
   throughput measured above, and Jain's fairness index over the sessions' own throughputs (samples / own wall).
-The model is the tiny preset (random weights: the task's rewards are not the point here, the service is)."""
+The model is the tiny preset (random weights: the task's rewards are not the point here, the service is); the
+server runs as `k3 serve` in a subprocess, the clients as threads of this process."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import contextlib
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -23,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import httpx  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load as load_safetensors  # noqa: E402
 
@@ -30,9 +33,7 @@ from benchmarks._results import run_header, write_results  # noqa: E402
 from k3.envs import CalculatorEnv  # noqa: E402
 from k3.jobs.config import JobConfig  # noqa: E402
 from k3.serverless.client import ServiceClient  # noqa: E402
-from k3.serverless.config import ServeConfig  # noqa: E402
 from k3.serverless.job import gspo_update  # noqa: E402
-from k3.serverless.server import ServerThread  # noqa: E402
 
 
 def job_config(seed: int) -> JobConfig:
@@ -124,6 +125,34 @@ def scenario(url: str, seeds: list[int], updates: int, concurrent: bool) -> dict
             "_weights": {s: v["weights"] for s, v in out.items()}}
 
 
+@contextlib.contextmanager
+def served(config: Path, port: int):
+    """`k3 serve --config config` in a subprocess until the block ends."""
+    env = {**os.environ, "K3_CPU_THREADS": os.environ.get("K3_CPU_THREADS", "1")}
+    proc = subprocess.Popen([sys.executable, "-m", "k3.cli", "serve", "--config", str(config)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.time()
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"k3 serve exited: {proc.stderr.read().decode()[-2000:]}")
+            try:
+                if httpx.get(url + "/v1/info", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                if time.time() - t0 > 120:
+                    raise RuntimeError("k3 serve did not start") from None
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--clients", type=int, default=8)
@@ -138,9 +167,11 @@ def main() -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        # 32 rows per packed forward/backward bounds the autograd memory (~3 GB) on the shared box
-        cfg = ServeConfig(port=port, data_dir=tmp, max_sessions=64, max_batch_rows=32)
-        with ServerThread(cfg) as url:
+        # the server in its own process (`k3 serve`, as deployed): the clients' Python work here does not take
+        # the server's GIL. 32 rows per packed forward/backward bound its autograd memory (~3 GB)
+        (Path(tmp) / "serve.toml").write_text(f'port = {port}\ndata_dir = "{tmp}/data"\nmax_sessions = 64\n'
+                                              f'max_batch_rows = 32\n')
+        with served(Path(tmp) / "serve.toml", port) as url:
             scenario(url, [99], 1, concurrent=False)    # warm-up (first forwards allocate), not reported
             seeds = [100 + i for i in range(args.clients)]
             seq = scenario(url, seeds, args.updates, concurrent=False)
@@ -164,7 +195,7 @@ def main() -> None:
               "note": "CPU figures (2-core shared dev box, tiny preset, loopback HTTP); samples = episodes sampled "
                       "(multi-turn), trained tokens = tokens with weight > 0 in forward_backward",
               "workload": {"tasks_per_update": 2, "group_size": 4, "max_turn_tokens": 8, "lora_rank": 8,
-                           "loss": "gspo", "max_batch_rows": 32},
+                           "loss": "gspo", "max_batch_rows": 32, "server": "k3 serve subprocess, 1 torch thread"},
               "one_after_another": seq, "concurrent": conc,
               "speedup_samples_per_s": conc["samples_per_s"] / seq["samples_per_s"],
               "speedup_trained_tokens_per_s": conc["trained_tokens_per_s"] / seq["trained_tokens_per_s"],
