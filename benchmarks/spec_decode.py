@@ -211,7 +211,8 @@ def k3_width_model():
     from k3.model import K3ForCausalLM
     base = K3Config.preset("k3")
     cfg = dataclasses.replace(base, num_hidden_layers=4, num_experts=16, num_experts_per_token=8,
-                              linear_attn_config={**base.linear_attn_config, "kda_layers": [1, 2, 3]},
+                              linear_attn_config={**base.linear_attn_config, "kda_layers": [1, 2, 3],
+                                                  "full_attn_layers": [4]},
                               attn_res_block_size=2)
     torch.manual_seed(0)
     with torch.device("cuda"):
