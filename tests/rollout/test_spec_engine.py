@@ -220,17 +220,28 @@ def test_failed_verify_harms_no_later_call(model, plain, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("prefix_cache", [False, True])
-def test_gpu_greedy_chain_is_bitwise_plain_decoding(prefix_cache):
-    """On the GPU: decode through the Triton decode kernel, commits through the Triton replay kernel."""
+def test_gpu_chain_matches_plain_decoding(prefix_cache):
+    """On the GPU (decode through the Triton decode kernel, commits through the Triton replay kernel, itself bitwise
+    the decode kernel's state: tests/kernels/test_replay_ssm.py): with one row per decode forward the outputs are
+    bitwise plain decoding's. With several rows they are compared within rounding: on CUDA plain decoding itself is
+    not invariant to the batch composition (the CUDA GEMMs and MoE expert groups, and MLA over the padded key
+    length; measured on the H200: the same prompts decoded together and alone differ by up to 4.8e-7 in log-prob),
+    and verify passes group rows differently than plain decode steps."""
     from k3.config import K3Config
     from k3.model import K3ForCausalLM
     torch.manual_seed(0)
     model = K3ForCausalLM(K3Config.preset("tiny")).cuda().eval()
-    out = _turns(Engine(model, prefix_cache=False, **SMALL))
+    one = dict(decode_batch=1)
+    out = Engine(model, prefix_cache=False, **{**SMALL, **one}).generate(_prompts(), GREEDY)
     refs = [list(c.prompt) + c.token_ids for c in out]
-    eng = _spec_engine(model, refs, prefix_cache=prefix_cache)
-    assert same(_turns(eng), out)
+    eng = _spec_engine(model, refs, prefix_cache=prefix_cache, **one)
+    assert same(eng.generate(_prompts(), GREEDY), out)
     assert eng.stats["spec_accepted_tokens"] > 0
+    out = _turns(Engine(model, prefix_cache=False, **SMALL))
+    got = _turns(_spec_engine(model, [list(c.prompt) + c.token_ids for c in out], prefix_cache=prefix_cache))
+    for a, b in zip(got, out):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
 
 
 def test_multi_lora_rows_are_bitwise_plain_decoding():
