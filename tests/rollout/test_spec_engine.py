@@ -265,3 +265,10 @@ def test_multi_lora_rows_are_bitwise_plain_decoding():
         assert len({tuple(c.token_ids) for c in ref[:3]}) == 3
     finally:
         lora.close()
+
+
+@pytest.mark.parametrize("bad", ["ngram:0", "ngram:16", "tree:3", "ngram:3:fast", "ngram:3:exact:maybe"])
+def test_job_config_refuses_bad_speculative_settings(bad):
+    from k3.jobs.config import JobConfigError, load_config
+    with pytest.raises(JobConfigError, match="rollout.speculative"):
+        load_config(None, {"rollout.speculative": bad})
