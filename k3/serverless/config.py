@@ -3,7 +3,6 @@ fields are refused naming the field)."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,7 +83,3 @@ class ServeConfig:
         cfg = cls(**raw)
         cfg.validate()
         return cfg
-
-
-def finite(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
