@@ -32,10 +32,11 @@ class ServeConfig:
     offload_after: int = 4           # scheduler rounds without a session's request before its optimizer state moves to host
     max_skips: int = 2               # rounds a waiting session may be passed over for locality before it goes first
     create_key_sha256: str = ""      # if set, creating a session needs the key whose SHA-256 this is
+    # the engine's prefix cache spills KV pages and KDA states to a host tier as large as the device one
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(chunk_size=32, checkpoint_interval=64,
                                                                        max_running=64, device_pages=2048,
-                                                                       host_pages=0, device_states=128,
-                                                                       host_states=0))
+                                                                       host_pages=2048, device_states=128,
+                                                                       host_states=128))
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):

@@ -42,3 +42,14 @@ def test_rl_serverless_bad_url_is_one_line(tmp_path, capsys):
     assert main(["rl", "--serverless", "http://127.0.0.1:9", "--updates", "1", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--serverless http://127.0.0.1:9: cannot reach the service" in err[0]
+
+
+def test_serve_bad_setting_is_one_line_before_start(tmp_path, capsys):
+    assert main(["serve", "--port", "70000", "--data-dir", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("k3 serve: bad config: port")
+    cfg = tmp_path / "serve.toml"
+    cfg.write_text('max_rank = 4\nmystery = 1\n')
+    assert main(["serve", "--config", str(cfg)]) == 2
+    assert "mystery: unknown setting" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()          # nothing was created
