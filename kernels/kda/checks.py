@@ -7,6 +7,7 @@ import warnings
 import torch
 
 MAX_HEAD_DIM = 256  # fla-core's limit for K (and the widest state tile our kernels are built for)
+MAX_CUDA_HEAD_DIM = 128  # the largest head dim run fwd + bwd on the H200 without a fault (60, 100, 128)
 
 
 def state_layout(state_v_first: bool, transpose_state_layout: bool | None) -> bool:
@@ -57,6 +58,12 @@ def check_shapes(q, k, v, g, beta) -> tuple[int, int, int, int, int, int]:
         raise ValueError(f"beta must be [B, T, HV] = {(B, T, HV)}, got {tuple(beta.shape)}")
     if len({x.device for x in (q, k, v, g, beta)}) != 1:
         raise ValueError("q, k, v, g, beta must be on one device")
+    if q.device.type == "cuda":
+        for name, d in (("K (q/k head dim)", K), ("V (v head dim)", V)):
+            if d > MAX_CUDA_HEAD_DIM:
+                raise ValueError(f"head dim {name} = {d} is not supported on CUDA: at most {MAX_CUDA_HEAD_DIM} "
+                                 f"(head dim 256 faulted in the chunk backward on the H200, kernels/kda/NOTES.md; "
+                                 f"the interpreter path takes up to {MAX_HEAD_DIM})")
     return B, T, H, HV, K, V
 
 

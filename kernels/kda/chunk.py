@@ -49,6 +49,7 @@ from .gate import gate_backward
 from .intermediate import intermediate_states
 from .naive import l2norm, naive_kda_gate, naive_kda_lowerbound_gate
 from .plan import BT, CONFIG, _chunk_plan, _p2, _prec, _state_classes, _state_split  # noqa: F401 (tests, benchmarks)
+from .plan import tile_dims
 
 
 class _ChunkKDA(torch.autograd.Function):
@@ -127,6 +128,12 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
         raise ValueError("return_intermediate_states is for inference (no autograd): run under torch.no_grad() / "
                          "torch.inference_mode(), or pass inputs that do not require grad")
     scale = K ** -0.5 if scale is None else float(scale)
+    BK, BV = tile_dims(K, V, q.dtype, q.device)
+    if (BK, BV) != (K, V):  # head dims the tiles do not fit exactly: zero-padded to them, results cut back
+        return _padded(BK, BV, K, V, q, k, v, g, beta, scale, initial_state, output_final_state,
+                       use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                       safe_gate, lower_bound, return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu,
+                       A_log, dt_bias, chunk_size)
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     beta = activate_beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
@@ -149,3 +156,28 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     if not return_intermediate_states:
         return o, ht
     return o, ht, intermediate_states(saved, k, plan, B, T, H, V, chunk_size, state_v_first)
+
+
+def _padded(BK, BV, K, V, q, k, v, g, beta, scale, h0, output_final_state, l2, gate_in_kernel, beta_sigmoid, neg,
+            safe_gate, lower_bound, intermediate, v_first, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias, chunk_size):
+    """chunk_kda at head dims K, V that are not the tiles' (BK, BV): q, k, g, dt_bias zero-padded to BK, v to BV,
+    the initial state to [BK, BV]; the outputs cut back. Exact: a zero key channel never writes its state row and a
+    zero query channel never reads it (the row stays zero whatever its decay), a zero value column stays zero, and
+    l2 norms and the scale (taken from K) are unchanged. So every launch sees whole tiles: the masked partial tiles
+    of 16-bit head dims 60 / 100 faulted on the H200 (illegal memory access, kernels/kda/NOTES.md)."""
+    import torch.nn.functional as F
+    dk, dv = BK - K, BV - V
+    q, k, g = (F.pad(x, (0, dk)) for x in (q, k, g))
+    v = F.pad(v, (0, dv))
+    if h0 is not None:
+        h0 = F.pad(h0, (0, dk, 0, dv) if v_first else (0, dv, 0, dk))
+    if dt_bias is not None:
+        dt_bias = F.pad(dt_bias.reshape(-1, K), (0, dk)).reshape(-1)
+    out = chunk_kda(q, k, v, g, beta, scale, h0, output_final_state, l2, gate_in_kernel, beta_sigmoid, neg,
+                    safe_gate, lower_bound, False, intermediate, v_first, cu_seqlens, cu_seqlens_cpu,
+                    A_log=A_log, dt_bias=dt_bias, chunk_size=chunk_size)
+    cut = (lambda x: x[..., :V, :K]) if v_first else (lambda x: x[..., :K, :V])
+    o, ht = out[0][..., :V], (cut(out[1]).contiguous() if out[1] is not None else None)
+    if not intermediate:
+        return o, ht
+    return o, ht, cut(out[2]).contiguous()

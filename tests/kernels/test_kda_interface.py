@@ -224,10 +224,20 @@ def test_bad_options_raise_before_any_launch(bounds_guard):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D", [60, 100, 256])
+def test_gpu_head_dim_256_refused_before_launch():
+    """On CUDA, head dims above 128 are refused with a ValueError naming the dim (256 faulted in the chunk backward
+    on the H200); the interpreter path (test_chunk_head_dim_256_in_bounds) still takes 256."""
+    inp = make_inputs(1, 64, 1, 1, 256, 64, dtype=torch.bfloat16)
+    for fn in (chunk_kda, fused_recurrent_kda):
+        with pytest.raises(ValueError, match="K \\(q/k head dim\\) = 256 is not supported on CUDA"):
+            fn(**{n: x for n, x in inp.items() if n in ("q", "k", "v", "g", "beta")})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [60, 100, 128])
 def test_gpu_head_dims_against_reference(D):
-    """On the GPU: bf16, head dims 60 / 100 / 256 (fla-core's shapes that earlier faulted or ran out of shared
-    memory), safe gate in the kernel, packed with an empty sequence, fwd + bwd against the fp64 reference."""
+    """On the GPU: bf16, head dims 60 / 100 (fla-core's shapes that faulted before chunk_kda zero-padded them to the
+    tiles) and 128, safe gate in the kernel, packed with an empty sequence, fwd + bwd against the fp64 reference."""
     cu = [0, 300, 300, 1000]
     inp = make_inputs(1, cu[-1], 2, 2, D, D, dtype=torch.bfloat16, gate_raw=True)
     inp["h0"] = torch.randn(3, 2, D, D, device=DEV)
