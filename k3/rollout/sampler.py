@@ -16,14 +16,12 @@ def sample_generator(seed: int, index: int) -> torch.Generator:
     return g
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[int, float, float]:
-    """logits [vocab] -> (token, log p(token) under the full softmax at temperature 1, log p(token) under the
-    distribution sampled from: tempered and truncated; 0.0 for greedy)."""
+def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [vocab] -> (log-softmax at temperature 1, log of the distribution sampled from: tempered by
+    `params.temperature` > 0, truncated by top-k and top-p). Speculative acceptance (k3.rollout.spec.accept) reads
+    the same tensors, so equal tokens get bitwise equal log-probs."""
     x = logits.detach().float().cpu()
     full = torch.log_softmax(x, dim=-1)
-    if params.temperature == 0.0:
-        tok = int(torch.argmax(x))
-        return tok, float(full[tok]), 0.0
     z = x / params.temperature
     if params.top_k and params.top_k < z.numel():
         kth = torch.topk(z, params.top_k).values[-1]
@@ -35,6 +33,16 @@ def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -
         drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
         z = z.clone()
         z[order[drop]] = float("-inf")
-    logp = torch.log_softmax(z, dim=-1)
+    return full, torch.log_softmax(z, dim=-1)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[int, float, float]:
+    """logits [vocab] -> (token, log p(token) under the full softmax at temperature 1, log p(token) under the
+    distribution sampled from: tempered and truncated; 0.0 for greedy)."""
+    if params.temperature == 0.0:
+        x = logits.detach().float().cpu()
+        tok = int(torch.argmax(x))
+        return tok, float(torch.log_softmax(x, dim=-1)[tok]), 0.0
+    full, logp = sampling_logprobs(logits, params)
     tok = int(torch.multinomial(logp.exp(), 1, generator=gen))
     return tok, float(full[tok]), float(logp[tok])

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from k3.rollout.sampler import sample
+from k3.rollout.sampler import sample, sampling_logprobs  # noqa: F401 (re-exported for the tests)
 from k3.rollout.types import SamplingParams
 
 
@@ -24,33 +24,10 @@ class Emitted:
     sampling_logprob: float   # log p(token) under the distribution sampled from (0.0 for greedy)
 
 
-def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """(full log-softmax, log of the sampling distribution) for one position's logits, op for op as
-    `k3.rollout.sampler.sample` forms them (so equal tokens get bitwise equal log-probs)."""
-    x = logits.detach().float().cpu()
-    full = torch.log_softmax(x, dim=-1)
-    z = x / params.temperature
-    if params.top_k and params.top_k < z.numel():
-        kth = torch.topk(z, params.top_k).values[-1]
-        z = z.masked_fill(z < kth, float("-inf"))
-    if params.top_p < 1.0:
-        order = torch.argsort(z, descending=True, stable=True)
-        probs = torch.softmax(z[order], dim=-1)
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
-        z = z.clone()
-        z[order[drop]] = float("-inf")
-    return full, torch.log_softmax(z, dim=-1)
-
-
 def accept_greedy(logits: list[torch.Tensor], draft: list[int], params: SamplingParams) -> list[Emitted]:
-    """logits[t] after verify position t (t = 0: the pending token; t = j: draft token j); len = len(draft) + 1."""
-    out = []
-    for t, lg in enumerate(logits):
-        tok, lp, slp = sample(lg, params, None)
-        out.append(Emitted(tok, lp, slp))
-        if t >= len(draft) or tok != draft[t]:
-            break
-    return out
+    """logits[t] after verify position t (t = 0: the pending token; t = j: draft token j); len = len(draft) + 1.
+    The target's argmax at each position, kept while it equals the draft (matching without a generator)."""
+    return accept_matching(logits, draft, params, None)
 
 
 def accept_matching(logits: list[torch.Tensor], draft: list[int], params: SamplingParams,
