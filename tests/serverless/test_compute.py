@@ -9,7 +9,7 @@ from k3.model import K3ForCausalLM
 from k3.serverless.compute import Work, bucket_len, prompt_logprobs, run_packed
 from k3.serverless.losses import LossConfig, session_loss
 
-from _helpers import rand_datum
+from _serverless_helpers import rand_datum
 
 BUCKET = 32
 

@@ -6,7 +6,7 @@ import pytest
 from k3.serverless import AdamParams, ModelInput, SamplingParams, ServiceClient
 from k3.serverless.server import ServerThread
 
-from _helpers import rand_datum, tiny_config
+from _serverless_helpers import rand_datum, tiny_config
 
 PROMPT = ModelInput.from_ints(list(range(40, 80)))
 PARAMS = SamplingParams(max_tokens=5, temperature=1.0, seed=3)

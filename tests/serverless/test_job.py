@@ -6,7 +6,7 @@ import pytest
 from k3.cli import main
 from k3.serverless.server import ServerThread
 
-from _helpers import tiny_config
+from _serverless_helpers import tiny_config
 
 SETTINGS = ["rollout.tasks_per_update=2", "rollout.group_size=3", "rollout.max_turn_tokens=8", "eval.heldout=2",
             "eval.samples=1", "eval.every=2", "rl.lora_rank=4"]

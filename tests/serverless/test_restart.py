@@ -14,7 +14,7 @@ from safetensors.torch import load as load_safetensors
 
 from k3.serverless import AdamParams, ModelInput, SamplingParams, ServiceClient, ServiceError
 
-from _helpers import free_port, rand_datum
+from _serverless_helpers import free_port, rand_datum
 
 ADAM = AdamParams(learning_rate=5e-3, weight_decay=0.01)
 SESSIONS = [(4, 31, "cross_entropy"), (16, 32, "gspo")]

@@ -14,7 +14,7 @@ from k3.serverless import AdamParams, Datum, ModelInput, SamplingParams, Service
 from k3.serverless.config import ServeConfig
 from k3.serverless.server import ServerThread
 
-from _helpers import rand_datum, tiny_config
+from _serverless_helpers import rand_datum, tiny_config
 
 ADAM = AdamParams(learning_rate=1e-2)
 
