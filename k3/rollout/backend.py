@@ -13,7 +13,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from k3.rollout.types import Completion, Prompt, SamplingParams, as_token_ids
+from k3.rollout.types import Completion, Prompt, SamplingParams, checked_requests
 
 #: `rollout.backend` values: "embedded" is k3.rollout.Engine in-process; the others live in plugins.
 BACKENDS: dict[str, str | None] = {
@@ -81,34 +81,12 @@ def state_digest(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def checked_requests(prompts, sampling, *, vocab_size: int, max_len: int,
-                     adapter_ids: Sequence[str | None]) -> list[tuple[Prompt, SamplingParams]]:
-    """Every request checked before any is submitted, each error naming `prompts[i]` / `sampling[i].field`: types,
-    ranges, vocabulary, prompt + max_tokens against `max_len`, the adapter among `adapter_ids`."""
-    if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError("prompts: expected a non-empty list of token-id lists")
-    many = isinstance(sampling, (list, tuple))
-    params = list(sampling) if many else [sampling if sampling is not None else SamplingParams()] * len(prompts)
-    if len(params) != len(prompts):
-        raise ValueError(f"sampling: {len(params)} SamplingParams for {len(prompts)} prompts")
-    out = []
-    for i, (pr, sp) in enumerate(zip(prompts, params)):
-        where, swhere = f"prompts[{i}]", f"sampling[{i}]" if many else "sampling"
-        if not isinstance(sp, SamplingParams):
-            raise ValueError(f"{swhere}: expected SamplingParams, got {type(sp).__name__}")
-        sp.validate(swhere)
-        if isinstance(pr, Prompt):
-            as_token_ids(pr, where)
-        else:
-            pr = Prompt(as_token_ids(pr, where))
-        pr.validate(vocab_size, where)
-        bad = [t for t in sp.stop_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"{swhere}.stop_token_ids: {bad} outside [0, {vocab_size})")
-        if len(pr) + sp.max_tokens > max_len:
-            raise ValueError(f"{where}: {len(pr)} prompt tokens + max_tokens {sp.max_tokens} exceed the backend's "
-                             f"max_model_len {max_len}")
-        if sp.adapter_id not in adapter_ids:
-            raise ValueError(f"{swhere}.adapter_id: {sp.adapter_id!r} is not served (served: {list(adapter_ids)})")
-        out.append((pr, sp))
-    return out
+def checked_backend_requests(prompts, sampling, *, vocab_size: int, max_len: int,
+                             adapter_ids: Sequence[str | None]) -> list[tuple[Prompt, SamplingParams]]:
+    """`k3.rollout.types.checked_requests` for a backend serving `adapter_ids` with `max_model_len` = max_len."""
+    def check_adapter(adapter_id, where):
+        if adapter_id not in adapter_ids:
+            raise ValueError(f"{where}: {adapter_id!r} is not served (served: {list(adapter_ids)})")
+    return [(pr, sp) for pr, sp, _ in checked_requests(prompts, sampling, vocab_size=vocab_size, max_len=max_len,
+                                                       limit="the backend's max_model_len",
+                                                       check_adapter=check_adapter)]

@@ -30,7 +30,7 @@ from k3.rollout.radix import Node, RadixTree, common_prefix
 from k3.rollout.sampler import sample, sample_generator
 from k3.rollout.spec.decode import SpecDecoder
 from k3.rollout.types import (KIND_DECODE, KIND_PREFILL_END, Completion, Prompt, SamplingParams,
-                              as_token_ids, key_kind, key_len, key_token, make_key)
+                              checked_requests, key_kind, key_len, key_token, make_key)
 from k3.rollout.view import PoolView
 
 
@@ -163,35 +163,12 @@ class Engine:
 
     def _requests(self, prompts, sampling) -> list[_Request]:
         """Every request checked and keyed, before any is admitted: a bad one fails the call with nothing done."""
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError("prompts: expected a non-empty list of token-id lists")
-        if isinstance(sampling, (list, tuple)):
-            params = list(sampling)
-        else:
-            params = [sampling if sampling is not None else SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"sampling: {len(params)} SamplingParams for {len(prompts)} prompts")
         mc = self.model.config
-        vocab, max_pos = mc.vocab_size, mc.max_position_embeddings
         reqs = []
-        for i, (pr, sp) in enumerate(zip(prompts, params)):
-            where = f"prompts[{i}]"
-            swhere = "sampling" if not isinstance(sampling, (list, tuple)) else f"sampling[{i}]"
-            if not isinstance(sp, SamplingParams):
-                raise ValueError(f"{swhere}: expected SamplingParams, got {type(sp).__name__}")
-            sp.validate(swhere)
-            if isinstance(pr, Prompt):
-                as_token_ids(pr, where)   # its token types only: a Prompt keeps its spans
-            else:
-                pr = Prompt(as_token_ids(pr, where))
-            pr.validate(vocab, where)
-            bad = [t for t in sp.stop_token_ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"{swhere}.stop_token_ids: {bad} outside [0, {vocab})")
-            if len(pr) + sp.max_tokens > max_pos:
-                raise ValueError(f"{where}: {len(pr)} prompt tokens + max_tokens {sp.max_tokens} exceed the "
-                                 f"model's max_position_embeddings {max_pos}")
-            self._check_adapter(sp.adapter_id, f"{swhere}.adapter_id")
+        for pr, sp, where in checked_requests(prompts, sampling, vocab_size=mc.vocab_size,
+                                              max_len=mc.max_position_embeddings,
+                                              limit="the model's max_position_embeddings",
+                                              check_adapter=self._check_adapter):
             self._check_fits(pr, sp, where)
             reqs.append(_Request(next(self._rids), pr, pr.key(self.cfg.chunk_size), sp, 0,
                                  (sp.adapter_id, self.version), self.version, done=[None] * sp.n))

@@ -179,3 +179,37 @@ class Completion:
         spans.append((1 + len(tokens), "prefill"))
         return Prompt(list(self.prompt) + gen + [int(t) for t in tokens], spans,
                       parent_len=len(self.prompt) + len(gen) - 1)
+
+
+def checked_requests(prompts, sampling, *, vocab_size: int, max_len: int, limit: str,
+                     check_adapter) -> list[tuple[Prompt, SamplingParams, str]]:
+    """Every request checked before any runs, each error naming `prompts[i]` / `sampling[i].field`: types, ranges,
+    vocabulary, stop tokens, prompt + max_tokens against `max_len` (called `limit` in the message), and the adapter
+    through `check_adapter(adapter_id, where)`. Returns (prompt, params, where) per request; a bare token list
+    becomes a `Prompt`, a `Prompt` keeps its spans. Shared by the embedded engine and the framework backends."""
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts: expected a non-empty list of token-id lists")
+    many = isinstance(sampling, (list, tuple))
+    params = list(sampling) if many else [sampling if sampling is not None else SamplingParams()] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"sampling: {len(params)} SamplingParams for {len(prompts)} prompts")
+    out = []
+    for i, (pr, sp) in enumerate(zip(prompts, params)):
+        where, swhere = f"prompts[{i}]", f"sampling[{i}]" if many else "sampling"
+        if not isinstance(sp, SamplingParams):
+            raise ValueError(f"{swhere}: expected SamplingParams, got {type(sp).__name__}")
+        sp.validate(swhere)
+        if isinstance(pr, Prompt):
+            as_token_ids(pr, where)   # its token types only: a Prompt keeps its spans
+        else:
+            pr = Prompt(as_token_ids(pr, where))
+        pr.validate(vocab_size, where)
+        bad = [t for t in sp.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"{swhere}.stop_token_ids: {bad} outside [0, {vocab_size})")
+        if len(pr) + sp.max_tokens > max_len:
+            raise ValueError(f"{where}: {len(pr)} prompt tokens + max_tokens {sp.max_tokens} exceed {limit} "
+                             f"{max_len}")
+        check_adapter(sp.adapter_id, f"{swhere}.adapter_id")
+        out.append((pr, sp, where))
+    return out

@@ -19,7 +19,7 @@ import torch
 
 from k3.config import K3Config
 from k3.lora import LoRAConfig
-from k3.rollout.backend import checked_requests
+from k3.rollout.backend import checked_backend_requests
 from k3.rollout.types import Completion, SamplingParams
 from k3.sync import SyncError
 
@@ -151,8 +151,8 @@ class VllmRollout:
         from vllm import SamplingParams as VllmSampling
         from vllm import TokensPrompt
 
-        reqs = checked_requests(prompts, sampling, vocab_size=self.k3_config.vocab_size,
-                                max_len=self.config.max_model_len, adapter_ids=(self.adapter_id,))
+        reqs = checked_backend_requests(prompts, sampling, vocab_size=self.k3_config.vocab_size,
+                                       max_len=self.config.max_model_len, adapter_ids=(self.adapter_id,))
         if self.config.splits_prompts and self._on_cpu:
             for i, (_, sp) in enumerate(reqs):
                 if sp.temperature > 0:
