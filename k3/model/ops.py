@@ -10,6 +10,7 @@ from torch import nn
 
 from k3_kernels.attnres import naive_block_attnres
 from k3_kernels.kda import naive_chunk_kda, naive_recurrent_kda
+from k3_kernels.lora import naive_multi_lora
 from k3_kernels.norm import naive_gated_rms_norm, naive_rms_norm
 from k3_kernels.situ import naive_situ_and_mul
 
@@ -173,3 +174,20 @@ def kda_replay_commit(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
         return replay_commit(state, k, v, g, beta, n_accept)
     from k3_kernels.replay_ssm.naive import naive_replay_commit
     return naive_replay_commit(state, k, v, g, beta, n_accept)
+
+
+def fused_multi_lora(x: torch.Tensor) -> bool:
+    """Whether multi-LoRA rows of x's device go through `multi_lora` (adapters stacked, one shrink/expand pair per
+    projection) instead of k3.lora.LoRAManager's per-adapter torch loop, which stays the CPU path (bit for bit)."""
+    return _on_cuda(x)
+
+
+def multi_lora(x: torch.Tensor, base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, slots: torch.Tensor,
+               scale: torch.Tensor) -> torch.Tensor:
+    """base + per-token LoRA over stacked adapters (k3_kernels.lora's spec): x [N, in], base [N, out],
+    A [S, r, in], B [S, out, r], slots [N] (-1 = none), scale [S]; differentiable in x, base, A and B.
+    CUDA: the SGMV/BGMV Triton kernels (deterministic, a row depends only on itself); elsewhere the reference."""
+    if _on_cuda(x):
+        from k3_kernels.lora.sgmv import sgmv_lora
+        return sgmv_lora(x, base, lora_a, lora_b, slots, scale)
+    return naive_multi_lora(x, base, lora_a, lora_b, slots, scale)
