@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence, Union
 
 import torch
@@ -44,6 +44,9 @@ class _Plan:
     row_slots: torch.Tensor | None = None
     shape: tuple[int, int] = (0, 0)
     groups: tuple[tuple[int, LoRAAdapter], ...] = ()
+    # fused path (ops.fused_multi_lora): per set of groups, the device tensors mapping a slot + 1 to its stack
+    # index (-1: no delta) and the stacked adapters' scales; built once per forward
+    stacks: dict = field(default_factory=dict)
 
     def slots_for(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """The slot of each row of a projection input x: [B, T, in] or [B*T, in] are the forward's tokens;
@@ -262,6 +265,8 @@ class LoRAManager:
             if name not in plan.single.targets:
                 return base
             return base + _lowrank(plan.single, name, x, expert).to(base.dtype)
+        if ops.fused_multi_lora(x):
+            return _fused_lowrank(plan, name, x, base, slots, expert)
         delta = None
         for slot, ad in plan.groups:
             if name not in ad.targets:
@@ -354,3 +359,32 @@ def _lowrank(ad: LoRAAdapter, name: str, x: torch.Tensor, expert: int | None) ->
     if expert is not None:
         a, b = a[expert], b[expert]
     return ops.linear(ops.linear(x.to(a.dtype), a), b) * ad.scaling
+
+
+def _fused_lowrank(plan: _Plan, name: str, x: torch.Tensor, base: torch.Tensor, slots: torch.Tensor,
+                   expert: int | None) -> torch.Tensor:
+    """`_add_lowrank` for a multi-adapter plan through `ops.multi_lora`: the adapters targeting `name` stacked
+    (ranks below the largest padded with zeros), one shrink/expand pair for every row whatever its adapter."""
+    groups = tuple((slot, ad) for slot, ad in plan.groups if name in ad.targets)
+    if not groups:
+        return base
+    key = tuple(slot for slot, _ in groups)
+    if key not in plan.stacks:
+        lut = torch.full((max(slot for slot, _ in plan.groups) + 2,), -1, dtype=torch.long)
+        lut[torch.tensor(key) + 1] = torch.arange(len(key))
+        scale = torch.tensor([ad.scaling for _, ad in groups], dtype=torch.float32)
+        plan.stacks[key] = (lut.to(x.device), scale.to(x.device))
+    lut, scale = plan.stacks[key]
+    rank = max(ad.config.rank for _, ad in groups)
+    dtype = groups[0][1].A(name).dtype
+    a_list, b_list = [], []
+    for _, ad in groups:
+        a, b = ad.A(name), ad.B(name)
+        if expert is not None:
+            a, b = a[expert], b[expert]
+        pad = rank - a.shape[0]
+        a_list.append((torch.nn.functional.pad(a, (0, 0, 0, pad)) if pad else a).to(dtype))
+        b_list.append((torch.nn.functional.pad(b, (0, pad)) if pad else b).to(dtype))
+    stack_slots = lut[slots + 1]
+    return ops.multi_lora(x.contiguous(), base.contiguous(), torch.stack(a_list), torch.stack(b_list),
+                          stack_slots, scale)

@@ -68,31 +68,89 @@ def _blocks(max_len: int) -> int:
     return max(16, min(64, next_pow2(max_len)))
 
 
+def _shrink(x: torch.Tensor, a: torch.Tensor, seg: torch.Tensor, max_len: int) -> torch.Tensor:
+    """h [N, r] fp32: x[i] @ A[slot].T on the segments' rows, 0 elsewhere."""
+    N, K = x.shape
+    R = a.shape[1]
+    h = torch.zeros(N, R, device=x.device, dtype=torch.float32)
+    BM = _blocks(max_len)
+    _shrink_kernel[(seg.shape[0], cdiv(max_len, BM))](x, a, h, seg, K, R, x.stride(0), BLOCK_M=BM, BLOCK_K=32,
+                                                      BLOCK_R=max(16, next_pow2(R)))
+    return h
+
+
+def _expand(h: torch.Tensor, b: torch.Tensor, base: torch.Tensor, seg: torch.Tensor, scale: torch.Tensor,
+            max_len: int) -> torch.Tensor:
+    """base + scale[slot] * h[i] @ B[slot].T on the segments' rows (a new tensor; base's rows elsewhere)."""
+    R, O = b.shape[2], b.shape[1]
+    y = base.clone() if base.is_contiguous() else base.contiguous().clone()
+    BM, BO = _blocks(max_len), 64
+    _expand_kernel[(seg.shape[0], cdiv(max_len, BM), cdiv(O, BO))](h, b, base, y, seg, scale, O, R, base.stride(0),
+                                                                   BLOCK_M=BM, BLOCK_O=BO,
+                                                                   BLOCK_R=max(16, next_pow2(R)))
+    return y
+
+
+class _SGMV(torch.autograd.Function):
+    """y = base + scale[slot] * (x A[slot]^T) B[slot]^T with gradients for x, base, A and B.
+
+    Backward, for the rows of slot s: dh = scale_s dy B_s (the shrink kernel over B^T), dx = dh A_s (the expand
+    kernel over A^T), dA_s = dh^T x, dB_s = scale_s dy^T h (one GEMM per adapter over its rows, in row order): every
+    reduction has a fixed order, so gradients are deterministic and an adapter's depend only on its own rows."""
+
+    @staticmethod
+    def forward(ctx, x, base, a, b, slots, scale):
+        seg = segments(slots).to(x.device)
+        if seg.shape[0] == 0:
+            y, h, max_len = base.contiguous().clone(), None, 0
+        else:
+            max_len = int(seg[:, 1].max())
+            h = _shrink(x, a, seg, max_len)
+            y = _expand(h, b, base, seg, scale, max_len)
+        ctx.save_for_backward(x, a, b, slots, scale, h)
+        ctx.seg, ctx.max_len = seg, max_len
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, a, b, slots, scale, h = ctx.saved_tensors
+        seg, max_len = ctx.seg, ctx.max_len
+        dx = da = db = None
+        if h is None:
+            if ctx.needs_input_grad[0]:
+                dx = torch.zeros_like(x)
+            if ctx.needs_input_grad[2]:
+                da = torch.zeros_like(a)
+            if ctx.needs_input_grad[3]:
+                db = torch.zeros_like(b)
+            return dx, dy, da, db, None, None
+        dy = dy.contiguous()
+        row_scale = torch.where(slots >= 0, scale[slots.clamp(min=0).long()], 0.0)
+        dh = _shrink(dy, b.transpose(1, 2).contiguous(), seg, max_len) * row_scale[:, None]
+        if ctx.needs_input_grad[0]:
+            dx = _expand(dh, a.transpose(1, 2).contiguous(), torch.zeros_like(x), seg,
+                         torch.ones_like(scale), max_len)
+        if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
+            da = torch.zeros_like(a) if ctx.needs_input_grad[2] else None
+            db = torch.zeros_like(b) if ctx.needs_input_grad[3] else None
+            for s in torch.unique(seg[:, 2]).tolist():
+                pos = (slots == s).nonzero(as_tuple=True)[0]
+                if da is not None:
+                    da[s] = (dh[pos].t() @ x[pos].float()).to(a.dtype)
+                if db is not None:
+                    db[s] = (float(scale[s]) * (dy[pos].float().t() @ h[pos])).to(b.dtype)
+        return dx, dy, da, db, None, None
+
+
 def sgmv_lora(x: torch.Tensor, base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
               scale: torch.Tensor) -> torch.Tensor:
     """base + per-token LoRA (see naive.naive_multi_lora): x [N, in], base [N, out], A [S, r, in], B [S, out, r],
-    slots [N] (-1 = none), scale [S]. Tokens of one adapter should be contiguous (one segment each); any order
-    is correct."""
+    slots [N] (-1 = none), scale [S]; differentiable in x, base, A and B. Tokens of one adapter should be
+    contiguous (one segment each); any order is correct."""
     check_lora_args(x, a, b, slots, scale)
     if base.shape != (x.shape[0], b.shape[1]):
         raise ValueError(f"base: expected [{x.shape[0]}, {b.shape[1]}], got {tuple(base.shape)}")
-    N, K = x.shape
-    R, O = a.shape[1], b.shape[1]
     if x.stride(1) != 1 or base.stride(1) != 1:
         raise ValueError("x, base: the last dimension must be contiguous")
-    a, b = a.contiguous(), b.contiguous()
     scale = scale.to(device=x.device, dtype=torch.float32).contiguous()
-    seg = segments(slots).to(x.device)
-    y = base.clone() if base.is_contiguous() else base.contiguous().clone()
-    if seg.shape[0] == 0:
-        return y
-    h = torch.zeros(N, R, device=x.device, dtype=torch.float32)
-    max_len = int(seg[:, 1].max())
-    BM = _blocks(max_len)
-    BR = max(16, next_pow2(R))
-    _shrink_kernel[(seg.shape[0], cdiv(max_len, BM))](x, a, h, seg, K, R, x.stride(0), BLOCK_M=BM, BLOCK_K=32,
-                                                      BLOCK_R=BR)
-    BO = 64
-    _expand_kernel[(seg.shape[0], cdiv(max_len, BM), cdiv(O, BO))](h, b, base, y, seg, scale, O, R, base.stride(0),
-                                                                   BLOCK_M=BM, BLOCK_O=BO, BLOCK_R=BR)
-    return y
+    return _SGMV.apply(x, base, a.contiguous(), b.contiguous(), slots.to(x.device), scale)
