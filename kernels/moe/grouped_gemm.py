@@ -1,0 +1,324 @@
+"""Grouped GEMMs over expert-sorted rows (Triton): the experts' gate/up projection with SiTU-and-mul (and FP8
+quantisation of H) fused into its epilogue, the down projection, their dgrads (SiTU's backward fused into the down
+dgrad's epilogue) and the weight gradients.
+
+Every program owns one tile of one expert's rows (the tile table of `RoutingPlan.tiles`) and reduces over K in a
+fixed order with one fixed configuration per kernel (no autotuning by row count): a row's result depends only on
+its own inputs and its expert's weights, not on the batch it came in, and is the same on every run. The weight
+gradient kernel gives each (expert, tile of the weight) to one program, which walks the expert's rows in order:
+no atomics, no split reduction. FP8 (e4m3): activations carry 1 x 128 scales along K, weights 128 x 128 block
+scales; each K step's fp32 partial product is scaled before it is accumulated (DeepSeek-V3's recipe).
+Spec: naive.py (naive_experts, naive_experts_fp8).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from k3_kernels.launch import cdiv
+from k3_kernels.moe.permute import FP8_MAX, QUANT_BLOCK, RoutingPlan
+from k3_kernels.situ.fused import _tanh
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+
+
+def _interpreting() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def configs(device: torch.device) -> dict[str, TileConfig]:
+    """One fixed configuration per kernel (batch invariance: never chosen by the row count)."""
+    if device.type != "cuda":  # interpreter: small tiles
+        t = TileConfig(16, 32, 32, 4, 1, 2)
+        return {"gate_up": TileConfig(16, 128, 32, 4, 1, 2), "mm": t, "wgrad": TileConfig(32, 32, 16, 4, 1)}
+    return {"gate_up": TileConfig(128, 128, 64, 8, 3), "gate_up_fp8": TileConfig(128, 128, 128, 8, 3),
+            "mm": TileConfig(128, 128, 64, 8, 4), "mm_fp8": TileConfig(128, 128, 128, 8, 3),
+            "wgrad": TileConfig(128, 128, 64, 8, 3)}
+
+
+@triton.jit
+def _tile(pid, tiles_ptr, n_tiles_m, n_tiles_n, GROUP_M: tl.constexpr):
+    """Swizzled (GROUP_M m-tiles share the n sweep: their weight tiles stay in L2) -> (expert, first, end, n0)."""
+    per_group = GROUP_M * n_tiles_n
+    g = pid // per_group
+    first_m = g * GROUP_M
+    size_m = tl.minimum(n_tiles_m - first_m, GROUP_M)
+    tm = first_m + (pid % per_group) % size_m
+    tn = (pid % per_group) // size_m
+    e = tl.load(tiles_ptr + tm * 3)
+    r0 = tl.load(tiles_ptr + tm * 3 + 1)
+    r1 = tl.load(tiles_ptr + tm * 3 + 2)
+    return e, r0, r1, tn
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, xs_ptr, w1_ptr, w3_ptr, ws1_ptr, ws3_ptr, gu_ptr, h_ptr, hq_ptr, hs_ptr, tiles_ptr,
+                    n_tiles_m, I, K, beta, linear_beta,
+                    FP8: tl.constexpr, ACT_BF16: tl.constexpr, SAVE_GU: tl.constexpr, WRITE_H: tl.constexpr, QUANT_H: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                    QB: tl.constexpr):
+    """G = X W1_e^T, U = X W3_e^T (fp32 acc, rounded to the activation dtype), H = SiTU(G) * cap(U)."""
+    e, r0, r1, tn = _tile(tl.program_id(0), tiles_ptr, n_tiles_m, tl.cdiv(I, BLOCK_N), GROUP_M)
+    if e >= 0:
+        e64 = e.to(tl.int64)
+        rows = r0 + tl.arange(0, BLOCK_M)
+        rmask = rows < r1
+        r64 = rows.to(tl.int64)
+        cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < I
+        kk = tl.arange(0, BLOCK_K)
+        a_ptrs = x_ptr + r64[:, None] * K + kk[None, :]
+        b_off = e64 * I * K + cols[None, :].to(tl.int64) * K + kk[:, None]
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            km = (k0 + kk) < K
+            a = tl.load(a_ptrs + k0, mask=rmask[:, None] & km[None, :], other=0.0)
+            b1 = tl.load(w1_ptr + b_off + k0, mask=km[:, None] & cmask[None, :], other=0.0)
+            b3 = tl.load(w3_ptr + b_off + k0, mask=km[:, None] & cmask[None, :], other=0.0)
+            if FP8:
+                kb = k0 // QB
+                nkb = K // QB
+                sa = tl.load(xs_ptr + r64 * nkb + kb, mask=rmask, other=0.0)
+                sw = (e64 * tl.cdiv(I, QB) + cols // QB) * nkb + kb
+                s1 = tl.load(ws1_ptr + sw, mask=cmask, other=0.0)
+                s3 = tl.load(ws3_ptr + sw, mask=cmask, other=0.0)
+                acc_g += tl.dot(a, b1) * sa[:, None] * s1[None, :]
+                acc_u += tl.dot(a, b3) * sa[:, None] * s3[None, :]
+            else:
+                acc_g = tl.dot(a, b1, acc_g)
+                acc_u = tl.dot(a, b3, acc_u)
+        m = rmask[:, None] & cmask[None, :]
+        if ACT_BF16:  # G, U rounded to the activation dtype once (what is saved is what SiTU reads)
+            g = acc_g.to(tl.bfloat16)
+            u = acc_u.to(tl.bfloat16)
+        else:
+            g = acc_g
+            u = acc_u
+        if SAVE_GU:
+            gp = gu_ptr + r64[:, None] * (2 * I) + cols[None, :]
+            tl.store(gp, g.to(gu_ptr.dtype.element_ty), mask=m)
+            tl.store(gp + I, u.to(gu_ptr.dtype.element_ty), mask=m)
+        gf = g.to(tl.float32)
+        uf = u.to(tl.float32)
+        h = beta * _tanh(gf / beta) * tl.sigmoid(gf) * (linear_beta * _tanh(uf / linear_beta))
+        if WRITE_H:
+            tl.store(h_ptr + r64[:, None] * I + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=m)
+        if QUANT_H:  # BLOCK_N == QB: one scale per row of the tile
+            amax = tl.max(tl.abs(tl.where(m, h, 0.0)), axis=1)
+            scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
+            q = tl.clamp(h / scale[:, None], -FP8_MAX, FP8_MAX)
+            tl.store(hq_ptr + r64[:, None] * I + cols[None, :], q.to(hq_ptr.dtype.element_ty), mask=m)
+            tl.store(hs_ptr + r64 * tl.cdiv(I, QB) + tn, scale, mask=rmask)
+
+
+@triton.jit
+def _segment_mm_kernel(a_ptr, as_ptr, b0_ptr, b1_ptr, bs_ptr, c_ptr, gu_ptr, tiles_ptr, n_tiles_m, N, K0, a_stride,
+                       b_se, b_sn, b_sk, c_stride, beta, linear_beta,
+                       TWO_B: tl.constexpr, FP8: tl.constexpr, SITU_BWD: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                       QB: tl.constexpr):
+    """C = A B_e^T over the tile's rows; B_e[n, k] at b + e b_se + n b_sn + k b_sk. TWO_B: A has 2 K0 columns,
+    the first K0 against b0, the rest against b1. SITU_BWD: C is dH; writes dG, dU into c ([P, 2N]) from the saved
+    G, U (gu [P, 2N])."""
+    e, r0, r1, tn = _tile(tl.program_id(0), tiles_ptr, n_tiles_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    if e >= 0:
+        e64 = e.to(tl.int64)
+        rows = r0 + tl.arange(0, BLOCK_M)
+        rmask = rows < r1
+        r64 = rows.to(tl.int64)
+        cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        kk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        b_base = e64 * b_se + cols[None, :].to(tl.int64) * b_sn + kk[:, None].to(tl.int64) * b_sk
+        for k0 in range(0, K0, BLOCK_K):
+            km = (k0 + kk) < K0
+            a = tl.load(a_ptr + r64[:, None] * a_stride + k0 + kk[None, :], mask=rmask[:, None] & km[None, :],
+                        other=0.0)
+            b = tl.load(b0_ptr + b_base + k0 * b_sk, mask=km[:, None] & cmask[None, :], other=0.0)
+            if FP8:
+                kb = k0 // QB
+                nkb = K0 // QB
+                sa = tl.load(as_ptr + r64 * nkb + kb, mask=rmask, other=0.0)
+                sb = tl.load(bs_ptr + (e64 * tl.cdiv(N, QB) + cols // QB) * nkb + kb, mask=cmask, other=0.0)
+                acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+            else:
+                acc = tl.dot(a, b, acc)
+        if TWO_B:
+            for k0 in range(0, K0, BLOCK_K):
+                km = (k0 + kk) < K0
+                a = tl.load(a_ptr + r64[:, None] * a_stride + K0 + k0 + kk[None, :],
+                            mask=rmask[:, None] & km[None, :], other=0.0)
+                b = tl.load(b1_ptr + b_base + k0 * b_sk, mask=km[:, None] & cmask[None, :], other=0.0)
+                acc = tl.dot(a, b, acc)
+        m = rmask[:, None] & cmask[None, :]
+        if SITU_BWD:
+            gp = gu_ptr + r64[:, None] * (2 * N) + cols[None, :]
+            g = tl.load(gp, mask=m, other=0.0).to(tl.float32)
+            u = tl.load(gp + N, mask=m, other=0.0).to(tl.float32)
+            dh = acc.to(c_ptr.dtype.element_ty).to(tl.float32)  # dH rounded as an unfused dgrad would store it
+            tg = _tanh(g / beta)
+            sg = tl.sigmoid(g)
+            tu = _tanh(u / linear_beta)
+            dact = (1.0 - tg * tg) * sg + beta * tg * sg * (1.0 - sg)
+            cp = c_ptr + r64[:, None] * (2 * N) + cols[None, :]
+            tl.store(cp, (dh * linear_beta * tu * dact).to(c_ptr.dtype.element_ty), mask=m)
+            tl.store(cp + N, (dh * beta * tg * sg * (1.0 - tu * tu)).to(c_ptr.dtype.element_ty), mask=m)
+        else:
+            tl.store(c_ptr + r64[:, None] * c_stride + cols[None, :], acc.to(c_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _wgrad_kernel(d_ptr, x_ptr, out_ptr, offsets_ptr, Nd, Kd, d_stride, x_stride,
+                  BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[e] = D_e^T X_e over expert e's rows, walked in order by one program per (expert, out tile)."""
+    e = tl.program_id(1).to(tl.int64)
+    n_tn = tl.cdiv(Nd, BLOCK_N)
+    tn = tl.program_id(0) % n_tn
+    tk = tl.program_id(0) // n_tn
+    r0 = tl.load(offsets_ptr + e)
+    r1 = tl.load(offsets_ptr + e + 1)
+    ns = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tk * BLOCK_K + tl.arange(0, BLOCK_K)
+    nm = ns < Nd
+    kmask = ks < Kd
+    rr = tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for p0 in range(r0, r1, BLOCK_R):
+        p = p0 + rr
+        pm = p < r1
+        p64 = p.to(tl.int64)
+        dt = tl.load(d_ptr + p64[None, :] * d_stride + ns[:, None], mask=nm[:, None] & pm[None, :], other=0.0)
+        xt = tl.load(x_ptr + p64[:, None] * x_stride + ks[None, :], mask=pm[:, None] & kmask[None, :], other=0.0)
+        acc = tl.dot(dt, xt, acc)
+    tl.store(out_ptr + e * Nd * Kd + ns[:, None].to(tl.int64) * Kd + ks[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=nm[:, None] & kmask[None, :])
+
+
+# ------------------------------------------------------------------------------------------------- host wrappers
+def _grid(plan: RoutingPlan, cfg: TileConfig, n: int) -> tuple[torch.Tensor, int, tuple[int]]:
+    tiles = plan.tiles(cfg.block_m)
+    return tiles, tiles.shape[0], (tiles.shape[0] * cdiv(n, cfg.block_n),)
+
+
+def gate_up(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan: RoutingPlan, beta: float, linear_beta: float,
+            *, save_gu: bool, write_h: bool = True, act_dtype: torch.dtype | None = None, quant_h: bool = False,
+            fp8: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
+            = None) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Expert-sorted rows x [P, L] (bf16; or with fp8 = (xq, xs, w1q, w1s, w3q, w3s) only its shape is read) ->
+    (gu [P, 2I] | None, h [P, I] | None, hq fp8 [P, I] | None, hs [P, I / 128] | None); gu, h in act_dtype
+    (default x's)."""
+    P, K = x.shape
+    I = w1.shape[1]
+    if (act_dtype or x.dtype) not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"x: activations must be bf16 or fp32, got {act_dtype or x.dtype}")
+    cfg = configs(x.device)["gate_up_fp8" if fp8 is not None and x.is_cuda else "gate_up"]
+    if quant_h and (I % QUANT_BLOCK or cfg.block_n != QUANT_BLOCK):
+        raise ValueError(f"w1: FP8 H needs an intermediate size divisible by {QUANT_BLOCK}, got {I}")
+    dev, dt = x.device, act_dtype or x.dtype
+    gu = torch.empty(P, 2 * I, device=dev, dtype=dt) if save_gu else None
+    h = torch.empty(P, I, device=dev, dtype=dt) if write_h else None
+    hq = torch.empty(P, I, device=dev, dtype=torch.float8_e4m3fn) if quant_h else None
+    hs = torch.empty(P, I // QUANT_BLOCK, device=dev, dtype=torch.float32) if quant_h else None
+    if P == 0:
+        return gu, h, hq, hs
+    tiles, n_m, grid = _grid(plan, cfg, I)
+    any_out = next(t for t in (gu, h, hq) if t is not None)
+    if fp8 is not None:
+        xq, xs, w1q, w1s, w3q, w3s = fp8
+        a, a_s, b1, b3, s1, s3 = xq, xs, w1q, w3q, w1s, w3s
+    else:
+        a, a_s, b1, b3, s1, s3 = x, x, w1, w3, w1, w3
+    _gate_up_kernel[grid](
+        a, a_s, b1, b3, s1, s3, gu if save_gu else any_out, h if write_h else any_out, hq if quant_h else any_out,
+        hs if quant_h else any_out, tiles, n_m, I, K, float(beta), float(linear_beta), FP8=fp8 is not None,
+        ACT_BF16=dt == torch.bfloat16,
+        SAVE_GU=save_gu, WRITE_H=write_h, QUANT_H=quant_h, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, QB=QUANT_BLOCK, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    return gu, h, hq, hs
+
+
+def down(h: torch.Tensor, w2: torch.Tensor, plan: RoutingPlan, out_dtype: torch.dtype,
+         fp8: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Y = H W2_e^T per expert: h [P, I] (or fp8 = (hq, hs, w2q, w2s)), w2 [E, L, I] -> [P, L]."""
+    P, I = h.shape
+    L = w2.shape[1]
+    y = torch.empty(P, L, device=h.device, dtype=out_dtype)
+    if P == 0:
+        return y
+    cfg = configs(h.device)["mm_fp8" if fp8 is not None and h.is_cuda else "mm"]
+    tiles, n_m, grid = _grid(plan, cfg, L)
+    if fp8 is not None:
+        a, a_s, b, b_s = fp8
+    else:
+        a, a_s, b, b_s = h, h, w2, w2
+    _segment_mm_kernel[grid](a, a_s, b, b, b_s, y, y, tiles, n_m, L, I, a.stride(0), L * I, I, 1, L, 0.0, 0.0,
+                             TWO_B=False, FP8=fp8 is not None, SITU_BWD=False, BLOCK_M=cfg.block_m,
+                             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, QB=QUANT_BLOCK,
+                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y
+
+
+def down_dgrad_situ(dy: torch.Tensor, w2: torch.Tensor, gu: torch.Tensor, plan: RoutingPlan, beta: float,
+                    linear_beta: float) -> torch.Tensor:
+    """dH = dY W2_e with SiTU's backward fused: -> dGU [P, 2I] (dG | dU) from the saved gu [P, 2I]."""
+    P, L = dy.shape
+    I = w2.shape[2]
+    dgu = torch.empty(P, 2 * I, device=dy.device, dtype=gu.dtype)
+    if P == 0:
+        return dgu
+    cfg = configs(dy.device)["mm"]
+    tiles, n_m, grid = _grid(plan, cfg, I)
+    # B_e[n = i, k = l] = W2[e, l, i]
+    _segment_mm_kernel[grid](dy, dy, w2, w2, w2, dgu, gu, tiles, n_m, I, L, dy.stride(0), L * I, 1, I, 2 * I,
+                             float(beta), float(linear_beta), TWO_B=False, FP8=False, SITU_BWD=True,
+                             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                             QB=QUANT_BLOCK, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return dgu
+
+
+def gate_up_dgrad(dgu: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+    """dX = dG W1_e + dU W3_e: dgu [P, 2I], w1/w3 [E, I, L] -> [P, L] (one accumulator over both halves)."""
+    P = dgu.shape[0]
+    _, I, L = w1.shape
+    dx = torch.empty(P, L, device=dgu.device, dtype=dgu.dtype)
+    if P == 0:
+        return dx
+    cfg = configs(dgu.device)["mm"]
+    tiles, n_m, grid = _grid(plan, cfg, L)
+    # B_e[n = l, k = i] = W1[e, i, l]
+    _segment_mm_kernel[grid](dgu, dgu, w1, w3, w1, dx, dx, tiles, n_m, L, I, dgu.stride(0), I * L, 1, L, L,
+                             0.0, 0.0, TWO_B=True, FP8=False, SITU_BWD=False, BLOCK_M=cfg.block_m,
+                             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, QB=QUANT_BLOCK,
+                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return dx
+
+
+def wgrad(d: torch.Tensor, x: torch.Tensor, plan: RoutingPlan, out_dtype: torch.dtype) -> torch.Tensor:
+    """Per-expert weight gradient out[e] = D_e^T X_e: d [P, Nd] (a strided column slice is fine), x [P, Kd] ->
+    [E, Nd, Kd]; experts without rows get zeros."""
+    Nd, Kd = d.shape[1], x.shape[1]
+    E = plan.n_experts
+    out = torch.empty(E, Nd, Kd, device=x.device, dtype=out_dtype)
+    if d.stride(1) != 1 or x.stride(1) != 1:
+        raise ValueError("d, x: the last dimension must be contiguous")
+    cfg = configs(x.device)["wgrad"]
+    grid = (cdiv(Nd, cfg.block_n) * cdiv(Kd, cfg.block_k), E)
+    _wgrad_kernel[grid](d, x, out, plan.offsets, Nd, Kd, d.stride(0), x.stride(0), BLOCK_R=cfg.block_m,
+                        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+                        num_stages=cfg.num_stages)
+    return out

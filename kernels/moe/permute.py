@@ -1,0 +1,195 @@
+"""Permutation of (token, slot) pairs into expert order and the combine back (Triton), deterministic.
+
+`plan_routing` sorts the pairs by expert with a stable sort (within an expert by pair id = t k + j), so each
+permuted row's place depends only on the routing, and builds the grouped GEMMs' tile table on the device (no host
+sync). `permute_rows` gathers rows (optionally quantising them to FP8 e4m3 with 1 x 128 scales in the same pass)
+into new tensors or into caller-given buffers at a row offset (the staging the EP dispatch of issue #29 uses).
+`combine` sums a token's k rows in slot order in fp32 (no atomics, no scatter-add); `combine_backward` gives the
+rows' gradients and the gate weights' gradients. Spec: naive.py (naive_permutation, naive_permute, naive_combine).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from k3_kernels.launch import cdiv, next_pow2
+
+FP8_MAX = 448.0
+QUANT_BLOCK = 128
+
+
+@dataclass(frozen=True)
+class RoutingPlan:
+    """Where every (token, slot) pair goes. order [P]: pair id of each permuted row; pos [N, k]: the permuted row
+    of each pair; offsets [E + 1] (int64): expert e's rows; counts [E]."""
+    order: torch.Tensor
+    pos: torch.Tensor
+    offsets: torch.Tensor
+    counts: torch.Tensor
+    n_experts: int
+    top_k: int
+
+    @property
+    def rows(self) -> int:
+        return self.order.numel()
+
+    def tiles(self, block_m: int) -> torch.Tensor:
+        """Tile table for the grouped GEMMs: int32 [T, 3] rows (expert, first row, end row of the expert), one per
+        block_m rows of each expert; T = cdiv(P, block_m) + E is a host-side bound, unused tiles have expert -1."""
+        E = self.n_experts
+        per = (self.counts + block_m - 1) // block_m
+        end = torch.cumsum(per, 0)
+        T = cdiv(max(self.rows, 1), block_m) + E
+        t = torch.arange(T, device=self.counts.device)
+        e = torch.searchsorted(end, t, right=True)
+        valid = e < E
+        ec = e.clamp(max=E - 1)
+        local = t - (end[ec] - per[ec])
+        first = self.offsets[ec] + local * block_m
+        return torch.stack([torch.where(valid, ec, -1), first, self.offsets[ec + 1]], 1).to(torch.int32).contiguous()
+
+
+def plan_routing(idx: torch.Tensor, n_experts: int) -> RoutingPlan:
+    """idx [N, k] expert ids (any int dtype) -> RoutingPlan. Raises on ids outside [0, n_experts)."""
+    if idx.dim() != 2:
+        raise ValueError(f"idx: expected [N, k], got shape {tuple(idx.shape)}")
+    flat = idx.reshape(-1).long()
+    if flat.numel() and not idx.is_cuda and (int(flat.min()) < 0 or int(flat.max()) >= n_experts):
+        raise ValueError(f"idx: expert ids must lie in [0, {n_experts}), got [{int(flat.min())}, {int(flat.max())}]")
+    order = torch.sort(flat, stable=True).indices
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(order.numel(), device=idx.device)
+    counts = torch.bincount(flat, minlength=n_experts)[:n_experts]
+    offsets = torch.zeros(n_experts + 1, dtype=torch.long, device=idx.device)
+    offsets[1:] = torch.cumsum(counts, 0)
+    return RoutingPlan(order, pos.view(idx.shape), offsets, counts, n_experts, idx.shape[1])
+
+
+@triton.jit
+def _permute_kernel(x_ptr, src_ptr, out_ptr, q_ptr, s_ptr, P, D, x_stride, out_stride, q_stride, top_k,
+                    WRITE_OUT: tl.constexpr, QUANT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    rmask = rows < P
+    src = (tl.load(src_ptr + rows, mask=rmask, other=0) // top_k).to(tl.int64)
+    r64 = rows.to(tl.int64)
+    n_blocks = tl.cdiv(D, BLOCK_D)
+    for b in range(0, n_blocks):
+        cols = b * BLOCK_D + tl.arange(0, BLOCK_D)
+        m = rmask[:, None] & (cols < D)[None, :]
+        v = tl.load(x_ptr + src[:, None] * x_stride + cols[None, :], mask=m, other=0.0)
+        if WRITE_OUT:
+            tl.store(out_ptr + r64[:, None] * out_stride + cols[None, :], v, mask=m)
+        if QUANT:  # BLOCK_D == 128: one scale per row per block
+            vf = v.to(tl.float32)
+            amax = tl.max(tl.abs(vf), axis=1)
+            scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
+            q = tl.clamp(vf / scale[:, None], -FP8_MAX, FP8_MAX)
+            tl.store(q_ptr + r64[:, None] * q_stride + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
+            tl.store(s_ptr + r64 * n_blocks + b, scale, mask=rmask)
+
+
+def permute_rows(x: torch.Tensor, plan: RoutingPlan, *, bf16: bool = True, fp8: bool = False,
+                 out: torch.Tensor | None = None, out_q: torch.Tensor | None = None,
+                 out_scale: torch.Tensor | None = None, row_offset: int = 0
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Permuted rows x[order // k] -> (rows [P, D] in x.dtype | None, fp8 rows [P, D] | None, scales fp32
+    [P, D / 128] | None). Given buffers (`out` [>= row_offset + P, D], `out_q`, `out_scale` alike) are written at
+    rows row_offset.. and returned as those row views: a dispatch buffer is filled in place, nothing else is
+    allocated. FP8 needs D % 128 == 0."""
+    P, D = plan.rows, x.shape[1]
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x: expected a [N, D] tensor with contiguous rows, got shape {tuple(x.shape)}")
+    if fp8 and D % QUANT_BLOCK:
+        raise ValueError(f"x: FP8 rows need a width divisible by {QUANT_BLOCK}, got {D}")
+
+    def _buf(given, name, width, dtype):
+        if given is None:
+            return torch.empty(P, width, device=x.device, dtype=dtype)
+        if given.shape[0] < row_offset + P or given.shape[1] != width or given.dtype != dtype or given.stride(1) != 1:
+            raise ValueError(f"{name}: expected >= {row_offset + P} rows of {width} {dtype} with contiguous rows, "
+                             f"got {tuple(given.shape)} {given.dtype}")
+        return given[row_offset:row_offset + P]
+
+    rows = _buf(out, "out", D, x.dtype) if bf16 else None
+    q = _buf(out_q, "out_q", D, torch.float8_e4m3fn) if fp8 else None
+    s = _buf(out_scale, "out_scale", D // QUANT_BLOCK, torch.float32) if fp8 else None
+    if fp8 and s.stride(0) != D // QUANT_BLOCK:
+        raise ValueError("out_scale: rows must be contiguous")
+    if P:
+        dummy = rows if rows is not None else q
+        BLOCK_P = 16
+        _permute_kernel[(cdiv(P, BLOCK_P),)](
+            x, plan.order, dummy, q if fp8 else dummy, s if fp8 else x, P, D, x.stride(0), dummy.stride(0),
+            q.stride(0) if fp8 else 0, plan.top_k, WRITE_OUT=bf16, QUANT=fp8, BLOCK_P=BLOCK_P,
+            BLOCK_D=QUANT_BLOCK if fp8 else min(256, next_pow2(D)), num_warps=4)
+    return rows, q, s
+
+
+@triton.jit
+def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, N, D, TOP_K, HAS_W: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    tmask = toks < N
+    m = tmask[:, None] & (cols < D)[None, :]
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for j in range(0, TOP_K):  # slot order: the sum's bits do not depend on the device's scheduling
+        p = tl.load(pos_ptr + toks * TOP_K + j, mask=tmask, other=0).to(tl.int64)
+        v = tl.load(y_ptr + p[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        if HAS_W:
+            v = v * tl.load(w_ptr + toks * TOP_K + j, mask=tmask, other=0.0)[:, None]
+        acc += v
+    tl.store(out_ptr + toks.to(tl.int64)[:, None] * D + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def combine(y: torch.Tensor, plan: RoutingPlan, w: torch.Tensor | None, out_dtype: torch.dtype | None = None
+            ) -> torch.Tensor:
+    """out[t] = sum_j w[t, j] y[pos[t, j]] (w None: 1), fp32 in slot order -> [N, D] in out_dtype (y's)."""
+    N, k = plan.pos.shape
+    D = y.shape[1]
+    y = y.contiguous()
+    out = torch.empty(N, D, device=y.device, dtype=out_dtype or y.dtype)
+    if N and D:
+        BT, BD = 8, min(256, next_pow2(D))
+        wf = w.float().contiguous() if w is not None else y
+        _combine_kernel[(cdiv(N, BT), cdiv(D, BD))](y, plan.pos, wf, out, N, D, k, HAS_W=w is not None,
+                                                    BLOCK_T=BT, BLOCK_D=BD, num_warps=4)
+    return out
+
+
+@triton.jit
+def _combine_bwd_kernel(dout_ptr, y_ptr, pos_ptr, w_ptr, dy_ptr, dw_ptr, N, D, TOP_K: tl.constexpr,
+                        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = toks < N
+    for j in range(0, TOP_K):
+        p = tl.load(pos_ptr + toks * TOP_K + j, mask=tmask, other=0).to(tl.int64)
+        wj = tl.load(w_ptr + toks * TOP_K + j, mask=tmask, other=0.0)
+        dw = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):  # fixed order over the width
+            cols = d0 + tl.arange(0, BLOCK_D)
+            m = tmask[:, None] & (cols < D)[None, :]
+            g = tl.load(dout_ptr + toks.to(tl.int64)[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            v = tl.load(y_ptr + p[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            dw += tl.sum(g * v, axis=1)
+            tl.store(dy_ptr + p[:, None] * D + cols[None, :], (g * wj[:, None]).to(dy_ptr.dtype.element_ty), mask=m)
+        tl.store(dw_ptr + toks * TOP_K + j, dw, mask=tmask)
+
+
+def combine_backward(dout: torch.Tensor, y: torch.Tensor, plan: RoutingPlan, w: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of `combine`: dy[pos[t, j]] = w[t, j] dout[t] (y's dtype), dw[t, j] = <dout[t], y[pos[t, j]]>
+    (fp32, a fixed-order sum over the width)."""
+    N, k = plan.pos.shape
+    D = y.shape[1]
+    dout = dout.contiguous()
+    dy = torch.empty_like(y)
+    dw = torch.empty(N, k, device=y.device, dtype=torch.float32)
+    if N:
+        BT = 8
+        _combine_bwd_kernel[(cdiv(N, BT),)](dout, y, plan.pos, w.float().contiguous(), dy, dw, N, D, TOP_K=k,
+                                            BLOCK_T=BT, BLOCK_D=min(256, next_pow2(D)), num_warps=4)
+    return dy, dw
