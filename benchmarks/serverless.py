@@ -1,15 +1,18 @@
-"""Serverless multi-LoRA training under load (loopback, CPU): N clients each running GSPO updates of the
-calculator task through `k3 serve`'s client, concurrently vs one after another, in one process.
+"""Serverless multi-LoRA training under load (loopback): N clients each running GSPO updates of the calculator
+task through `k3 serve`'s client, concurrently vs one after another, in one process.
 
     python benchmarks/serverless.py            # -> benchmarks/results/serverless.json (CPU figures)
+    python benchmarks/serverless.py --device cuda --preset small --batch-wait-ms 3 --out serverless_h200
 
 * headline: 8 clients x 5 GSPO updates, concurrent vs the same 8 runs one after another: throughput (samples/s,
   trained tokens/s), p50/p99 latency per call kind, and no cross-talk (every adapter after the concurrent run is
   bitwise equal to its run alone);
 * sweep: 1, 4, 8, 16 concurrent sessions x `--sweep-updates` updates: throughput against the one-at-a-time
   throughput measured above, and Jain's fairness index over the sessions' own throughputs (samples / own wall).
-The model is the tiny preset (random weights: the task's rewards are not the point here, the service is); the
-server runs as `k3 serve` in a subprocess, the clients as threads of this process."""
+The model is a K3 preset (`--preset`, random weights: the task's rewards are not the point here, the service is);
+the server runs as `python -m k3.cli serve` in a subprocess (the `k3` script need not be installed), the clients as
+threads of this process. `--budget-s` skips the sweep points that would start after that many seconds (the JSON is
+written after every phase)."""
 from __future__ import annotations
 
 import argparse
@@ -36,10 +39,10 @@ from k3.serverless.client import ServiceClient  # noqa: E402
 from k3.serverless.job import gspo_update  # noqa: E402
 
 
-def job_config(seed: int) -> JobConfig:
+def job_config(seed: int, rank: int = 8) -> JobConfig:
     cfg = JobConfig()
     cfg.rollout.tasks_per_update, cfg.rollout.group_size, cfg.rollout.max_turn_tokens = 2, 4, 8
-    cfg.rl.train_seed, cfg.rl.lora_rank = seed, 8
+    cfg.rl.train_seed, cfg.rl.lora_rank = seed, rank
     return cfg
 
 
@@ -74,10 +77,10 @@ class Timed:
         http.call = call
 
 
-def run_client(url: str, seed: int, updates: int, lat: dict, lock: threading.Lock, out: dict) -> None:
+def run_client(url: str, seed: int, updates: int, lat: dict, lock: threading.Lock, out: dict, rank: int) -> None:
     client = ServiceClient(url)
     Timed(client, lat, lock)
-    cfg = job_config(seed)
+    cfg = job_config(seed, rank)
     info = client.get_server_capabilities()
     t0 = time.perf_counter()
     tc = client.create_lora_training_client(info["base_model"], rank=cfg.rl.lora_rank, alpha=cfg.rl.lora_alpha,
@@ -94,21 +97,21 @@ def run_client(url: str, seed: int, updates: int, lat: dict, lock: threading.Loc
     client.close()
 
 
-def scenario(url: str, seeds: list[int], updates: int, concurrent: bool) -> dict:
+def scenario(url: str, seeds: list[int], updates: int, concurrent: bool, rank: int = 8) -> dict:
     lat: dict[str, list[float]] = {}
     lock = threading.Lock()
     out: dict = {}
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
     if concurrent:
-        threads = [threading.Thread(target=run_client, args=(url, s, updates, lat, lock, out)) for s in seeds]
+        threads = [threading.Thread(target=run_client, args=(url, s, updates, lat, lock, out, rank)) for s in seeds]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
     else:
         for s in seeds:
-            run_client(url, s, updates, lat, lock, out)
+            run_client(url, s, updates, lat, lock, out, rank)
     wall = time.perf_counter() - t0
     if len(out) != len(seeds):
         raise RuntimeError(f"{len(seeds) - len(out)} clients failed")
@@ -126,17 +129,20 @@ def scenario(url: str, seeds: list[int], updates: int, concurrent: bool) -> dict
 
 
 @contextlib.contextmanager
-def served(config: Path, port: int):
-    """`k3 serve --config config` in a subprocess until the block ends."""
+def served(config: Path, port: int, log: Path):
+    """`k3 serve --config config` in a subprocess until the block ends (its output in `log`)."""
     env = {**os.environ, "K3_CPU_THREADS": os.environ.get("K3_CPU_THREADS", "1")}
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    out = open(log, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "k3.cli", "serve", "--config", str(config)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         t0 = time.time()
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"k3 serve exited: {proc.stderr.read().decode()[-2000:]}")
+                raise RuntimeError(f"k3 serve exited: {log.read_text()[-2000:]}")
             try:
                 if httpx.get(url + "/v1/info", timeout=1).status_code == 200:
                     break
@@ -151,6 +157,12 @@ def served(config: Path, port: int):
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        out.close()
+
+
+def weight_diff(a: dict, b: dict) -> float:
+    """Largest absolute difference between two adapters' tensors (0.0: bitwise equal)."""
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 
 
 def main() -> None:
@@ -159,49 +171,74 @@ def main() -> None:
     ap.add_argument("--updates", type=int, default=5)
     ap.add_argument("--sweep", default="1,4,8,16")
     ap.add_argument("--sweep-updates", type=int, default=3)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--preset", default="tiny", help="K3Config preset of the served base (tiny, small)")
+    ap.add_argument("--lora-rank", type=int, default=8)
+    ap.add_argument("--batch-wait-ms", type=int, default=0, help="ServeConfig.batch_wait_ms of the server")
+    ap.add_argument("--max-batch-rows", type=int, default=32)
+    ap.add_argument("--budget-s", type=float, default=0.0, help="skip sweep points starting after this (0: none)")
+    ap.add_argument("--server-log", default=None, help="where the server's output goes (default: a temp file)")
     ap.add_argument("--out", default="serverless")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("K3_CPU_THREADS", "1")))
+    t_start = time.perf_counter()
+    result = {**run_header("serverless", device=args.device if args.device == "cpu" else torch.cuda.get_device_name(),
+                           packages=("fastapi", "uvicorn", "httpx", "triton")),
+              "note": ("CPU figures (2-core shared dev box, loopback HTTP)" if args.device == "cpu" else
+                       "GPU figures (server on the GPU, clients on the host, loopback HTTP)")
+              + "; samples = episodes sampled (multi-turn), trained tokens = tokens with weight > 0 in "
+                "forward_backward",
+              "workload": {"tasks_per_update": 2, "group_size": 4, "max_turn_tokens": 8, "lora_rank": args.lora_rank,
+                           "loss": "gspo", "preset": args.preset, "max_batch_rows": args.max_batch_rows,
+                           "batch_wait_ms": args.batch_wait_ms, "device": args.device,
+                           "server": "k3 serve subprocess" + (", 1 torch thread" if args.device == "cpu" else "")}}
     with tempfile.TemporaryDirectory() as tmp:
         import socket
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         # the server in its own process (`k3 serve`, as deployed): the clients' Python work here does not take
-        # the server's GIL. 32 rows per packed forward/backward bound its autograd memory (~3 GB)
-        (Path(tmp) / "serve.toml").write_text(f'port = {port}\ndata_dir = "{tmp}/data"\nmax_sessions = 64\n'
-                                              f'max_batch_rows = 32\n')
-        with served(Path(tmp) / "serve.toml", port) as url:
-            scenario(url, [99], 1, concurrent=False)    # warm-up (first forwards allocate), not reported
+        # the server's GIL. max_batch_rows bounds a packed forward/backward's autograd memory (32: ~3 GB on CPU)
+        (Path(tmp) / "serve.toml").write_text(
+            f'port = {port}\ndata_dir = "{tmp}/data"\nmax_sessions = 64\nmax_batch_rows = {args.max_batch_rows}\n'
+            f'device = "{args.device}"\npreset = "{args.preset}"\nbatch_wait_ms = {args.batch_wait_ms}\n'
+            f'keep_samplers = 2\n')
+        log = Path(args.server_log) if args.server_log else Path(tmp) / "server.log"
+        with served(Path(tmp) / "serve.toml", port, log) as url:
+            t0 = time.perf_counter()
+            scenario(url, [98, 99], 1, concurrent=True, rank=args.lora_rank)   # warm-up (allocations, JIT)
+            result["warmup_s"] = time.perf_counter() - t0
             seeds = [100 + i for i in range(args.clients)]
-            seq = scenario(url, seeds, args.updates, concurrent=False)
+            seq = scenario(url, seeds, args.updates, concurrent=False, rank=args.lora_rank)
             print(f"one after another: {seq['wall_s']:.1f} s, {seq['samples_per_s']:.2f} samples/s", flush=True)
-            conc = scenario(url, seeds, args.updates, concurrent=True)
+            conc = scenario(url, seeds, args.updates, concurrent=True, rank=args.lora_rank)
             print(f"concurrent:        {conc['wall_s']:.1f} s, {conc['samples_per_s']:.2f} samples/s", flush=True)
-            mismatched = [s for s in seeds if not all(torch.equal(seq["_weights"][s][k], conc["_weights"][s][k])
-                                                      for k in seq["_weights"][s])]
-            sweep = []
-            for n in [int(x) for x in args.sweep.split(",")]:
-                r = scenario(url, [1000 + i for i in range(n)], args.sweep_updates, concurrent=True)
+            diffs = {s: weight_diff(seq["_weights"][s], conc["_weights"][s]) for s in seeds}
+            mismatched = [s for s in seeds if diffs[s] != 0.0]
+            seq.pop("_weights")
+            conc.pop("_weights")
+            result.update({"one_after_another": seq, "concurrent": conc,
+                           "speedup_samples_per_s": conc["samples_per_s"] / seq["samples_per_s"],
+                           "speedup_trained_tokens_per_s": conc["trained_tokens_per_s"] / seq["trained_tokens_per_s"],
+                           "no_cross_talk": not mismatched, "mismatched_sessions": mismatched,
+                           "max_abs_weight_diff_vs_one_after_another": max(diffs.values()), "sweep": []})
+            print(f"speedup {result['speedup_samples_per_s']:.2f}x samples/s; no cross-talk: {not mismatched} "
+                  f"(max weight diff {max(diffs.values()):.3g})", flush=True)
+            write_results(args.out, result)
+            for n in [int(x) for x in args.sweep.split(",") if x]:
+                if args.budget_s and time.perf_counter() - t_start > args.budget_s:
+                    result.setdefault("sweep_skipped", []).append(n)
+                    continue
+                r = scenario(url, [1000 + i for i in range(n)], args.sweep_updates, concurrent=True,
+                             rank=args.lora_rank)
                 r.pop("_weights")
                 r["speedup_vs_one_at_a_time"] = r["samples_per_s"] / seq["samples_per_s"]
-                sweep.append(r)
+                result["sweep"].append(r)
                 print(f"{n:>3} sessions: {r['samples_per_s']:.2f} samples/s "
                       f"({r['speedup_vs_one_at_a_time']:.2f}x one-at-a-time), Jain {r['jain_fairness']:.3f}",
                       flush=True)
-    seq.pop("_weights")
-    conc.pop("_weights")
-    result = {**run_header("serverless", device="cpu", packages=("fastapi", "uvicorn", "httpx")),
-              "note": "CPU figures (2-core shared dev box, tiny preset, loopback HTTP); samples = episodes sampled "
-                      "(multi-turn), trained tokens = tokens with weight > 0 in forward_backward",
-              "workload": {"tasks_per_update": 2, "group_size": 4, "max_turn_tokens": 8, "lora_rank": 8,
-                           "loss": "gspo", "max_batch_rows": 32, "server": "k3 serve subprocess, 1 torch thread"},
-              "one_after_another": seq, "concurrent": conc,
-              "speedup_samples_per_s": conc["samples_per_s"] / seq["samples_per_s"],
-              "speedup_trained_tokens_per_s": conc["trained_tokens_per_s"] / seq["trained_tokens_per_s"],
-              "no_cross_talk": not mismatched, "mismatched_sessions": mismatched,
-              "sweep": sweep}
-    print(f"speedup {result['speedup_samples_per_s']:.2f}x samples/s; no cross-talk: {result['no_cross_talk']}")
+                write_results(args.out, result)
+    result["total_s"] = time.perf_counter() - t_start
     print(f"wrote {write_results(args.out, result)}")
 
 

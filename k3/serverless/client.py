@@ -89,6 +89,31 @@ class TrainingClient:
         r = self._post("forward", body)
         return ForwardBackwardOutput(r["loss_fn_outputs"], r["metrics"])
 
+    def forward_backward_custom(self, data: list[Datum], loss_fn) -> ForwardBackwardOutput:
+        """Train on any differentiable function of the log-probs (Tinker's forward_backward_custom):
+        `loss_fn(data, logprobs) -> (loss, metrics)` gets one torch tensor of target-token log-probs per datum
+        and returns a scalar tensor and a dict of floats. A `forward` gives the log-probs, the loss's gradient
+        with respect to them is taken here (torch on the client), and `forward_backward(..., "logprob_linear")`
+        sends it back: the server's backward of sum_t g_t log p_t is the loss's parameter gradient (taken at the
+        forward's log-probs). Needs target_tokens in every datum; returns the forward's log-probs and the
+        loss's value and metrics."""
+        import torch
+
+        fwd = self.forward(data, "cross_entropy")
+        lps = [torch.tensor(o["logprobs"], dtype=torch.float32, requires_grad=True) for o in fwd.loss_fn_outputs]
+        loss, metrics = loss_fn(data, lps)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise TypeError("forward_backward_custom: loss_fn must return (a scalar tensor, a dict of floats)")
+        grads = torch.autograd.grad(loss, lps, allow_unused=True)
+        linear = []
+        for d, lp, g in zip(data, lps, grads):
+            g = torch.zeros_like(lp) if g is None else g
+            inputs = {k: v for k, v in d.loss_fn_inputs.items() if k in ("target_tokens", "routed_experts")}
+            linear.append(Datum(d.model_input, {**inputs, "logprob_grads": g.tolist()}))
+        fb = self.forward_backward(linear, "logprob_linear")
+        return ForwardBackwardOutput(fwd.loss_fn_outputs, {**{k: float(v) for k, v in dict(metrics).items()},
+                                                           "loss": float(loss.detach())})
+
     def optim_step(self, adam_params: AdamParams) -> OptimStepOutput:
         r = self._post("optim_step", {"adam_params": adam_params.to_json()})
         return OptimStepOutput(r["step"], r["metrics"])
@@ -112,6 +137,11 @@ class TrainingClient:
         """The adapter alone as a safetensors file (k3.lora.LoRAAdapter format)."""
         return self._http.call("GET", f"/sessions/{self.session_id}/weights", self.api_key, raw=True)
 
+    def download_merged_weights(self) -> bytes:
+        """The base model with this adapter merged in, as one safetensors file (a K3ForCausalLM state dict; the
+        model config as JSON in the metadata's "config")."""
+        return self._http.call("GET", f"/sessions/{self.session_id}/merged_weights", self.api_key, raw=True)
+
     def delete(self) -> None:
         self._http.call("DELETE", f"/sessions/{self.session_id}", self.api_key)
 
@@ -128,12 +158,16 @@ class SamplingClient:
     def __init__(self, http: _Http, sampler_id: str, api_key: str) -> None:
         self._http, self.sampler_id, self.api_key = http, sampler_id, api_key
 
-    def sample(self, prompt: ModelInput, num_samples: int = 1, sampling_params: SamplingParams | None = None
-               ) -> SampleResponse:
+    def sample(self, prompt: ModelInput, num_samples: int = 1, sampling_params: SamplingParams | None = None,
+               return_routed_experts: bool = False) -> SampleResponse:
+        """`return_routed_experts`: each sequence also carries its routing (for Router Replay in training)."""
         body = {"prompt": prompt.to_ints(), "num_samples": num_samples,
                 "sampling_params": (sampling_params or SamplingParams()).to_json()}
+        if return_routed_experts:
+            body["return_routed_experts"] = True
         r = self._http.call("POST", f"/samplers/{self.sampler_id}/sample", self.api_key, body)
-        return SampleResponse([SampledSequence(s["tokens"], s["logprobs"], s["stop_reason"]) for s in r["sequences"]])
+        return SampleResponse([SampledSequence(s["tokens"], s["logprobs"], s["stop_reason"], s.get("routed_experts"))
+                               for s in r["sequences"]])
 
     def compute_logprobs(self, prompt: ModelInput) -> list[float | None]:
         r = self._http.call("POST", f"/samplers/{self.sampler_id}/logprobs", self.api_key,

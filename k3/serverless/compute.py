@@ -44,7 +44,8 @@ class WorkResult:
 def _row_inputs(d: Datum, L: int) -> dict[str, torch.Tensor]:
     n = d.model_input.length
     out = {}
-    for name, default in (("target_tokens", 0), ("weights", 1.0), ("logprobs", 0.0), ("advantages", 0.0)):
+    for name, default in (("target_tokens", 0), ("weights", 1.0), ("logprobs", 0.0), ("advantages", 0.0),
+                          ("logprob_grads", 0.0)):
         v = d.loss_fn_inputs.get(name)
         t = torch.zeros(L, dtype=torch.long if name == "target_tokens" else torch.float32)
         t[:n] = torch.tensor(v, dtype=t.dtype) if v is not None else default
@@ -71,8 +72,10 @@ def run_packed(model: nn.Module, manager: LoRAManager, works: list[Work], *, buc
             slots[i, :n] = manager.slot(works[wi].adapter)
         device = next(model.parameters()).device
         ids, slots = ids.to(device), slots.to(device)
+        routed = _routed(model, [d for _, _, d, _ in group], L)
         with torch.set_grad_enabled(backward), manager.use(slots):
-            logits = model(ids, use_cache=False).logits.float()
+            logits = model(ids, use_cache=False,
+                           routed_experts=None if routed is None else routed.to(device)).logits.float()
             tgt = torch.stack([p["target_tokens"] for p in per]).to(device)
             lp = logits.gather(-1, tgt[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
             total = None
@@ -80,7 +83,7 @@ def run_packed(model: nn.Module, manager: LoRAManager, works: list[Work], *, buc
                 idx = [i for i, g in enumerate(group) if g[0] == wi]
                 sel = torch.tensor(idx, device=device)
                 inputs = {k: torch.stack([per[i][k] for i in idx]).to(device)
-                          for k in ("weights", "logprobs", "advantages")}
+                          for k in ("weights", "logprobs", "advantages", "logprob_grads")}
                 loss, m = session_loss(works[wi].loss_fn, lp.index_select(0, sel), inputs, works[wi].loss_config)
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"adapter {works[wi].adapter}: loss is {float(loss)}")
@@ -93,6 +96,21 @@ def run_packed(model: nn.Module, manager: LoRAManager, works: list[Work], *, buc
         for i, (wi, di, d, _) in enumerate(group):
             logprobs[wi][di] = lpd[i, : d.model_input.length].tolist()
     return [WorkResult(lps, m) for lps, m in zip(logprobs, metrics)]
+
+
+def _routed(model: nn.Module, data: list[Datum], L: int) -> torch.Tensor | None:
+    """Router Replay for one bucket: [B, L, n_moe, k] expert ids from the data's `routed_experts` (-1 = route
+    freely: rows without it, padding); None when no datum carries any (the routing is then the router's own,
+    and -1 everywhere would give the same bits)."""
+    if not any("routed_experts" in d.loss_fn_inputs for d in data):
+        return None
+    cfg = model.config
+    out = torch.full((len(data), L, len(cfg.moe_layer_ids), cfg.num_experts_per_token), -1, dtype=torch.long)
+    for i, d in enumerate(data):
+        r = d.loss_fn_inputs.get("routed_experts")
+        if r is not None:
+            out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return out
 
 
 @torch.no_grad()

@@ -16,6 +16,7 @@ class ServeConfig:
     port: int = 8000
     base_model: str = "k3-tiny"      # the name clients pass as create_lora_training_client(base_model=...)
     preset: str = "tiny"             # K3Config preset of a randomly initialised base (when base_dir is empty)
+    device: str = "auto"             # auto (cuda when available), cpu or cuda
     model_seed: int = 0
     base_dir: str = ""               # a saved K3ForCausalLM (e.g. the main job's SFT base) instead of the preset
     data_dir: str = "runs/serve"     # SQLite + safetensors
@@ -31,6 +32,8 @@ class ServeConfig:
     max_batch_rows: int = 64         # rows in one packed forward/backward (bounds the autograd memory)
     offload_after: int = 4           # scheduler rounds without a session's request before its optimizer state moves to host
     max_skips: int = 2               # rounds a waiting session may be passed over for locality before it goes first
+    batch_wait_ms: int = 0           # a batched round waits up to this long for more sessions' requests of its kind
+    keep_samplers: int = 8           # sampler snapshots kept per session (older ones and their files are removed)
     create_key_sha256: str = ""      # if set, creating a session needs the key whose SHA-256 this is
     # the engine's prefix cache spills KV pages and KDA states to a host tier as large as the device one
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(chunk_size=32, checkpoint_interval=64,
@@ -54,7 +57,7 @@ class ServeConfig:
             want = int if f.type in ("int", int) else str
             if isinstance(v, bool) or not isinstance(v, want):
                 raise ValueError(f"{f.name}: expected {want.__name__}, got {type(v).__name__} ({v!r})")
-            if want is int and f.name not in ("model_seed",) and v < 1:
+            if want is int and f.name not in ("model_seed", "batch_wait_ms") and v < 1:
                 raise ValueError(f"{f.name}: must be >= 1, got {v}")
         if not 1 <= self.port <= 65535:
             raise ValueError(f"port: must be in [1, 65535], got {self.port}")
@@ -62,6 +65,10 @@ class ServeConfig:
             raise ValueError(f"max_rank: at most 128 is supported, got {self.max_rank}")
         if self.model_seed < 0:
             raise ValueError(f"model_seed: must be >= 0, got {self.model_seed}")
+        if not 0 <= self.batch_wait_ms <= 1000:
+            raise ValueError(f"batch_wait_ms: must be in [0, 1000], got {self.batch_wait_ms}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device: expected 'auto', 'cpu' or 'cuda', got {self.device!r}")
 
     @classmethod
     def from_toml(cls, path: str | Path | None, **overrides) -> "ServeConfig":

@@ -7,7 +7,11 @@ fairness: sessions whose optimizer state is resident go before offloaded ones, b
 `max_skips` times goes first; among equals the session that has been served the fewest rows goes first (a deficit
 order, which keeps Jain's fairness index near 1 under equal demand). Sessions not scheduled for `offload_after`
 rounds have their optimizer state offloaded to host memory; a queued request for an offloaded session starts its
-asynchronous staging back at once, so the copy overlaps the rounds before it runs."""
+asynchronous staging back at once, so the copy overlaps the rounds before it runs.
+
+With `batch_wait_s` > 0 a batched round whose oldest request is younger than that waits for more sessions' requests
+of its kind, but only while some other session has been served recently (`RECENT_S`): sessions in a closed loop of
+calls (sample turn, answer, next turn) then meet in one round instead of taking turns; a lone session never waits."""
 from __future__ import annotations
 
 import itertools
@@ -19,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 BATCHED = ("forward_backward", "forward", "sample", "logprobs")
+RECENT_S = 0.25   # a session served this recently is expected to send its next request soon (batch_wait_s)
 
 
 @dataclass
@@ -34,11 +39,12 @@ class Request:
 
 class Scheduler:
     def __init__(self, execute: Callable[[str, list[Request]], None], *, max_batch_rows: int, offload_after: int,
-                 max_skips: int, is_resident: Callable[[str], bool] = lambda s: True,
+                 max_skips: int, batch_wait_s: float = 0.0, is_resident: Callable[[str], bool] = lambda s: True,
                  stage: Callable[[str], None] = lambda s: None, offload: Callable[[str], None] = lambda s: None
                  ) -> None:
         self.execute, self.max_rows = execute, max_batch_rows
-        self.offload_after, self.max_skips = offload_after, max_skips
+        self.offload_after, self.max_skips, self.batch_wait_s = offload_after, max_skips, batch_wait_s
+        self.last_done: dict[str, float] = {}
         self.is_resident, self.stage, self.offload = is_resident, stage, offload
         self.queues: dict[str, deque[Request]] = {}
         self.served_rows: dict[str, int] = {}
@@ -65,7 +71,7 @@ class Scheduler:
 
     def forget(self, session: str) -> None:
         with self._cv:
-            for d in (self.served_rows, self.skips, self.last_round):
+            for d in (self.served_rows, self.skips, self.last_round, self.last_done):
                 d.pop(session, None)
 
     def close(self) -> None:
@@ -103,6 +109,22 @@ class Scheduler:
             self.last_round[r.session] = self.round
         return kind, chosen
 
+    def _gather(self) -> None:
+        """Wait (lock held, releasing it while waiting) for more requests of the next round's kind; see module doc."""
+        while not self._stop:
+            heads = [q[0] for q in self.queues.values() if q]
+            oldest = min(heads, key=lambda r: r.seq)
+            if oldest.kind not in BATCHED:
+                return
+            have = {r.session for r in heads if r.kind == oldest.kind}
+            now = time.perf_counter()
+            if not any(s not in have and now - t < RECENT_S for s, t in self.last_done.items()):
+                return
+            left = oldest.submitted + self.batch_wait_s - now
+            if left <= 0:
+                return
+            self._cv.wait(left)
+
     def _loop(self) -> None:
         while True:
             with self._cv:
@@ -112,6 +134,8 @@ class Scheduler:
                     pending = [r for q in self.queues.values() for r in q]
                     self.queues.clear()
                     break
+                if self.batch_wait_s > 0:
+                    self._gather()
                 kind, batch = self.pick()
                 self.round += 1
                 idle = [s for s, r in self.last_round.items()
@@ -126,6 +150,10 @@ class Scheduler:
             for r in batch:
                 if not r.future.done():
                     r.future.set_exception(RuntimeError(f"{kind}: no result was produced"))
+            done = time.perf_counter()
+            with self._cv:
+                for r in batch:
+                    self.last_done[r.session] = done
             for s in idle:
                 if self.is_resident(s):
                     self.offload(s)

@@ -15,7 +15,7 @@ from safetensors.torch import save
 from k3.serverless.config import ServeConfig
 from k3.serverless.losses import LossConfig
 from k3.serverless.service import Service, validate_name
-from k3.serverless.types import AdamParams, ServiceError
+from k3.serverless.types import LOSS_FNS, AdamParams, ServiceError
 
 API = "/v1"
 
@@ -55,7 +55,7 @@ def build_app(service: Service) -> FastAPI:
         return {"base_model": c.base_model, "max_rank": c.max_rank, "max_data": c.max_data,
                 "max_seq_len": c.max_seq_len, "max_num_samples": c.max_num_samples,
                 "max_sample_tokens": c.max_sample_tokens, "vocab_size": service.vocab,
-                "loss_fns": ["cross_entropy", "importance_sampling", "ppo", "gspo"]}
+                "loss_fns": list(LOSS_FNS)}
 
     @app.get(f"{API}/stats")
     async def stats():
@@ -141,13 +141,20 @@ def build_app(service: Service) -> FastAPI:
         meta = {"format": "k3-lora", "version": "1", "config": json.dumps(s.config.to_dict())}
         return Response(save(tensors, metadata=meta), media_type="application/octet-stream")
 
+    @app.get(f"{API}/sessions/{{sid}}/merged_weights")
+    async def merged_weights(sid: str, request: Request):
+        s = service.authorize(sid, _key(request))
+        tensors, meta = await _threaded(lambda: service.merged_weights(s))
+        return Response(save(tensors, metadata=meta), media_type="application/octet-stream")
+
     @app.post(f"{API}/samplers/{{sampler_id}}/sample")
     async def sample(sampler_id: str, request: Request):
         owner = service.authorize_sampler(sampler_id, _key(request))
         body = await _body(request)
-        _known(body, {"prompt", "num_samples", "sampling_params"})
+        _known(body, {"prompt", "num_samples", "sampling_params", "return_routed_experts"})
         return await _threaded(lambda: service.sample(sampler_id, owner, body.get("prompt"),
-                                                      body.get("num_samples", 1), body.get("sampling_params", {})))
+                                                      body.get("num_samples", 1), body.get("sampling_params", {}),
+                                                      body.get("return_routed_experts", False)))
 
     @app.post(f"{API}/samplers/{{sampler_id}}/logprobs")
     async def logprobs(sampler_id: str, request: Request):

@@ -39,7 +39,10 @@ class Service:
     def __init__(self, config: ServeConfig) -> None:
         config.validate()
         self.config = config
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if config.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device: 'cuda' was asked for but torch sees no CUDA device")
+        auto = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(auto if config.device == "auto" else config.device)
         if config.base_dir:
             model = K3ForCausalLM.from_pretrained(config.base_dir)
         else:
@@ -56,12 +59,14 @@ class Service:
         self._sampler_files: dict[str, str] = {}
         self._loaded: OrderedDict[str, None] = OrderedDict()   # samplers held by the manager, LRU order
         self._loading: dict[str, Future] = {}
+        self._retired: set[str] = set()          # sampler ids removed by the retention rule since this start
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-adapter-load")
         self._lock = threading.Lock()
         self.stats = {"trained_rows": 0, "trained_tokens": 0, "sampled_tokens": 0}
         self._restore()
         self.scheduler = Scheduler(self._execute, max_batch_rows=config.max_batch_rows,
                                    offload_after=config.offload_after, max_skips=config.max_skips,
+                                   batch_wait_s=config.batch_wait_ms / 1000,
                                    is_resident=lambda s: s not in self.sessions or self.sessions[s].resident,
                                    stage=lambda s: s in self.sessions and self.sessions[s].stage(),
                                    offload=lambda s: s in self.sessions and self.sessions[s].offload())
@@ -88,6 +93,12 @@ class Service:
             if sid in self.sessions:   # loaded on first use (hot-load)
                 self.samplers[sampler_id] = sid
                 self._sampler_files[sampler_id] = file
+        for sid in self.sessions:      # the rule as configured now (it may be stricter than at the last start)
+            self._retain(sid)
+        referenced = {Path(f).name for f in self._sampler_files.values()}
+        for f in (self.store.root / "samplers").glob("*.safetensors*"):
+            if f.name not in referenced:   # left by a crash between a row's removal and its file's
+                f.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ auth and checks
     def authorize(self, sid: str, key: str | None) -> Session:
@@ -100,6 +111,9 @@ class Service:
 
     def authorize_sampler(self, sampler_id: str, key: str | None) -> Session:
         sid = self.samplers.get(sampler_id)
+        if sid is None and sampler_id in self._retired:
+            raise ServiceError(410, f"sampler_id: {sampler_id!r} was removed by the retention rule (the newest "
+                                    f"{self.config.keep_samplers} snapshots of a session are kept)")
         if sid is None:
             raise ServiceError(404, f"sampler_id: no sampler {sampler_id!r}")
         return self.authorize(sid, key)
@@ -140,8 +154,25 @@ class Service:
             w = dat.loss_fn_inputs.get("weights")
             if w is not None and any(x < 0 for x in w):
                 raise ServiceError(400, f"data[{i}].loss_fn_inputs.weights: must be >= 0")
+            if "routed_experts" in dat.loss_fn_inputs:
+                self._check_routing(dat.loss_fn_inputs["routed_experts"], f"data[{i}].loss_fn_inputs.routed_experts")
             out.append(dat)
         return out
+
+    def _check_routing(self, routed: list, where: str) -> None:
+        """Recorded expert ids [T][n_moe][k] against the model (k3.rl.router_replay.check_routed_experts)."""
+        from k3.rl.router_replay import check_routed_experts
+
+        cfg = self.model.config
+        n_moe, k = len(cfg.moe_layer_ids), cfg.num_experts_per_token
+        if not n_moe:
+            raise ServiceError(400, f"{where}: the served model has no MoE layers to replay")
+        if any(len(x) != n_moe or any(len(layer) != k for layer in x) for x in routed):
+            raise ServiceError(400, f"{where}: expected per position {n_moe} MoE layers x {k} expert ids")
+        try:
+            check_routed_experts(torch.tensor(routed, dtype=torch.long)[None], 1, len(routed), cfg, name=where)
+        except ValueError as e:
+            raise ServiceError(400, str(e)) from None
 
     @staticmethod
     def _wait(fut: Future):
@@ -208,8 +239,15 @@ class Service:
     def adapter_bytes(self, s: Session) -> dict[str, torch.Tensor]:
         return self._wait(self.scheduler.submit("read_weights", s.id, None))
 
+    def merged_weights(self, s: Session) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """The base weights with the session's adapter folded in (W + (alpha/r) B A, k3.lora's merge), as a
+        K3ForCausalLM state dict, and metadata (the model config, the step): a checkpoint that serves without
+        LoRA."""
+        return self._wait(self.scheduler.submit("merged_weights", s.id, None))
+
     # ------------------------------------------------------------------ sampling
-    def sample(self, sampler_id: str, owner: Session, prompt: list[int], num_samples: int, params: dict) -> dict:
+    def sample(self, sampler_id: str, owner: Session, prompt: list[int], num_samples: int, params: dict,
+               return_routed_experts: bool = False) -> dict:
         c = self.config
         self._check_tokens(prompt, "prompt")
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or not 1 <= num_samples <= c.max_num_samples:
@@ -237,7 +275,10 @@ class Service:
         if len(prompt) + mt > self.model.config.max_position_embeddings:
             raise ServiceError(413, "sampling_params.max_tokens: prompt + max_tokens exceed the model's positions")
         self._prefetch(sampler_id)
-        return self._wait(self.scheduler.submit("sample", owner.id, (prompt, sp), rows=num_samples))
+        if not isinstance(return_routed_experts, bool):
+            raise ServiceError(400, f"return_routed_experts: expected true or false, got {return_routed_experts!r}")
+        return self._wait(self.scheduler.submit("sample", owner.id, (prompt, sp, return_routed_experts),
+                                                rows=num_samples))
 
     def compute_logprobs(self, sampler_id: str, owner: Session, prompt: list[int]) -> list[float | None]:
         self._check_tokens(prompt, "prompt")
@@ -256,6 +297,9 @@ class Service:
             if kind in ("forward_backward", "forward"):
                 self._run_training(batch, backward=kind == "forward_backward")
             elif kind in ("sample", "logprobs"):
+                batch = self._drop_retired(batch, kind)
+                if not batch:
+                    return
                 self._ensure_loaded([r.payload[1].adapter_id if kind == "sample" else r.payload[0] for r in batch])
                 if kind == "sample":
                     self._run_sample(batch)
@@ -317,17 +361,24 @@ class Service:
             seqs = comps[i:i + sp.n]
             i += sp.n
             self.stats["sampled_tokens"] += sum(len(c.token_ids) for c in seqs)
-            r.future.set_result({"sequences": [{"tokens": list(c.token_ids), "logprobs": list(c.logprobs),
-                                                "stop_reason": c.finish_reason} for c in seqs]})
+            out = [{"tokens": list(c.token_ids), "logprobs": list(c.logprobs), "stop_reason": c.finish_reason}
+                   for c in seqs]
+            if r.payload[2]:
+                for o, c in zip(out, seqs):
+                    o["routed_experts"] = c.routed_experts.tolist()
+            r.future.set_result({"sequences": out})
 
     def _do_register(self, s: Session, _payload) -> dict:
         self.manager.add(s.id, s.adapter)
         return {"session_id": s.id}
 
     def _do_delete(self, s: Session, _payload) -> dict:
+        files = [f for k, f in self._sampler_files.items() if self.samplers.get(k) == s.id]
         self._unload_samplers_of(s.id)
         self.manager.remove(s.id)
         self.store.delete_session(s.id)
+        for f in files:
+            (self.store.root / f).unlink(missing_ok=True)
         del self.sessions[s.id]
         self.scheduler.forget(s.id)
         return {"deleted": s.id}
@@ -383,9 +434,9 @@ class Service:
     def _prefetch(self, sampler_id: str) -> None:
         """Start reading an unloaded snapshot on the loader thread (called at submit, off the scheduler)."""
         with self._lock:
-            if sampler_id in self._loaded or sampler_id in self._loading:
+            owner = self.samplers.get(sampler_id)
+            if owner is None or sampler_id in self._loaded or sampler_id in self._loading:
                 return
-            owner = self.samplers[sampler_id]
             self._loading[sampler_id] = self._loader.submit(self._build_sampler, sampler_id, owner, None)
 
     def _register(self, sampler_id: str, ad: LoRAAdapter) -> None:
@@ -417,8 +468,36 @@ class Service:
             if sid not in self._loaded:
                 raise ServiceError(503, f"sampler_id: {sid!r} could not be kept loaded")
 
+    def _drop_retired(self, batch: list[Request], kind: str) -> list[Request]:
+        """Requests for snapshots removed (retention) while they waited get 410; the others go on."""
+        keep = []
+        for r in batch:
+            sampler_id = r.payload[1].adapter_id if kind == "sample" else r.payload[0]
+            if sampler_id in self.samplers:
+                keep.append(r)
+            else:
+                r.future.set_exception(ServiceError(410, f"sampler_id: {sampler_id!r} was removed by the "
+                                                         f"retention rule while the request waited"))
+        return keep
+
+    def _retain(self, owner: str) -> None:
+        """Keep the newest `keep_samplers` snapshots of session `owner` (creation order); remove the others:
+        unloaded, their rows deleted (one transaction), then their files."""
+        mine = [k for k, v in self.samplers.items() if v == owner]   # insertion order = creation order
+        old = mine[: max(0, len(mine) - self.config.keep_samplers)]
+        if old:
+            files = [self._sampler_files[k] for k in old]
+            self._unload_samplers(old)
+            self.store.delete_samplers(old)
+            self._retired.update(old)
+            for f in files:
+                (self.store.root / f).unlink(missing_ok=True)
+
     def _unload_samplers_of(self, owner: str) -> None:
-        for sampler_id in [k for k, v in self.samplers.items() if v == owner]:
+        self._unload_samplers([k for k, v in self.samplers.items() if v == owner])
+
+    def _unload_samplers(self, sampler_ids: list[str]) -> None:
+        for sampler_id in sampler_ids:
             if sampler_id in self._loaded:
                 del self._loaded[sampler_id]
                 self.manager.remove(sampler_id)
@@ -440,10 +519,20 @@ class Service:
             self.samplers[sampler_id] = s.id
             self._sampler_files[sampler_id] = str(rel)
             self._register(sampler_id, self._build_sampler(sampler_id, s.id, tensors))
+            self._retain(s.id)
         return {"sampler_id": sampler_id, "step": s.step}
 
     def _do_read_weights(self, s: Session, _payload) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in s.adapter.tensors().items()}
+
+    def _do_merged_weights(self, s: Session, _payload) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        import json
+
+        sd = self.manager.merged_state_dict(s.id)
+        tensors = {k: v.detach().contiguous().cpu().clone() for k, v in sd.items()}
+        meta = {"format": "k3-merged", "config": json.dumps(self.model.config.to_dict()),
+                "base_model": self.config.base_model, "session_id": s.id, "step": str(s.step)}
+        return tensors, meta
 
 
 def validate_name(name, where: str = "name") -> str:

@@ -4,7 +4,8 @@ A session's training state (adapter + AdamW moments and step count) is one safet
 `sessions/<id>/step-<n>.safetensors`, written to a temporary name, fsynced and renamed; only then does the
 SQLite row move to the new step (one transaction). A crash at any point leaves the row on a complete file: the
 step happened durably, or not at all. Named checkpoints (`save_state`) and sampler snapshots are files the same
-way. API keys are stored as SHA-256 digests (the keys are 256 random bits; no slow hash is needed)."""
+way; sampler files beyond a session's newest `keep_samplers` are removed (row first, then the file: a crash between
+leaves an unreferenced file, which the next start deletes). API keys are stored as SHA-256 digests (the keys are 256 random bits; no slow hash is needed)."""
 from __future__ import annotations
 
 import hashlib
@@ -128,6 +129,9 @@ class Store:
 
     def add_sampler(self, sampler_id: str, sid: str, name: str, step: int, file: str) -> None:
         self._tx([("INSERT OR REPLACE INTO samplers VALUES (?, ?, ?, ?, ?)", (sampler_id, sid, name, step, file))])
+
+    def delete_samplers(self, sampler_ids: list[str]) -> None:
+        self._tx([("DELETE FROM samplers WHERE id = ?", (i,)) for i in sampler_ids])
 
     def samplers(self) -> list[tuple[str, str, str, int, str]]:
         with self._lock:

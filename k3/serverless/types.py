@@ -12,16 +12,20 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-LOSS_FNS: tuple[str, ...] = ("cross_entropy", "importance_sampling", "ppo", "gspo")
-# the loss_fn_inputs each loss reads (weights is optional everywhere)
+LOSS_FNS: tuple[str, ...] = ("cross_entropy", "importance_sampling", "ppo", "gspo", "cispo", "logprob_linear")
+# the loss_fn_inputs each loss reads (weights and routed_experts are optional everywhere)
 LOSS_INPUTS: dict[str, tuple[str, ...]] = {
     "cross_entropy": ("target_tokens",),
     "importance_sampling": ("target_tokens", "logprobs", "advantages"),
     "ppo": ("target_tokens", "logprobs", "advantages"),
     "gspo": ("target_tokens", "logprobs", "advantages"),
+    "cispo": ("target_tokens", "logprobs", "advantages"),
+    "logprob_linear": ("target_tokens", "logprob_grads"),   # forward_backward_custom's second half
 }
-FLOAT_INPUTS = ("logprobs", "advantages", "weights")
-INPUT_NAMES = ("target_tokens",) + FLOAT_INPUTS
+FLOAT_INPUTS = ("logprobs", "advantages", "weights", "logprob_grads")
+# routed_experts: per model_input position, the expert ids [n_moe_layers][top_k] the sampler routed that position
+# to (Router Replay: forward_backward routes through them); a position's ids in a layer all -1 = route freely
+INPUT_NAMES = ("target_tokens",) + FLOAT_INPUTS + ("routed_experts",)
 
 
 class ServiceError(RuntimeError):
@@ -56,7 +60,8 @@ class Datum:
 
     def to_json(self) -> dict:
         return {"model_input": list(self.model_input.tokens),
-                "loss_fn_inputs": {k: [float(x) if k in FLOAT_INPUTS else int(x) for x in v]
+                "loss_fn_inputs": {k: [[[int(e) for e in layer] for layer in x] for x in v] if k == "routed_experts"
+                                   else [float(x) if k in FLOAT_INPUTS else int(x) for x in v]
                                    for k, v in self.loss_fn_inputs.items()}}
 
 
@@ -101,9 +106,12 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class SampledSequence:
+    """`routed_experts[i]` ([n_moe_layers][top_k], when asked for) is the routing of the position whose logits
+    produced tokens[i] (the last prompt position for i = 0): what Router Replay feeds back."""
     tokens: list[int]
     logprobs: list[float]
     stop_reason: str
+    routed_experts: list | None = None
 
 
 @dataclass(frozen=True)
@@ -150,6 +158,10 @@ def datum_from_json(d: Any, where: str) -> Datum:
         if k == "target_tokens":
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
                 raise ValueError(f"{w}: expected integer token ids")
+        elif k == "routed_experts":
+            if not all(isinstance(x, list) and all(isinstance(layer, list) and all(
+                    isinstance(e, int) and not isinstance(e, bool) for e in layer) for layer in x) for x in v):
+                raise ValueError(f"{w}: expected per position a list of layers, each a list of integer expert ids")
         elif not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v):
             raise ValueError(f"{w}: expected finite numbers")
         out[k] = list(v)

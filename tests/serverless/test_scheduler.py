@@ -78,3 +78,21 @@ def test_idle_sessions_are_offloaded():
         s.submit("forward", "busy", i).result(timeout=10)
     s.close()
     assert "idle" in offloaded and "busy" not in offloaded
+
+
+def test_batch_wait_gathers_sessions_in_a_closed_loop_and_a_lone_session_never_waits():
+    """Two sessions alternating sample calls meet in one round when batch_wait is set; one session alone is not
+    delayed (its rounds start at once)."""
+    rec = Recorder()
+    s = Scheduler(rec, max_batch_rows=100, offload_after=1000, max_skips=2, batch_wait_s=0.2)
+    t0 = time.perf_counter()
+    for i in range(3):
+        s.submit("sample", "solo", i).result(timeout=10)
+    assert time.perf_counter() - t0 < 0.15          # no other session active: no waiting
+    s.submit("sample", "a", 0).result(timeout=10)   # 'a' and 'solo' are now recent
+    fa = s.submit("sample", "a", 1)
+    time.sleep(0.05)
+    fb = s.submit("sample", "solo", 9)
+    assert fa.result(timeout=10) == 1 and fb.result(timeout=10) == 9
+    s.close()
+    assert rec.rounds[-1][0] == "sample" and sorted(x[0] for x in rec.rounds[-1][1]) == ["a", "solo"]
