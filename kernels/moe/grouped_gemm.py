@@ -66,9 +66,10 @@ def _tile(pid, tiles_ptr, n_tiles_m, n_tiles_n, GROUP_M: tl.constexpr):
 @triton.jit
 def _gate_up_kernel(x_ptr, xs_ptr, w1_ptr, w3_ptr, ws1_ptr, ws3_ptr, gu_ptr, h_ptr, hq_ptr, hs_ptr, tiles_ptr,
                     n_tiles_m, I, K, beta, linear_beta,
-                    FP8: tl.constexpr, ACT_BF16: tl.constexpr, SAVE_GU: tl.constexpr, WRITE_H: tl.constexpr, QUANT_H: tl.constexpr,
+                    FP8: tl.constexpr, ACT_BF16: tl.constexpr, SAVE_GU: tl.constexpr, WRITE_H: tl.constexpr,
+                    QUANT_H: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                    QB: tl.constexpr):
+                    QB: tl.constexpr, PREC: tl.constexpr):
     """G = X W1_e^T, U = X W3_e^T (fp32 acc, rounded to the activation dtype), H = SiTU(G) * cap(U)."""
     e, r0, r1, tn = _tile(tl.program_id(0), tiles_ptr, n_tiles_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     if e >= 0:
@@ -98,8 +99,8 @@ def _gate_up_kernel(x_ptr, xs_ptr, w1_ptr, w3_ptr, ws1_ptr, ws3_ptr, gu_ptr, h_p
                 acc_g += tl.dot(a, b1) * sa[:, None] * s1[None, :]
                 acc_u += tl.dot(a, b3) * sa[:, None] * s3[None, :]
             else:
-                acc_g = tl.dot(a, b1, acc_g)
-                acc_u = tl.dot(a, b3, acc_u)
+                acc_g = tl.dot(a, b1, acc_g, input_precision=PREC)
+                acc_u = tl.dot(a, b3, acc_u, input_precision=PREC)
         m = rmask[:, None] & cmask[None, :]
         if ACT_BF16:  # G, U rounded to the activation dtype once (what is saved is what SiTU reads)
             g = acc_g.to(tl.bfloat16)
@@ -129,7 +130,7 @@ def _segment_mm_kernel(a_ptr, as_ptr, b0_ptr, b1_ptr, bs_ptr, c_ptr, gu_ptr, til
                        b_se, b_sn, b_sk, c_stride, beta, linear_beta,
                        TWO_B: tl.constexpr, FP8: tl.constexpr, SITU_BWD: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                       QB: tl.constexpr):
+                       QB: tl.constexpr, PREC: tl.constexpr):
     """C = A B_e^T over the tile's rows; B_e[n, k] at b + e b_se + n b_sn + k b_sk. TWO_B: A has 2 K0 columns,
     the first K0 against b0, the rest against b1. SITU_BWD: C is dH; writes dG, dU into c ([P, 2N]) from the saved
     G, U (gu [P, 2N])."""
@@ -156,14 +157,14 @@ def _segment_mm_kernel(a_ptr, as_ptr, b0_ptr, b1_ptr, bs_ptr, c_ptr, gu_ptr, til
                 sb = tl.load(bs_ptr + (e64 * tl.cdiv(N, QB) + cols // QB) * nkb + kb, mask=cmask, other=0.0)
                 acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
             else:
-                acc = tl.dot(a, b, acc)
+                acc = tl.dot(a, b, acc, input_precision=PREC)
         if TWO_B:
             for k0 in range(0, K0, BLOCK_K):
                 km = (k0 + kk) < K0
                 a = tl.load(a_ptr + r64[:, None] * a_stride + K0 + k0 + kk[None, :],
                             mask=rmask[:, None] & km[None, :], other=0.0)
                 b = tl.load(b1_ptr + b_base + k0 * b_sk, mask=km[:, None] & cmask[None, :], other=0.0)
-                acc = tl.dot(a, b, acc)
+                acc = tl.dot(a, b, acc, input_precision=PREC)
         m = rmask[:, None] & cmask[None, :]
         if SITU_BWD:
             gp = gu_ptr + r64[:, None] * (2 * N) + cols[None, :]
@@ -183,7 +184,7 @@ def _segment_mm_kernel(a_ptr, as_ptr, b0_ptr, b1_ptr, bs_ptr, c_ptr, gu_ptr, til
 
 @triton.jit
 def _wgrad_kernel(d_ptr, x_ptr, out_ptr, offsets_ptr, Nd, Kd, d_stride, x_stride,
-                  BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
     """out[e] = D_e^T X_e over expert e's rows, walked in order by one program per (expert, out tile)."""
     e = tl.program_id(1).to(tl.int64)
     n_tn = tl.cdiv(Nd, BLOCK_N)
@@ -203,12 +204,17 @@ def _wgrad_kernel(d_ptr, x_ptr, out_ptr, offsets_ptr, Nd, Kd, d_stride, x_stride
         p64 = p.to(tl.int64)
         dt = tl.load(d_ptr + p64[None, :] * d_stride + ns[:, None], mask=nm[:, None] & pm[None, :], other=0.0)
         xt = tl.load(x_ptr + p64[:, None] * x_stride + ks[None, :], mask=pm[:, None] & kmask[None, :], other=0.0)
-        acc = tl.dot(dt, xt, acc)
+        acc = tl.dot(dt, xt, acc, input_precision=PREC)
     tl.store(out_ptr + e * Nd * Kd + ns[:, None].to(tl.int64) * Kd + ks[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=nm[:, None] & kmask[None, :])
 
 
 # ------------------------------------------------------------------------------------------------- host wrappers
+def _prec(dtype: torch.dtype) -> str:
+    """fp32 operands multiply in full fp32 (as the torch path does), not TF32; bf16 ones as they are."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def _grid(plan: RoutingPlan, cfg: TileConfig, n: int) -> tuple[torch.Tensor, int, tuple[int]]:
     tiles = plan.tiles(cfg.block_m)
     return tiles, tiles.shape[0], (tiles.shape[0] * cdiv(n, cfg.block_n),)
@@ -247,7 +253,8 @@ def gate_up(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan: RoutingPl
         hs if quant_h else any_out, tiles, n_m, I, K, float(beta), float(linear_beta), FP8=fp8 is not None,
         ACT_BF16=dt == torch.bfloat16,
         SAVE_GU=save_gu, WRITE_H=write_h, QUANT_H=quant_h, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, QB=QUANT_BLOCK, num_warps=cfg.num_warps,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, QB=QUANT_BLOCK, PREC=_prec(dt),
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return gu, h, hq, hs
 
@@ -269,6 +276,7 @@ def down(h: torch.Tensor, w2: torch.Tensor, plan: RoutingPlan, out_dtype: torch.
     _segment_mm_kernel[grid](a, a_s, b, b, b_s, y, y, tiles, n_m, L, I, a.stride(0), L * I, I, 1, L, 0.0, 0.0,
                              TWO_B=False, FP8=fp8 is not None, SITU_BWD=False, BLOCK_M=cfg.block_m,
                              BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, QB=QUANT_BLOCK,
+                             PREC=_prec(out_dtype),
                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
@@ -287,7 +295,7 @@ def down_dgrad_situ(dy: torch.Tensor, w2: torch.Tensor, gu: torch.Tensor, plan: 
     _segment_mm_kernel[grid](dy, dy, w2, w2, w2, dgu, gu, tiles, n_m, I, L, dy.stride(0), L * I, 1, I, 2 * I,
                              float(beta), float(linear_beta), TWO_B=False, FP8=False, SITU_BWD=True,
                              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                             QB=QUANT_BLOCK, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                             QB=QUANT_BLOCK, PREC=_prec(dy.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return dgu
 
 
@@ -304,6 +312,7 @@ def gate_up_dgrad(dgu: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan: R
     _segment_mm_kernel[grid](dgu, dgu, w1, w3, w1, dx, dx, tiles, n_m, L, I, dgu.stride(0), I * L, 1, L, L,
                              0.0, 0.0, TWO_B=True, FP8=False, SITU_BWD=False, BLOCK_M=cfg.block_m,
                              BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, QB=QUANT_BLOCK,
+                             PREC=_prec(dgu.dtype),
                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return dx
 
@@ -319,6 +328,6 @@ def wgrad(d: torch.Tensor, x: torch.Tensor, plan: RoutingPlan, out_dtype: torch.
     cfg = configs(x.device)["wgrad"]
     grid = (cdiv(Nd, cfg.block_n) * cdiv(Kd, cfg.block_k), E)
     _wgrad_kernel[grid](d, x, out, plan.offsets, Nd, Kd, d.stride(0), x.stride(0), BLOCK_R=cfg.block_m,
-                        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+                        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREC=_prec(x.dtype), num_warps=cfg.num_warps,
                         num_stages=cfg.num_stages)
     return out
