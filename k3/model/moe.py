@@ -41,6 +41,9 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, d] -> (expert ids [N, k] int64, weights [N, k] fp32)."""
+        if ops.fused_moe(x) and self.n_group == 1:  # the fused Triton router (same fp32 math, ties to the lowest id)
+            return ops.moe_router(x.float().contiguous(), self.weight.float(), self.e_score_correction_bias.float(),
+                                  self.top_k, self.renormalize, self.scaling, forced)
         scores = torch.sigmoid(ops.linear(x.float(), self.weight.float()))
         if forced is None or bool((forced < 0).any()):
             sel = (scores + self.e_score_correction_bias.float()).detach()
@@ -80,7 +83,12 @@ class RoutedExperts(nn.Module):
         """z [N, L]; idx, w [N, k] -> sum_i w_i E_{idx_i}(z) [N, L].
 
         Each (token, slot) output is written once (no scatter-add), then summed over slots in a fixed order:
-        the result does not depend on the batch composition or on the device's atomics."""
+        the result does not depend on the batch composition or on the device's atomics. With the fused kernels
+        (`ops.fused_moe`) and no `project` override (adapters, expert-parallel shards) the grouped-GEMM kernels
+        compute the same sum (k3_kernels.moe), with the same promises."""
+        if ops.fused_moe(z) and "project" not in vars(self) and getattr(type(self), "project", None) is \
+                RoutedExperts.project:
+            return ops.moe_experts(z, idx, w, self.w1, self.w3, self.w2, self.beta, self.linear_beta)
         N, k = idx.shape
         out = z.new_zeros(N, k, z.shape[-1])
         flat = idx.reshape(-1)

@@ -191,3 +191,29 @@ def multi_lora(x: torch.Tensor, base: torch.Tensor, lora_a: torch.Tensor, lora_b
         from k3_kernels.lora.sgmv import sgmv_lora
         return sgmv_lora(x, base, lora_a, lora_b, slots, scale)
     return naive_multi_lora(x, base, lora_a, lora_b, slots, scale)
+
+
+# Set to True (tests) to run the fused MoE kernels (k3_kernels.moe) on CPU tensors too, in Triton's interpreter.
+MOE_KERNELS_ON_CPU = False
+
+
+def fused_moe(x: torch.Tensor) -> bool:
+    """Whether the latent MoE's router and routed experts on x's device go through `moe_router` / `moe_experts`
+    (k3_kernels.moe: fused router, grouped GEMMs, deterministic and batch-invariant) instead of k3.model.moe's
+    torch code, which stays the CPU path (bit for bit)."""
+    return _on_cuda(x) or MOE_KERNELS_ON_CPU
+
+
+def moe_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool,
+               scaling: float, forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """noaux_tc routing -> (expert ids [N, k] int64, weights [N, k] fp32): the fused Triton router (ties to the
+    lowest id; `forced` rows replayed, rows of -1 routed freely)."""
+    from k3_kernels.moe.router import fused_router
+    return fused_router(x, weight, bias, top_k, renormalize, scaling, forced)
+
+
+def moe_experts(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                w2: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    """sum_j w[t, j] E_{idx[t, j]}(z[t]) on the grouped-GEMM kernels (bf16; forward and backward)."""
+    from k3_kernels.moe.layer import moe_experts as fused_moe_experts
+    return fused_moe_experts(z, idx, w, w1, w3, w2, beta, linear_beta)
