@@ -145,10 +145,10 @@ def measure(model, cfg: K3Config, sc: StepConfig, device: torch.device) -> dict:
     return row
 
 
-def run(sc: StepConfig, out: str | None = None) -> dict:
+def run(sc: StepConfig, out: str | None = None, sets: tuple[str, ...] = ()) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() and not sc.smoke else "cpu")
     cfg = model_config(sc)
-    sets = ["ours", "reference"] if device.type == "cpu" else ["ours", "fla", "reference"]
+    sets = list(sets or (["ours", "reference"] if device.type == "cpu" else ["ours", "fla", "reference"]))
     result = {**run_header("train_step", device=str(device) if device.type == "cpu" else torch.cuda.get_device_name(),
                            packages=("torchtitan", "triton", "fla-core")),
               "settings": sc.__dict__, "model": {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
@@ -166,6 +166,8 @@ def run(sc: StepConfig, out: str | None = None) -> dict:
         if peak is not None:
             row["mfu"] = flops_per_token * row["tokens_per_s"] / peak
         result["rows"][name] = row
+        print(name, {k: v for k, v in row.items() if k != "step_s_all"}, flush=True)
+        write_results(out or "train_step", result)  # after every set: a cut-short run keeps what it measured
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -188,12 +190,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int)
     p.add_argument("--warmup", type=int)
     p.add_argument("--out", help="result path (.json) or name under benchmarks/results/")
+    p.add_argument("--sets", default="", help="kernel sets to run, comma-separated (default: ours,fla,reference)")
     a = p.parse_args(argv)
     smoke = dict(layers=4, seq_len=32, steps=2, warmup=1, dtype="float32") if a.smoke else {}
     given = {k: v for k, v in dict(layers=a.layers, seq_len=a.seq_len, steps=a.steps, warmup=a.warmup).items()
              if v is not None}
     sc = StepConfig(**{**smoke, **given, "experts": a.experts, "batch": a.batch, "smoke": a.smoke})
-    return run(sc, a.out)
+    return run(sc, a.out, tuple(x for x in a.sets.split(",") if x))
 
 
 if __name__ == "__main__":
