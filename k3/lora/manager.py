@@ -385,6 +385,11 @@ def _fused_lowrank(plan: _Plan, name: str, x: torch.Tensor, base: torch.Tensor, 
         pad = rank - a.shape[0]
         a_list.append((torch.nn.functional.pad(a, (0, 0, 0, pad)) if pad else a).to(dtype))
         b_list.append((torch.nn.functional.pad(b, (0, pad)) if pad else b).to(dtype))
-    stack_slots = lut[slots + 1]
+    if slots is plan.slots:   # every projection over the forward's tokens: one mapped tensor (its segments memoised)
+        if ("slots", key) not in plan.stacks:
+            plan.stacks[("slots", key)] = lut[slots + 1]
+        stack_slots = plan.stacks[("slots", key)]
+    else:
+        stack_slots = lut[slots + 1]
     return ops.multi_lora(x.contiguous(), base.contiguous(), torch.stack(a_list), torch.stack(b_list),
                           stack_slots, scale)

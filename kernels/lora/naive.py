@@ -13,7 +13,8 @@ import torch
 
 
 def check_lora_args(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
-                    scale: torch.Tensor) -> None:
+                    scale: torch.Tensor, check_values: bool = True) -> None:
+    """Shapes and dtypes (and, with check_values, the slot range: a device-to-host read)."""
     if x.dim() != 2:
         raise ValueError(f"x: expected [N, in], got {tuple(x.shape)}")
     if a.dim() != 3 or a.shape[2] != x.shape[1]:
@@ -22,7 +23,7 @@ def check_lora_args(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: to
         raise ValueError(f"lora_b: expected [{a.shape[0]}, out, {a.shape[1]}], got {tuple(b.shape)}")
     if slots.dim() != 1 or slots.shape[0] != x.shape[0] or slots.is_floating_point():
         raise ValueError(f"slots: expected an integer [{x.shape[0]}] tensor, got {slots.dtype} {tuple(slots.shape)}")
-    if slots.numel() and (int(slots.min()) < -1 or int(slots.max()) >= a.shape[0]):
+    if check_values and slots.numel() and (int(slots.min()) < -1 or int(slots.max()) >= a.shape[0]):
         raise ValueError(f"slots: entries must be in [-1, {a.shape[0]}), got [{int(slots.min())}, "
                          f"{int(slots.max())}]")
     if scale.shape != (a.shape[0],):

@@ -6,6 +6,8 @@ inner dimension in a fixed order with no atomics: results are deterministic, and
 its own inputs and its adapter. Spec: `naive.py` (tests/kernels/test_lora_sgmv.py, interpreter on CPU)."""
 from __future__ import annotations
 
+import weakref
+
 import torch
 import triton
 import triton.language as tl
@@ -91,6 +93,26 @@ def _expand(h: torch.Tensor, b: torch.Tensor, base: torch.Tensor, seg: torch.Ten
     return y
 
 
+_LAST_SLOTS: list = [None, -1, None]   # weakref to the last slots tensor, its version, its host segments
+
+
+def _segments_of(slots: torch.Tensor, n_adapters: int) -> torch.Tensor:
+    """Host segments of `slots`, checked against the stack size; memoised for the last slots tensor (a forward
+    passes the same one to every projection: one device-to-host copy per forward instead of one per projection).
+    A hit needs the same live tensor object at the same version, so its values cannot have changed."""
+    ref, version, seg = _LAST_SLOTS
+    if ref is not None and ref() is slots and version == slots._version:
+        if seg.shape[0] and int(seg[:, 2].max()) >= n_adapters:
+            raise ValueError(f"slots: entries must be in [-1, {n_adapters}), got up to {int(seg[:, 2].max())}")
+        return seg
+    s = slots.cpu()
+    if s.numel() and (int(s.min()) < -1 or int(s.max()) >= n_adapters):
+        raise ValueError(f"slots: entries must be in [-1, {n_adapters}), got [{int(s.min())}, {int(s.max())}]")
+    seg = segments(s)
+    _LAST_SLOTS[:] = [weakref.ref(slots), slots._version, seg]
+    return seg
+
+
 class _SGMV(torch.autograd.Function):
     """y = base + scale[slot] * (x A[slot]^T) B[slot]^T with gradients for x, base, A and B.
 
@@ -100,11 +122,13 @@ class _SGMV(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, base, a, b, slots, scale):
-        seg = segments(slots).to(x.device)
+        seg_host = _segments_of(slots, a.shape[0])
+        seg = seg_host.to(x.device, non_blocking=True)
+        ctx.seg_host = seg_host
         if seg.shape[0] == 0:
             y, h, max_len = base.contiguous().clone(), None, 0
         else:
-            max_len = int(seg[:, 1].max())
+            max_len = int(seg_host[:, 1].max())
             h = _shrink(x, a, seg, max_len)
             y = _expand(h, b, base, seg, scale, max_len)
         ctx.save_for_backward(x, a, b, slots, scale, h)
@@ -133,12 +157,15 @@ class _SGMV(torch.autograd.Function):
         if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
             da = torch.zeros_like(a) if ctx.needs_input_grad[2] else None
             db = torch.zeros_like(b) if ctx.needs_input_grad[3] else None
-            for s in torch.unique(seg[:, 2]).tolist():
-                pos = (slots == s).nonzero(as_tuple=True)[0]
+            host = ctx.seg_host
+            scales = scale.cpu().tolist()
+            for s in sorted(set(host[:, 2].tolist())):   # each adapter's rows in row order (host-built index)
+                pos = torch.cat([torch.arange(int(st), int(st) + int(n)) for st, n, sl in host.tolist() if sl == s])
+                pos = pos.to(x.device, non_blocking=True)
                 if da is not None:
                     da[s] = (dh[pos].t() @ x[pos].float()).to(a.dtype)
                 if db is not None:
-                    db[s] = (float(scale[s]) * (dy[pos].float().t() @ h[pos])).to(b.dtype)
+                    db[s] = (scales[s] * (dy[pos].float().t() @ h[pos])).to(b.dtype)
         return dx, dy, da, db, None, None
 
 
@@ -147,7 +174,7 @@ def sgmv_lora(x: torch.Tensor, base: torch.Tensor, a: torch.Tensor, b: torch.Ten
     """base + per-token LoRA (see naive.naive_multi_lora): x [N, in], base [N, out], A [S, r, in], B [S, out, r],
     slots [N] (-1 = none), scale [S]; differentiable in x, base, A and B. Tokens of one adapter should be
     contiguous (one segment each); any order is correct."""
-    check_lora_args(x, a, b, slots, scale)
+    check_lora_args(x, a, b, slots, scale, check_values=False)   # the values: _segments_of, on the host copy
     if base.shape != (x.shape[0], b.shape[1]):
         raise ValueError(f"base: expected [{x.shape[0]}, {b.shape[1]}], got {tuple(base.shape)}")
     if x.stride(1) != 1 or base.stride(1) != 1:

@@ -120,3 +120,16 @@ def test_gpu_backward_matches_reference():
     _, g_ref = _grads(naive_multi_lora, x, base, a, b, s, scale, dy)
     for name, got, want in zip(("x", "base", "lora_a", "lora_b"), g, g_ref):
         torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3, msg=name)
+
+
+def test_segment_memo_follows_the_slots_values():
+    """sgmv_lora memoises the host segments of the last slots tensor: an in-place change must not reuse them."""
+    slots = [0] * 4 + [1] * 4
+    x, base, a, b, s, scale = _case(8, 8, 8, 4, 2, slots, seed=6)
+    sgmv_lora(x, base, a, b, s, scale)
+    s[:4] = 1                                             # same object, new version
+    torch.testing.assert_close(sgmv_lora(x, base, a, b, s, scale), naive_multi_lora(x, base, a, b, s, scale),
+                               atol=2e-5, rtol=2e-5)
+    s[0] = 5
+    with pytest.raises(ValueError, match="slots"):
+        sgmv_lora(x, base, a, b, s, scale)
