@@ -42,9 +42,10 @@ def validate_parallelism(model, *, parallel_dims, training, parallelism, compile
             raise ParallelismError(
                 f"parallelism.context_parallel_load_balancer: {parallelism.context_parallel_load_balancer!r}; K3's "
                 "KDA layers pass their recurrent state from shard to shard, so shards must be contiguous: use None")
-        if seq % cp:
-            raise ParallelismError(f"training.seq_len: {seq} is not divisible by "
-                                   f"parallelism.context_parallel_degree {cp}")
+        if seq % (2 * cp):
+            raise ParallelismError(f"training.seq_len: {seq} is not divisible by 2 x "
+                                   f"parallelism.context_parallel_degree {cp} (MLA's load-balanced causal CP cuts "
+                                   "the sequence into 2 x CP chunks)")
         if seq // cp < cfg.conv_kernel_size - 1:
             raise ParallelismError(f"training.seq_len: shards of {seq // cp} tokens are shorter than the short "
                                    f"convolution's history ({cfg.conv_kernel_size - 1}); lower "

@@ -176,6 +176,7 @@ def _dims(**kw):
     (dict(cp=2), dict(context_parallel_load_balancer="headtail"), {}, False,
      "parallelism.context_parallel_load_balancer"),
     (dict(cp=3), {}, dict(seq_len=32), False, "training.seq_len: 32 is not divisible"),
+    (dict(cp=2), {}, dict(seq_len=34), False, "training.seq_len: 34 is not divisible by 2 x"),
     (dict(cp=16), {}, dict(seq_len=32), False, "training.seq_len: shards of 2 tokens"),
     (dict(ep=3), {}, {}, False, "parallelism.expert_parallel_degree: 3 does not divide the model's 8 experts"),
 ])

@@ -16,29 +16,22 @@ from k3.lora import LoRAConfig
 from k3_torchtitan import model_registry
 from k3_torchtitan.lora import export_adapter
 
-from _helpers import StepMetrics, max_diff, parallel_args, run_trainer, seed_args
+from k3_torchtitan.launch import PARITY_SETTINGS, StepMetrics, max_diff, parallel_args, run_trainer
 
 LOSS_TOL, GRAD_NORM_TOL = 1e-4, 1e-3
-PARITY = {  # name: (trainer settings, config, the 1-rank reference's local batch); AC rides along two of them
-    "fsdp2_full_ac": (dict(batch=2, dp_shard=2), "k3_tiny_full_ac_cpu", 4),
-    "ep2_fsdp2": (dict(batch=2, dp_shard=2, ep=2), "k3_tiny_cpu", 4),
-    "cp2_selective_ac": (dict(batch=2, cp=2), "k3_tiny_selective_ac_cpu", 2),
-    "cp2_ep2": (dict(batch=2, cp=2, ep=2), "k3_tiny_cpu", 2),
-}
+PARITY = {s.name: s for s in PARITY_SETTINGS}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("titan")
-    run_trainer(root / "seed", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint")
-    seed = seed_args(root / "seed")
+def runs(titan_root, seed):
+    root = titan_root / "trainer"
     out = {"root": root, "seed": seed}
     out["one_rank_b2"] = run_trainer(root / "one_b2", *seed, *parallel_args(batch=2, steps=5))
     out["one_rank_b4"] = run_trainer(root / "one_b4", *seed, *parallel_args(batch=4))
     # the FSDP run also writes a sharded DCP checkpoint after step 2 (the resume test starts a new job from it)
-    settings, config, _ = PARITY["fsdp2_full_ac"]
+    fsdp = PARITY["fsdp2_full_ac"]
     out["fsdp2_full_ac"] = run_trainer(root / "fsdp2_full_ac", *seed[:-1], "--checkpoint.interval", "2",
-                                       *parallel_args(**settings), nproc=2, config=config)
+                                       *fsdp.args(), nproc=2, config=fsdp.config)
     return out
 
 
@@ -52,12 +45,12 @@ def test_one_rank_five_steps_loss_falls(runs):
 
 @pytest.mark.parametrize("name", sorted(PARITY))
 def test_parallel_run_matches_one_rank(runs, name):
-    settings, config, reference_batch = PARITY[name]
-    got = runs.get(name) or run_trainer(runs["root"] / name, *runs["seed"], *parallel_args(**settings), nproc=2,
-                                        config=config)
+    setting = PARITY[name]
+    got = runs.get(name) or run_trainer(runs["root"] / name, *runs["seed"], *setting.args(), nproc=2,
+                                        config=setting.config)
     if "_ac" in name:
         assert "activation checkpointing on 8 decoder layers" in (runs["root"] / name / "run.log").read_text()
-    ref = runs["one_rank_b4" if reference_batch == 4 else "one_rank_b2"][:3]
+    ref = runs["one_rank_b4" if setting.reference_batch == 4 else "one_rank_b2"][:3]
     loss_diff, grad_diff = max_diff(got, ref)
     (runs["root"] / f"{name}.json").write_text(json.dumps({"ours": [s.__dict__ for s in got],
                                                            "one_rank": [s.__dict__ for s in ref]}))
@@ -67,11 +60,11 @@ def test_parallel_run_matches_one_rank(runs, name):
 def test_dcp_save_and_resume_gives_the_same_next_loss(runs):
     """FSDP = 2 with full AC: the sharded DCP checkpoint (model, optimizer, lr schedule, dataloader) the parity run
     wrote after step 2 starts a new job, whose step 3 equals the uninterrupted run's step 3."""
-    settings, config, _ = PARITY["fsdp2_full_ac"]
+    fsdp = PARITY["fsdp2_full_ac"]
     folder = runs["root"] / "dcp"
     shutil.copytree(runs["root"] / "fsdp2_full_ac" / "checkpoint" / "step-2", folder / "checkpoint" / "step-2")
-    resumed = run_trainer(folder, "--checkpoint.enable", "--checkpoint.load_only", *parallel_args(**settings),
-                          nproc=2, config=config)
+    resumed = run_trainer(folder, "--checkpoint.enable", "--checkpoint.load_only", *fsdp.args(), nproc=2,
+                          config=fsdp.config)
     assert [s.step for s in resumed] == [3]
     uninterrupted = runs["fsdp2_full_ac"][2]
     assert abs(resumed[0].loss - uninterrupted.loss) <= LOSS_TOL and abs(
