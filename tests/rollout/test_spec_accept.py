@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from k3.rollout import Engine, SamplingParams
-from k3.rollout.spec.accept import accept_greedy, accept_sampled, sampling_logprobs
+from k3.rollout.spec.accept import accept_at_node, accept_greedy, accept_sampled, sampling_logprobs
+from k3.rollout.spec.tree import build_tree
 
 from _engine_helpers import SMALL, rand_tokens
 
@@ -60,6 +61,50 @@ def test_sampled_drafts_with_a_proposal_keep_the_target_distribution():
     assert _max_z(first, p[0]) < 4.5, first
 
 
+@pytest.mark.parametrize("children", [[0, 1], [1, 0, 5], [4, 3, 2], [2]])   # likely first, top-k-truncated 4
+def test_recursive_rejection_over_siblings_keeps_the_target_distribution(children):
+    """Token trees: the walk tries the siblings in order, each against the residual of the ones rejected; the
+    emitted token is distributed as p, and a child the target cannot sample (top-k) is never taken."""
+    logits, params, p = _target()
+    counts = torch.zeros(V)
+    took = torch.zeros(len(children) + 1)
+    for seed in range(N):
+        em, i = accept_at_node(logits[0], children, params, torch.Generator().manual_seed(seed), match=False)
+        counts[em.token] += 1
+        took[len(children) if i is None else i] += 1
+        assert (i is None) == (em.token not in children) and (i is None or children[i] == em.token)
+    assert _max_z(counts, p[0]) < 4.5, counts
+    if 4 in children:
+        assert took[children.index(4)] == 0
+    # one child: accept_sampled's rule, draw for draw
+    for seed in range(50):
+        a = accept_at_node(logits[0], children[:1], params, torch.Generator().manual_seed(seed), match=False)[0]
+        b = accept_sampled(logits[:1], children[:1], None, params, torch.Generator().manual_seed(seed))[0]
+        assert (a.token, a.logprob, a.sampling_logprob) == (b.token, b.logprob, b.sampling_logprob)
+
+
+def test_greedy_and_match_walk_into_the_child_carrying_the_token():
+    logits, params, _ = _target()
+    greedy = SamplingParams(temperature=0.0)
+    assert accept_at_node(logits[0], [3, 0], greedy, None, match=False)[1] == 1   # argmax 0: the second child
+    assert accept_at_node(logits[0], [3, 2], greedy, None, match=False)[1] is None
+    from k3.rollout.sampler import sample
+    for seed in range(20):
+        tok = sample(logits[0], params, torch.Generator().manual_seed(seed))[0]
+        e, i = accept_at_node(logits[0], [5, tok], params, torch.Generator().manual_seed(seed), match=True)
+        assert e.token == tok and i == (0 if tok == 5 else 1)
+
+
+def test_build_tree_merges_paths_within_the_shape():
+    t = build_tree([[1, 2, 3], [1, 4], [5, 6, 7, 8], [9]], branching=2, depth=3, max_nodes=14)
+    assert t.tokens == (1, 2, 3, 4, 5, 6, 7) and t.parents == (-1, 0, 1, 0, -1, 4, 5)   # [9]: a third root child
+    assert t.fits(2, 3) and not t.fits(1, 3) and t.depth == 3
+    mask = t.ancestor_mask()   # position 0 is the pending token, position i + 1 node i
+    assert mask[3].tolist() == [True, True, True, True, False, False, False, False]
+    assert mask[5].tolist() == [True, False, False, False, False, True, False, False]
+    assert len(build_tree([[1, 2, 3], [1, 4], [5, 6, 7, 8]], 2, 3, max_nodes=4)) == 4
+
+
 def test_greedy_keeps_the_matching_prefix_and_the_targets_logprobs():
     logits, params, _ = _target()
     greedy = SamplingParams(temperature=0.0)
@@ -71,10 +116,11 @@ def test_greedy_keeps_the_matching_prefix_and_the_targets_logprobs():
 
 
 class _Argmax:
-    """Drafts plain greedy decoding's continuation (high-probability tokens at a low temperature)."""
+    """Drafts plain greedy decoding's continuation (high-probability tokens at a low temperature); trees put a
+    decoy sibling before it at every depth."""
 
-    def __init__(self, refs):
-        self.refs = refs
+    def __init__(self, refs, vocab=512):
+        self.refs, self.vocab = refs, vocab
 
     def propose(self, context, k):
         for ref in self.refs:
@@ -82,17 +128,26 @@ class _Argmax:
                 return list(ref[len(context):len(context) + k])
         return []
 
+    def propose_tree(self, context, branching, depth, max_nodes):
+        ref = self.propose(context, depth)
+        paths = []
+        for d in range(len(ref)):
+            paths += [ref[:d] + [(ref[d] + 1) % self.vocab], ref]
+        return build_tree(paths, branching, depth, max_nodes)
 
-def test_engine_token_frequencies_match_plain_decoding(model):
+
+@pytest.mark.parametrize("spec", ["ngram:3", "ngram:2x2"])
+def test_engine_token_frequencies_match_plain_decoding(model, spec):
     """Many seeds, sampled at temperature 0.05: the frequencies of the 2nd and 3rd tokens (positions where drafts
-    are accepted and rejected) agree between plain decoding and spec decoding (two-sample chi-square)."""
+    are accepted and rejected) agree between plain decoding and spec decoding (two-sample chi-square); chains and
+    token trees (recursive rejection over the siblings)."""
     prompt = rand_tokens(12, 41) * 2
     greedy = Engine(model, prefix_cache=False, **SMALL).generate([prompt], SamplingParams(temperature=0.0,
                                                                                          max_tokens=4))
     refs = [prompt + greedy[0].token_ids]
     cfg = dict(SMALL, decode_batch=8, max_running=32, device_states=160)
     runs = {}
-    for spec in (None, "ngram:3"):
+    for spec in (None, spec):
         eng = Engine(model, prefix_cache=True, speculative=spec, **cfg)
         if spec:
             eng.spec.drafter = _Argmax(refs)
@@ -104,7 +159,7 @@ def test_engine_token_frequencies_match_plain_decoding(model):
             assert eng.stats["spec_draft_tokens"] > eng.stats["spec_accepted_tokens"]
     for pos in (1, 2):
         a = [t[pos] for t in runs[None]]
-        b = [t[pos] for t in runs["ngram:3"]]
+        b = [t[pos] for t in runs[spec]]
         cats = sorted(set(a) | set(b))
         chi2 = 0.0
         for c in cats:

@@ -7,6 +7,7 @@ import torch
 from k3.rollout import Engine, SamplingParams
 from k3.rollout.spec import SpecConfig
 from k3.rollout.spec.drafter import load_drafter, save_drafter
+from k3.rollout.spec.ngram import NgramDrafter
 from k3.rollout.spec.train_drafter import DrafterTrainConfig, target_features, train_head
 
 from _engine_helpers import SMALL, rand_tokens, same
@@ -31,13 +32,32 @@ def test_training_fits_the_targets_distributions(trained):
     assert figures["kl_last"] < 0.5 * figures["kl_first"], figures
 
 
-def test_engine_with_the_drafter_is_bitwise_plain_decoding(model, trained):
+@pytest.mark.parametrize("branching", [1, 2])
+def test_engine_with_the_drafter_is_bitwise_plain_decoding(model, trained, branching):
+    """Chains (draft length 3) and 2x3 token trees (the head's top-2 at every depth)."""
     prompts, sp, ref, path, _ = trained
-    eng = Engine(model, prefix_cache=True, speculative=SpecConfig(method="drafter", drafter_path=str(path)), **SMALL)
+    cfg = SpecConfig(method="drafter", drafter_path=str(path), branching=branching)
+    eng = Engine(model, prefix_cache=True, speculative=cfg, **SMALL)
     eng.check_each_step = True
     assert same(eng.generate(prompts, sp), ref)
     st = eng.stats
-    assert st["spec_accepted_tokens"] > 0.3 * st["spec_draft_tokens"], st
+    # a tree drafts up to 14 nodes, of which at most 3 per verify can be accepted
+    assert st["spec_accepted_tokens"] > (0.3 if branching == 1 else 0.08) * st["spec_draft_tokens"], st
+
+
+def test_tree_proposals_fit_the_shape(model, trained):
+    prompts, _, ref, path, _ = trained
+    drafter = load_drafter(path, model)
+    feat = torch.randn(3 * model.config.hidden_size)
+    tree = drafter.propose_tree(feat, 5, 2, 3, 14)
+    assert len(tree) == 14 and tree.fits(2, 3) and tree.depth == 3
+    assert [tree.tokens[i] for i in tree.path(0)] == drafter.propose_tokens(feat, 5, 1)   # first child: the argmax
+    ngram = NgramDrafter(4, 1)
+    ctx = [1, 2, 3, 1, 2, 4, 1, 2, 5, 6, 1, 2]
+    t = ngram.propose_tree(ctx, 2, 3, 14)
+    # the continuations of "1 2" (most recent first: 5 6 1, 4 1 2, 3 1 2), two children per node
+    assert t.fits(2, 3) and [t.tokens[c] for c in t.children(-1)] == [5, 4]
+    assert ngram.propose_tree(ctx, 1, 3, 14).tokens == tuple(ngram.propose(ctx, 3))
 
 
 def test_drafter_path_errors_are_named(model, tmp_path):

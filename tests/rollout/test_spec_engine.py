@@ -10,6 +10,7 @@ from k3.rollout import Engine, EngineConfig, RequestFailed, SamplingParams
 from k3.rollout.spec import SpecConfig
 from k3.rollout.spec.accept import sampling_logprobs
 from k3.rollout.spec.scratch import scratch_bytes_per_sequence_layer
+from k3.rollout.spec.tree import DraftTree, build_tree
 
 from _engine_helpers import SMALL, TINY_POOLS, rand_tokens, same, workload
 
@@ -33,6 +34,20 @@ class OracleDrafter:
         return []
 
 
+class OracleTreeDrafter(OracleDrafter):
+    """Token trees around the reference continuation: a wrong sibling first at alternate depths (the walk has to
+    take the second child), the reference itself corrupted in every third tree (rejections inside the tree)."""
+
+    def propose_tree(self, context: list[int], branching: int, depth: int, max_nodes: int) -> DraftTree:
+        ref = self.propose(context, depth)
+        wrong = [(t + 3 + j) % self.vocab for j, t in enumerate(ref)]
+        paths = []
+        for d in range(len(ref)):   # at depth d + 1, a decoy child beside the reference one
+            decoy = ref[:d] + [wrong[d]]
+            paths += [decoy, ref] if (d + self.calls) % 2 else [ref, decoy]
+        return build_tree(paths or [ref], branching, depth, max_nodes)
+
+
 def _prompts():
     # repeated material (prompt lookup finds it) and plain random prompts, several lengths
     return [rand_tokens(20, 1) * 2, rand_tokens(13, 2), rand_tokens(37, 3), rand_tokens(9, 4) * 3, rand_tokens(26, 5)]
@@ -50,7 +65,8 @@ def _turns(eng: Engine) -> list:
 
 def _spec_engine(model, references, prefix_cache=True, spec="ngram:3", **kw):
     eng = Engine(model, prefix_cache=prefix_cache, speculative=spec, **{**SMALL, **kw})
-    eng.spec.drafter = OracleDrafter(references, model.config.vocab_size)
+    oracle = OracleDrafter if eng.cfg.speculative.branching == 1 else OracleTreeDrafter
+    eng.spec.drafter = oracle(references, model.config.vocab_size)
     eng.check_each_step = True
     return eng
 
@@ -79,10 +95,12 @@ def plain(model):
     return out, refs, states
 
 
-@pytest.mark.parametrize("prefix_cache", [False, True])
-def test_greedy_chain_is_bitwise_plain_decoding(model, plain, prefix_cache):
+@pytest.mark.parametrize("prefix_cache, spec", [(False, "ngram:3"), (True, "ngram:3"), (False, "ngram:2x3"),
+                                               (True, "ngram:2x3")])
+def test_greedy_chain_and_tree_are_bitwise_plain_decoding(model, plain, prefix_cache, spec):
+    """Chains and 2x3 token trees (the reference continuation behind a decoy sibling at alternate depths)."""
     out, refs, plain_states = plain
-    eng = _spec_engine(model, refs, prefix_cache=prefix_cache)
+    eng = _spec_engine(model, refs, prefix_cache=prefix_cache, spec=spec)
     states = _record_states(eng)
     got = _turns(eng)
     assert same(got, out)
@@ -98,10 +116,12 @@ def test_greedy_chain_is_bitwise_plain_decoding(model, plain, prefix_cache):
         assert torch.equal(states[key][1], plain_states[key][1]), key
 
 
-def test_greedy_chain_under_tiny_pools_and_long_drafts(model, plain):
-    """Spills, restores and evictions around verify passes; draft length 7 crosses pages and checkpoints."""
+@pytest.mark.parametrize("spec", ["ngram:7", "ngram:3x2"])
+def test_greedy_chain_and_tree_under_tiny_pools_and_long_drafts(model, plain, spec):
+    """Spills, restores and evictions around verify passes; draft length 7 crosses pages and checkpoints; a 3x2
+    tree (rejected branches never reach the pages past the commit)."""
     out, refs, _ = plain
-    eng = _spec_engine(model, refs, spec="ngram:7", **TINY_POOLS)
+    eng = _spec_engine(model, refs, spec=spec, **TINY_POOLS)
     assert same(_turns(eng), out)
     assert eng.pages.stats["spills"] + eng.states.stats["spills"] > 0
     # ReplaySSM scratch is per running request of a verify (at most decode_batch rows x 8 positions), whatever
@@ -152,11 +172,12 @@ def test_sampled_logprobs_are_the_targets(model, plain, monkeypatch):
     assert same(got, ref)
 
 
-def test_sampled_match_acceptance_is_bitwise_plain_decoding(model):
+@pytest.mark.parametrize("spec", ["ngram:3:exact:match", "ngram:2x3:exact:match"])
+def test_sampled_match_acceptance_is_bitwise_plain_decoding(model, spec):
     """MATCH acceptance draws as plain decoding draws: the branching multi-turn workload (n = 2, sampled turns,
     top-k/top-p) gives bitwise plain decoding's samples, log-probs and routing, with the prefix cache on."""
     ref = workload(Engine(model, prefix_cache=False, **SMALL), greedy=False)
-    eng = _spec_engine(model, [list(c.prompt) + c.token_ids for c in ref], spec="ngram:3:exact:match")
+    eng = _spec_engine(model, [list(c.prompt) + c.token_ids for c in ref], spec=spec)
     assert same(workload(eng, greedy=False), ref)
     assert eng.stats["spec_accepted_tokens"] > 0
 
@@ -191,6 +212,10 @@ def test_sampling_logprobs_mirror_the_sampler():
 
 @pytest.mark.parametrize("bad, field", [("ngram:0", "draft_len"), ("ngram:16", "draft_len"), ("tree:3", "method"),
                                         ("ngram:x", "draft length"), ("ngram:3:fast", "verify"),
+                                        ("ngram:4x2", "a 4x2 token tree has 20 draft nodes"),
+                                        ("ngram:2x4", "30 draft nodes"), ("ngram:0x3", "branching"),
+                                        ("ngram:2x3x1", "tree shape"), ("ngram:2x0", "draft_len"),
+                                        ("ngram:2x3:batched", "batched verification takes chain drafts"),
                                         (SpecConfig(ngram_min=3, ngram_max=2), "ngram_min")])
 def test_bad_settings_are_refused_before_any_request(model, bad, field):
     with pytest.raises(ValueError, match=field):
@@ -244,7 +269,8 @@ def test_gpu_chain_matches_plain_decoding(prefix_cache):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
 
 
-def test_multi_lora_rows_are_bitwise_plain_decoding():
+@pytest.mark.parametrize("spec", ["ngram:3", "ngram:2x3"])
+def test_multi_lora_rows_are_bitwise_plain_decoding(spec):
     """Mixed adapters in one decode group: every row verifies and commits under its own adapter."""
     from k3.config import K3Config
     from k3.lora import LoRAConfig, LoRAManager
@@ -259,7 +285,7 @@ def test_multi_lora_rows_are_bitwise_plain_decoding():
         prompts = _prompts()[:4]
         params = [SamplingParams(temperature=0.0, max_tokens=12, adapter_id=a) for a in ("a", None, "b", "a")]
         ref = Engine(model, prefix_cache=False, **SMALL).generate(prompts, params)
-        eng = _spec_engine(model, [list(c.prompt) + c.token_ids for c in ref])
+        eng = _spec_engine(model, [list(c.prompt) + c.token_ids for c in ref], spec=spec)
         assert same(eng.generate(prompts, params), ref)
         assert eng.stats["spec_accepted_tokens"] > 0
         assert len({tuple(c.token_ids) for c in ref[:3]}) == 3
@@ -267,7 +293,7 @@ def test_multi_lora_rows_are_bitwise_plain_decoding():
         lora.close()
 
 
-@pytest.mark.parametrize("bad", ["ngram:0", "ngram:16", "tree:3", "ngram:3:fast", "ngram:3:exact:maybe"])
+@pytest.mark.parametrize("bad", ["ngram:0", "ngram:16", "tree:3", "ngram:3:fast", "ngram:3:exact:maybe", "ngram:4x2"])
 def test_job_config_refuses_bad_speculative_settings(bad):
     from k3.jobs.config import JobConfigError, load_config
     with pytest.raises(JobConfigError, match="rollout.speculative"):

@@ -72,3 +72,33 @@ def accept_sampled(logits: list[torch.Tensor], draft: list[int], draft_probs: li
         out.append(Emitted(tok, float(full[tok]), float(logp[tok])))
         break
     return out
+
+
+def accept_at_node(logits: torch.Tensor, children: list[int], params: SamplingParams, gen: torch.Generator | None,
+                   match: bool) -> tuple[Emitted, int | None]:
+    """One step of the acceptance walk over a token tree: at a node with the target's `logits`, the token emitted
+    there and the index (into `children`, the child nodes' tokens in preference order) of the child the walk moves
+    to, None when it stops there (a correction, or the bonus token below a leaf).
+
+    Greedy: the target's argmax; the walk continues into the child carrying it. MATCH: plain decoding's own draw
+    (the request's generator), continuing into the child carrying it: bitwise plain decoding's samples.
+    REJECTION (temperature > 0): recursive rejection sampling over the siblings (SpecInfer, Miao et al. 2024; the
+    multi-draft form of Leviathan et al. 2023 for point-mass drafts): child c_1 is accepted with probability
+    r_1(c_1) = p(c_1); if rejected, r_2 = r_1 with c_1 removed, renormalised, and c_2 is accepted with probability
+    r_2(c_2); ...; if every child is rejected the token is drawn from the last residual. The emitted token is
+    distributed as p exactly (each step is a draw from p conditioned on not being the rejected tokens), for one
+    child it is `accept_sampled`'s rule, draw for draw. Log-probs are the target's (`sampling_logprobs`)."""
+    if params.temperature == 0.0 or match:
+        tok, lp, slp = sample(logits, params, None if params.temperature == 0.0 else gen)
+        return Emitted(tok, lp, slp), (children.index(tok) if tok in children else None)
+    full, logp = sampling_logprobs(logits, params)
+    residual = logp.exp()
+    for i, c in enumerate(children):
+        u = float(torch.rand((), generator=gen))
+        mass = 1.0 if i == 0 else float(residual.sum())
+        if mass > 0 and u * mass < float(residual[c]):
+            return Emitted(c, float(full[c]), float(logp[c])), i
+        residual = residual.clone()
+        residual[c] = 0.0
+    tok = int(torch.multinomial(residual, 1, generator=gen))   # multinomial normalises
+    return Emitted(tok, float(full[tok]), float(logp[tok])), None

@@ -5,8 +5,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-# The verify pass feeds the pending token plus the draft: at most 16 positions, the KDA decode (recurrent) path.
+# The verify pass feeds the pending token plus the draft: at most 16 positions (a chain of 15 draft tokens, or a
+# tree of at most 15 draft nodes), the KDA decode (recurrent) path.
 MAX_DRAFT_LEN = 15
+MAX_TREE_NODES = MAX_DRAFT_LEN
 
 
 class SpecMethod(str, enum.Enum):
@@ -50,7 +52,8 @@ class Acceptance(str, enum.Enum):
 @dataclass(frozen=True)
 class SpecConfig:
     method: SpecMethod = SpecMethod.NGRAM
-    draft_len: int = 3                 # draft tokens per verify (chain)
+    draft_len: int = 3                 # draft tokens per verify (chain), or the tree's depth (branching > 1)
+    branching: int = 1                 # token trees: at most this many children per node (top-k); 1 = a chain
     verify: VerifyMode = VerifyMode.EXACT
     ngram_max: int = 4                 # prompt lookup: longest suffix matched
     ngram_min: int = 1                 # shortest suffix matched
@@ -67,8 +70,17 @@ class SpecConfig:
                     raise ValueError(f"speculative.{name}: must be one of {[m.value for m in enum_type]}, "
                                      f"got {v!r}") from None
 
+    @property
+    def tree_nodes(self) -> int:
+        """Draft nodes of the full tree shape (branching ** 1 + ... + branching ** draft_len); draft_len for a chain."""
+        return sum(self.branching ** d for d in range(1, self.draft_len + 1))
+
+    @property
+    def shape(self) -> str:
+        return str(self.draft_len) if self.branching == 1 else f"{self.branching}x{self.draft_len}"
+
     def validate(self) -> None:
-        for name in ("draft_len", "ngram_max", "ngram_min"):
+        for name in ("draft_len", "branching", "ngram_max", "ngram_min"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ValueError(f"speculative.{name}: expected an integer, got {type(v).__name__} ({v!r})")
@@ -76,6 +88,15 @@ class SpecConfig:
             raise ValueError(f"speculative.draft_len: must be in [1, {MAX_DRAFT_LEN}] (the verify pass holds the "
                              f"pending token plus the draft in at most {MAX_DRAFT_LEN + 1} positions), "
                              f"got {self.draft_len}")
+        if self.branching < 1:
+            raise ValueError(f"speculative.branching: must be >= 1 (1 = a chain), got {self.branching}")
+        if self.branching > 1 and self.tree_nodes > MAX_TREE_NODES:
+            raise ValueError(f"speculative.branching/draft_len: a {self.shape} token tree has {self.tree_nodes} draft "
+                             f"nodes; the verify pass holds the pending token plus at most {MAX_TREE_NODES} nodes "
+                             f"(e.g. 2x3 = 14, 3x2 = 12, 15x1 = 15)")
+        if self.branching > 1 and self.verify is VerifyMode.BATCHED:
+            raise ValueError(f"speculative.verify: batched verification takes chain drafts (branching 1); a "
+                             f"{self.shape} token tree verifies with verify='exact'")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"speculative.ngram_min/ngram_max: need 1 <= ngram_min <= ngram_max, got "
                              f"{self.ngram_min}, {self.ngram_max}")
@@ -84,20 +105,28 @@ class SpecConfig:
 
     @staticmethod
     def parse(text: str) -> "SpecConfig | None":
-        """'off' | 'METHOD[:DRAFT_LEN[:VERIFY[:ACCEPTANCE]]]', e.g. 'ngram:3', 'drafter:3:exact:match'."""
+        """'off' | 'METHOD[:SHAPE[:VERIFY[:ACCEPTANCE]]]' with SHAPE a chain's draft length ('3') or a token tree
+        'BxD' (top-B branching at each of D depths: '2x3'), e.g. 'ngram:3', 'drafter:2x3:exact:match'."""
         if not isinstance(text, str):
             raise ValueError(f"speculative: expected a string like 'ngram:3' or 'off', got {type(text).__name__}")
         if text.strip().lower() in ("", "off", "none"):
             return None
         parts = text.strip().split(":")
         if len(parts) > 4:
-            raise ValueError(f"speculative: expected 'METHOD[:DRAFT_LEN[:VERIFY[:ACCEPTANCE]]]', got {text!r}")
+            raise ValueError(f"speculative: expected 'METHOD[:SHAPE[:VERIFY[:ACCEPTANCE]]]', got {text!r}")
         kw: dict = {"method": parts[0]}
         if len(parts) > 1:
+            shape = parts[1].lower().split("x")
             try:
-                kw["draft_len"] = int(parts[1])
+                if len(shape) == 1:
+                    kw["draft_len"] = int(shape[0])
+                elif len(shape) == 2:
+                    kw["branching"], kw["draft_len"] = int(shape[0]), int(shape[1])
+                else:
+                    raise ValueError
             except ValueError:
-                raise ValueError(f"speculative: draft length {parts[1]!r} in {text!r} is not an integer") from None
+                raise ValueError(f"speculative: draft length {parts[1]!r} in {text!r} is not an integer (a chain: "
+                                 f"'3') or a tree shape 'BxD' ('2x3')") from None
         if len(parts) > 2:
             kw["verify"] = parts[2]
         if len(parts) > 3:

@@ -1,4 +1,5 @@
-"""Speculative decode step of the embedded engine: draft, verify (verify.py), accept (accept.py), commit.
+"""Speculative decode step of the embedded engine: draft (a chain or a token tree), verify (verify.py) while walking
+the acceptance down the tree (accept.py), commit the accepted path.
 
 The commit is ReplaySSM: each KDA layer folds the accepted prefix's stored step inputs into the committed state
 (k3.model.ops.kda_replay_commit, run at the decode batch size as decode runs) and rolls the short-conv window
@@ -18,12 +19,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from k3.model import ops
-from k3.rollout.spec.accept import Emitted, accept_greedy, accept_matching, accept_sampled
+from k3.rollout.spec.accept import Emitted, accept_at_node
 from k3.rollout.spec.config import Acceptance, SpecConfig, SpecMethod, VerifyMode
 from k3.rollout.spec.ngram import NgramDrafter
 from k3.rollout.spec.scratch import ReplayScratch
-from k3.rollout.spec.verify import verify
-from k3.rollout.sampler import sample
+from k3.rollout.spec.tree import DraftTree
+from k3.rollout.spec.verify import verify_batched, verify_walk
 from k3.rollout.types import key_token
 from k3_kernels.replay_ssm.naive import naive_conv_roll
 
@@ -60,26 +61,43 @@ class SpecDecoder:
             k = min(k, nxt - s.pos - 1)
         return max(k, 0)
 
-    def _propose(self, s: "_Seq", k: int) -> tuple[list[int], list[torch.Tensor] | None]:
+    def _propose(self, s: "_Seq", k: int) -> DraftTree:
+        """Row `s`'s draft: a chain of <= k tokens, or a token tree of depth <= k within the configured shape."""
         if k == 0:
-            return [], None
+            return DraftTree()
+        cfg = self.cfg
+        nodes = cfg.tree_nodes if cfg.branching > 1 else k
         if getattr(self.drafter, "needs_features", False):
             feat = self.features.get(s)
-            return ([] if feat is None else self.drafter.propose_tokens(feat, key_token(s.key[s.pos]), k)), None
-        return self.drafter.propose([key_token(x) for x in s.key], k), None
+            if feat is None:
+                return DraftTree()
+            if cfg.branching == 1:
+                return DraftTree.chain(self.drafter.propose_tokens(feat, key_token(s.key[s.pos]), k))
+            tree = self.drafter.propose_tree(feat, key_token(s.key[s.pos]), cfg.branching, k, nodes)
+        else:
+            context = [key_token(x) for x in s.key]
+            if cfg.branching == 1 or not hasattr(self.drafter, "propose_tree"):   # chains; chain-only drafters
+                tree = DraftTree.chain(self.drafter.propose(context, k))
+            else:
+                tree = self.drafter.propose_tree(context, cfg.branching, k, nodes)
+        if not tree.fits(cfg.branching, k) or len(tree) > nodes:
+            raise ValueError(f"drafter: proposed a tree of {len(tree)} nodes, depth {tree.depth}, outside the "
+                             f"speculative shape {cfg.shape} (draft limit {k})")
+        return tree
 
     # ------------------------------------------------------------------ one decode group
     def step(self, group: list["_Seq"]) -> None:
         eng = self.eng
         # rows recomputing a history's decode span (prefix cache off, or past its hit) feed known tokens: no draft
         speculating = [s.sampling and s.pending == 1 for s in group]
-        drafts, probs = zip(*(self._propose(s, self.draft_limit(s) if spec else 0)
-                              for s, spec in zip(group, speculating)))
-        tokens = [[key_token(s.key[s.pos])] + list(d) for s, d in zip(group, drafts)]
-        T = max(len(t) for t in tokens)
+        trees = [self._propose(s, self.draft_limit(s)) if spec else DraftTree() for s, spec in zip(group, speculating)]
+        roots = [key_token(s.key[s.pos]) for s in group]
         batched = self.cfg.verify is VerifyMode.BATCHED
-        for s, toks in zip(group, tokens):
-            eng._prepare_pages(s, T if batched else len(toks))
+        positions = [1 + t.depth for t in trees]
+        if batched:
+            positions = [max(positions)] * len(group)
+        for s, n in zip(group, positions):
+            eng._prepare_pages(s, n)
             for p in s.bt:
                 eng.pages.touch(p)
             eng.states.touch(s.state)
@@ -88,54 +106,50 @@ class SpecDecoder:
             from k3.rollout.spec.drafter import FeatureCapture
             capture = FeatureCapture(eng.model)
         match = self.cfg.acceptance is Acceptance.MATCH
-        drawn: dict[int, list[Emitted]] = {}   # MATCH rows in EXACT mode: drawn during the pass, in order
+        emitted: list[list[Emitted]] = [[] for _ in group]
+        node = [-1] * len(group)
 
-        def keep_going(r: int, t: int, logits: torch.Tensor) -> bool:   # stop a row at its first rejection
+        def advance(r: int, t: int, logits: torch.Tensor) -> int | None:
+            """Row r's acceptance walk at its node of depth t: emit, then the next node's token (None: stop)."""
             s = group[r]
             if not speculating[r]:
-                return True
-            if s.req.params.temperature == 0.0:
-                return t + 1 >= len(tokens[r]) or int(torch.argmax(logits.detach().float().cpu())) == tokens[r][t + 1]
-            if not match:
-                return True
-            tok, lp, slp = sample(logits, s.req.params, s.gen)   # plain decoding's draw for this position
-            drawn.setdefault(r, []).append(Emitted(tok, lp, slp))
-            return t + 1 >= len(tokens[r]) or tok == tokens[r][t + 1]
-        res = verify(eng, group, tokens, self.cfg.verify, capture, keep_going)
-        eng.stats["forwards"] += res.forwards
-        emitted: list[list[Emitted]] = []
-        for r, (s, d, q, lg, spec) in enumerate(zip(group, drafts, probs, res.logits, speculating)):
-            if not spec:
-                emitted.append([None])
-                continue
+                return None
             p = s.req.params
-            if p.temperature == 0.0:
-                em = accept_greedy(lg, d, p)
-            elif match:
-                em = drawn[r] if r in drawn else accept_matching(lg, d, p, s.gen)
-            else:
-                em = accept_sampled(lg, d, q, p, s.gen)
-            eng.stats["spec_accepted_tokens"] += len(em) - 1
-            kept = []
-            for e in em:   # stop where plain decoding would finish
-                kept.append(e)
-                if e.token in p.stop_token_ids or len(s.out_tokens) + len(kept) >= p.max_tokens:
-                    break
-            emitted.append(kept)
-        commit(eng, group, res.scratch, [len(e) for e in emitted])
+            kids = trees[r].children(node[r])
+            e, i = accept_at_node(logits, [trees[r].tokens[c] for c in kids], p, s.gen, match)
+            emitted[r].append(e)
+            if i is None or e.token in p.stop_token_ids or len(s.out_tokens) + len(emitted[r]) >= p.max_tokens:
+                return None   # where plain decoding would stop, the walk stops too
+            node[r] = kids[i]
+            return e.token
+
+        if batched:
+            if not all(t.is_chain() for t in trees):
+                raise ValueError("speculative.verify: batched verification takes chain drafts (branching 1)")
+            res = verify_batched(eng, group, [[rt] + list(t.tokens) for rt, t in zip(roots, trees)], capture)
+            for r, lg in enumerate(res.logits):   # the walk over the computed positions
+                for t, x in enumerate(lg):
+                    if advance(r, t, x) is None:
+                        break
+        else:
+            res = verify_walk(eng, group, roots, positions, advance, capture)
+        eng.stats["forwards"] += res.forwards
+        n_commit = [len(em) if spec else 1 for em, spec in zip(emitted, speculating)]
+        commit(eng, group, res.scratch, n_commit)
         st = eng.stats
         st["spec_verifies"] += sum(speculating)
-        st["spec_draft_tokens"] += sum(len(d) for d in drafts)
+        st["spec_draft_tokens"] += sum(len(t) for t in trees)
         st["spec_scratch_bytes_max"] = max(st["spec_scratch_bytes_max"], res.scratch.nbytes())
-        for r, (s, toks, em, rt, lg, spec) in enumerate(zip(group, tokens, emitted, res.routing, res.logits,
-                                                             speculating)):
-            st["computed_tokens"] += len(toks)
+        for r, (s, em, rt, lg, spec, n) in enumerate(zip(group, emitted, res.routing, res.logits, speculating,
+                                                          n_commit)):
+            st["computed_tokens"] += len(lg)
             if res.features is not None:   # the last committed position's features draft the next step
-                self.features[s] = res.features[r][len(em) - 1]
-            s.pos += len(em)
+                self.features[s] = res.features[r][n - 1]
+            s.pos += n
             if not spec:   # as plain decoding continues a fed history token
                 eng._after_segment(s, lg[0], rt[0])
                 continue
+            st["spec_accepted_tokens"] += len(em) - 1
             st["spec_emitted_tokens"] += len(em)
             for j, e in enumerate(em):
                 if j == len(em) - 1 and eng.prefix_cache and (

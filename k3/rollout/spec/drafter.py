@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from k3.model import K3ForCausalLM
+from k3.rollout.spec.tree import DraftTree
 
 WEIGHTS = "drafter.safetensors"
 META = "drafter.json"
@@ -89,7 +90,8 @@ class DraftHead(nn.Module):
 
 
 class TrainedDrafter:
-    """Greedy chain drafts (point masses) from a DraftHead, continuing the target's features of a position."""
+    """Greedy chain drafts or top-k token trees (point masses) from a DraftHead, continuing the target's features of
+    a position."""
     needs_features = True
 
     def __init__(self, head: DraftHead, target: K3ForCausalLM):
@@ -105,6 +107,36 @@ class TrainedDrafter:
             tok = int(torch.argmax(self.head.logits(self.target, h)[0]))
             out.append(tok)
         return out
+
+    @torch.no_grad()
+    def propose_tree(self, feat: torch.Tensor, last_token: int, branching: int, depth: int,
+                     max_nodes: int) -> DraftTree:
+        """Top-`branching` tokens per node at every depth, breadth first, each child continuing its parent's
+        hidden (the feature recurrence), until `max_nodes`. With branching 1 it is `propose_tokens`'s chain."""
+        if branching == 1:
+            return DraftTree.chain(self.propose_tokens(feat, last_token, min(depth, max_nodes)))
+        emb = self.target.model.embed_tokens.weight
+        tokens: list[int] = []
+        parents: list[int] = []
+        frontier = [(-1, last_token)]                    # (node, its token) whose children come next
+        hid = self.head.fuse(feat.float().view(1, -1))   # [len(frontier), d]
+        for _ in range(depth):
+            if not frontier or len(tokens) >= max_nodes:
+                break
+            toks = torch.tensor([t for _, t in frontier], device=emb.device)
+            h = self.head.step(hid, emb[toks].float())
+            top = torch.topk(self.head.logits(self.target, h), branching, dim=-1).indices.tolist()
+            nxt, rows = [], []
+            for i, ((node, _), cand) in enumerate(zip(frontier, top)):
+                for tok in cand:
+                    if len(tokens) >= max_nodes:
+                        break
+                    tokens.append(int(tok))
+                    parents.append(node)
+                    nxt.append((len(tokens) - 1, int(tok)))
+                    rows.append(i)
+            frontier, hid = nxt, h[rows]
+        return DraftTree(tuple(tokens), tuple(parents))
 
 
 def save_drafter(head: DraftHead, path: Path, meta: dict) -> None:

@@ -1,6 +1,9 @@
 """Prompt-lookup (n-gram) drafter: propose the tokens that followed the most recent earlier occurrence of the
-sequence's own suffix (longest suffix first). No model, deterministic, a point-mass draft distribution."""
+sequence's own suffix (longest suffix first). No model, deterministic, a point-mass draft distribution. Trees: the
+continuations of several earlier occurrences, merged."""
 from __future__ import annotations
+
+from k3.rollout.spec.tree import DraftTree, build_tree
 
 
 class NgramDrafter:
@@ -24,3 +27,18 @@ class NgramDrafter:
                     if follow:
                         return follow
         return []
+
+    def propose_tree(self, context: list[int], branching: int, depth: int, max_nodes: int) -> DraftTree:
+        """A token tree of alternative continuations: the tokens that followed every earlier occurrence of the
+        longest matching suffixes (most recent first, longer suffixes first), merged into a trie of at most
+        `branching` children per node. With branching 1 it is `propose`'s chain."""
+        if branching == 1:
+            return DraftTree.chain(self.propose(context, min(depth, max_nodes)))
+        L = len(context)
+        paths = []
+        for n in range(min(self.ngram_max, L - 1), self.ngram_min - 1, -1):
+            suffix = context[L - n:]
+            for start in range(L - n - 1, -1, -1):
+                if context[start:start + n] == suffix and start + n < L:
+                    paths.append(context[start + n:start + n + depth])
+        return build_tree(paths, branching, depth, max_nodes)

@@ -1,20 +1,21 @@
-"""The verify pass of a chain draft: the target scores the pending token and the draft of every row of one decode
-group, writing the MLA latents of all verify positions into the rows' pages and, for KDA, only the step inputs
-(ReplayScratch) -- the state pool is never written here. `commit.py` keeps the accepted prefix.
+"""The verify pass: the target scores the pending token and the draft (a chain or a token tree) of every row of one
+decode group, writing the MLA latents of the verified positions into the rows' pages and, for KDA, only the step
+inputs (ReplayScratch) -- the state pool is never written here. `decode.commit` keeps the accepted path.
 
-EXACT mode runs each verify position with decode's shapes ([decode_batch, 1]); the KDA layers continue from a
-working state that lives only in this pass (one per seat, overwritten position by position, as decode's own
-activations are). BATCHED mode runs one [decode_batch, T] forward from the committed states.
+EXACT mode (`verify_walk`) runs each verify position with decode's shapes ([decode_batch, 1]) and walks the
+acceptance down the tree as it goes; the KDA layers continue from a working state that lives only in this pass
+(one per seat, overwritten position by position, as decode's own activations are). BATCHED mode
+(`verify_batched`) runs one [decode_batch, T] forward of chain drafts from the committed states.
 """
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from k3.rollout.spec.config import VerifyMode
 from k3.rollout.spec.scratch import ReplayScratch
 from k3.rollout.view import PoolView
 
@@ -75,56 +76,83 @@ def _at_positions(rows: list["_Seq"], offset: int):
             s.pos = p
 
 
-def verify(eng: "Engine", rows: list["_Seq"], tokens: list[list[int]], mode: VerifyMode,
-           capture=None, keep_going=None) -> VerifyResult:
-    """Score `tokens[r]` (the pending token, then the draft) for every row; rows must have their pages prepared
-    for len(tokens[r]) positions. The decode batch size is the engine's `decode_batch` (rows <= it). `capture`: a
-    drafter.FeatureCapture whose hooks are on the target during the pass (features returned per row, position).
-    `keep_going(r, t, logits)` (EXACT mode): False once row r's draft is known rejected after position t; its later
-    positions are then not computed (greedy rows: the target's argmax differs from the draft)."""
+def _verify_forward(eng: "Engine", seats: list["_Seq | None"], row_of_seat: list[int | None], ids: torch.Tensor,
+                    t0: int, scratch: ReplayScratch, working: dict, capture):
+    """One target forward of verify positions [t0, t0 + ids.shape[1]) for the rows in `seats`."""
+    live = [s for s in seats if s is not None]
+    with _at_positions(live, t0):
+        view = SpecView(eng, seats, ids.shape[1], t0, scratch, row_of_seat, working)
+        with eng._adapters_for(seats), (capture if capture is not None else contextlib.nullcontext()):
+            out = eng.model(ids.to(eng.device), view, return_routed_experts=True)
+        feats = capture.features() if capture is not None else None
+    return out, feats
+
+
+def verify_walk(eng: "Engine", rows: list["_Seq"], roots: list[int], max_positions: list[int],
+                advance: Callable[[int, int, torch.Tensor], int | None], capture=None) -> VerifyResult:
+    """EXACT verification of chains and token trees, with decode's shapes: forward t feeds every live row's current
+    node (t = 0: the pending token `roots[r]`) as a [decode_batch, 1] decode step at position pos + t, so each node
+    attends to the row's prefix and its ancestors only -- the nodes fed before it, in the row's pages -- and its KDA
+    step starts from its parent's working state. After the forward, `advance(r, t, logits)` walks the acceptance
+    one node down: the token of the child to feed next, or None (row r's walk ends; nothing else of its tree is
+    ever computed). Only the walked path is computed, at most `max_positions[r]` positions (pages prepared), so a
+    verify costs as many decode-shaped passes as the longest accepted path plus one, whatever the tree's width."""
     B = eng.cfg.decode_batch
     if len(rows) > B:
         raise ValueError(f"verify: {len(rows)} rows exceed decode_batch {B}")
-    T = max(len(t) for t in tokens)
-    mc = eng.model.config
-    scratch = ReplayScratch.allocate(mc, len(eng.kda_index), eng.dtype, len(rows), T, eng.device)
+    T = max(max_positions)
+    scratch = ReplayScratch.allocate(eng.model.config, len(eng.kda_index), eng.dtype, len(rows), T, eng.device)
     row_of_seat: list[int | None] = list(range(len(rows))) + [None] * (B - len(rows))
     logits: list[list[torch.Tensor]] = [[] for _ in rows]
     routing: list[list[torch.Tensor]] = [[] for _ in rows]
+    features: list[list[torch.Tensor]] | None = [[] for _ in rows] if capture is not None else None
+    fed: list[int | None] = list(roots)
     working: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     forwards = 0
-    features: list[list[torch.Tensor]] | None = [[] for _ in rows] if capture is not None else None
-    spans = [(t, 1) for t in range(T)] if mode is VerifyMode.EXACT else [(0, T)]
-    stopped = [False] * len(rows)
-    for t0, width in spans:
-        seats = [s if (r is not None and len(tokens[r]) > t0 and not stopped[r]) else None
+    for t in range(T):
+        seats = [s if (r is not None and fed[r] is not None) else None
                  for s, r in zip(rows + [None] * (B - len(rows)), row_of_seat)]
-        live = [s for s in seats if s is not None]
-        if not live:   # every row's draft was rejected earlier (or is shorter)
+        if all(s is None for s in seats):
             break
-        ids = torch.zeros(B, width, dtype=torch.long)
+        ids = torch.zeros(B, 1, dtype=torch.long)
         for b, s in enumerate(seats):
             if s is not None:
-                toks = tokens[row_of_seat[b]][t0:t0 + width]
-                ids[b, :len(toks)] = torch.tensor(toks, dtype=torch.long)
-                ids[b, len(toks):] = toks[-1]   # batched mode: rows with shorter drafts repeat their last token
-        with _at_positions(live, t0):
-            view = SpecView(eng, seats, width, t0, scratch, row_of_seat, working)
-            with eng._adapters_for(seats), (capture if capture is not None else contextlib.nullcontext()):
-                out = eng.model(ids.to(eng.device), view, return_routed_experts=True)
-            feats = capture.features() if capture is not None else None
+                ids[b, 0] = fed[row_of_seat[b]]
+        out, feats = _verify_forward(eng, seats, row_of_seat, ids, t, scratch, working, capture)
         forwards += 1
         for b, s in enumerate(seats):
             if s is None:
                 continue
             r = row_of_seat[b]
-            for j in range(width):
-                if t0 + j < len(tokens[r]):
-                    logits[r].append(out.logits[b, j])
-                    if feats is not None:
-                        features[r].append(feats[b, j])
-                    routing[r].append(out.routed_experts[b, j] if out.routed_experts is not None
-                                      else torch.zeros(0, dtype=torch.long))
-            if keep_going is not None and width == 1 and not keep_going(r, t0, out.logits[b, 0]):
-                stopped[r] = True
+            logits[r].append(out.logits[b, 0])
+            if feats is not None:
+                features[r].append(feats[b, 0])
+            routing[r].append(out.routed_experts[b, 0] if out.routed_experts is not None
+                              else torch.zeros(0, dtype=torch.long))
+            nxt = advance(r, t, out.logits[b, 0])
+            if nxt is not None and t + 1 >= max_positions[r]:
+                raise RuntimeError(f"verify: row {r}'s walk went past its {max_positions[r]} prepared positions")
+            fed[r] = nxt
     return VerifyResult(logits, routing, scratch, forwards, features)
+
+
+def verify_batched(eng: "Engine", rows: list["_Seq"], tokens: list[list[int]], capture=None) -> VerifyResult:
+    """BATCHED verification of chains: one [decode_batch, T] forward from the committed states (rows with shorter
+    drafts repeat their last token; pages prepared for T positions)."""
+    B = eng.cfg.decode_batch
+    if len(rows) > B:
+        raise ValueError(f"verify: {len(rows)} rows exceed decode_batch {B}")
+    T = max(len(t) for t in tokens)
+    scratch = ReplayScratch.allocate(eng.model.config, len(eng.kda_index), eng.dtype, len(rows), T, eng.device)
+    row_of_seat: list[int | None] = list(range(len(rows))) + [None] * (B - len(rows))
+    seats = list(rows) + [None] * (B - len(rows))
+    ids = torch.zeros(B, T, dtype=torch.long)
+    for r, toks in enumerate(tokens):
+        ids[r, :len(toks)] = torch.tensor(toks, dtype=torch.long)
+        ids[r, len(toks):] = toks[-1]
+    out, feats = _verify_forward(eng, seats, row_of_seat, ids, 0, scratch, {}, capture)
+    logits = [[out.logits[r, j] for j in range(len(toks))] for r, toks in enumerate(tokens)]
+    routing = [[out.routed_experts[r, j] if out.routed_experts is not None else torch.zeros(0, dtype=torch.long)
+                for j in range(len(toks))] for r, toks in enumerate(tokens)]
+    features = None if feats is None else [[feats[r, j] for j in range(len(toks))] for r, toks in enumerate(tokens)]
+    return VerifyResult(logits, routing, scratch, 1, features)
