@@ -70,7 +70,7 @@ $(VENV_SGLANG)/.installed: pyproject.toml setup.py
 	$(PY) -m venv $(VENV_SGLANG)
 	$(VENV_SGLANG)/bin/pip install $(PIP_FLAGS) $(TORCH) triton==3.8.0
 	$(VENV_SGLANG)/bin/pip install $(PIP_FLAGS) --no-deps sglang==0.5.23 torchvision==0.28.0
-	$(VENV_SGLANG)/bin/pip install $(PIP_FLAGS) $(TORCH) triton==3.8.0 numpy orjson msgspec transformers psutil pybase64 requests pillow starlette fastapi pydantic uvicorn pyzmq setproctitle safetensors zstandard xxhash tqdm matplotlib ipython aiohttp dill apache-tvm-ffi sentencepiece compressed-tensors gguf einops openai partial-json-parser 'pytest>=8'
+	$(VENV_SGLANG)/bin/pip install $(PIP_FLAGS) $(TORCH) triton==3.8.0 numpy orjson msgspec transformers psutil pybase64 requests pillow starlette fastapi pydantic uvicorn pyzmq setproctitle safetensors zstandard xxhash tqdm matplotlib ipython aiohttp dill apache-tvm-ffi sentencepiece compressed-tensors gguf einops openai partial-json-parser datasets 'pytest>=8'
 	$(VENV_SGLANG)/bin/pip install $(PIP_FLAGS) --no-deps -e .
 	touch $@
 
