@@ -211,8 +211,11 @@ def _wgrad_kernel(d_ptr, x_ptr, out_ptr, offsets_ptr, Nd, Kd, d_stride, x_stride
 
 # ------------------------------------------------------------------------------------------------- host wrappers
 def _prec(dtype: torch.dtype) -> str:
-    """fp32 operands multiply in full fp32 (as the torch path does), not TF32; bf16 ones as they are."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+    """fp32 operands multiply to fp32 accuracy (as the torch path does), not in plain TF32: three TF32 products on
+    the GPU's tensor cores, exact fp32 in the interpreter; bf16 operands as they are."""
+    if dtype != torch.float32:
+        return "tf32"
+    return "ieee" if _interpreting() else "tf32x3"
 
 
 def _grid(plan: RoutingPlan, cfg: TileConfig, n: int) -> tuple[torch.Tensor, int, tuple[int]]:

@@ -15,12 +15,13 @@ import triton
 import triton.language as tl
 
 from k3_kernels.launch import cdiv, next_pow2
+from k3_kernels.moe.grouped_gemm import _prec
 
 
 @triton.jit
 def _router_kernel(x_ptr, w_ptr, b_ptr, f_ptr, ids_ptr, wt_ptr, s_ptr, N, D, E, x_stride, scaling,
                    TOP_K: tl.constexpr, K_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_FORCED: tl.constexpr,
-                   RENORM: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                   RENORM: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
                    BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < N
@@ -34,10 +35,7 @@ def _router_kernel(x_ptr, w_ptr, b_ptr, f_ptr, ids_ptr, wt_ptr, s_ptr, N, D, E, 
         a = tl.load(x_ptr + r64[:, None] * x_stride + k0 + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
         b = tl.load(w_ptr + ex[None, :].to(tl.int64) * D + k0 + kk[:, None], mask=km[:, None] & emask[None, :],
                     other=0.0)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=PREC)
     s = tl.sigmoid(acc)
     sel = s
     if HAS_BIAS:
@@ -79,7 +77,7 @@ def _route(x, weight, bias, top_k, renormalize, scaling, forced):
         _router_kernel[(cdiv(N, BM),)](
             x, weight, bias if bias is not None else wts, f, ids, wts, s, N, D, E, x.stride(0), float(scaling),
             TOP_K=top_k, K_PAD=next_pow2(top_k), HAS_BIAS=bias is not None, HAS_FORCED=forced is not None,
-            RENORM=renormalize, IEEE=x.dtype == torch.float32, BLOCK_M=BM, BLOCK_E=BE, BLOCK_K=BK,
+            RENORM=renormalize, PREC=_prec(x.dtype), BLOCK_M=BM, BLOCK_E=BE, BLOCK_K=BK,
             num_warps=8 if BE > 256 else 4, num_stages=2)
     return ids, wts, s
 

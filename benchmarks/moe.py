@@ -1,0 +1,384 @@
+"""Latent-MoE layer on one GPU: TorchTitan 0.3.0's MoE layer and a naive torch loop vs ours (bf16 and FP8), in one
+process, at K3's expert widths (latent 3584, intermediate 3072, top-16, 2 shared experts) with 112 local experts
+(EP = 8's share of 896) and with all 896, for 4K / 16K / 32K tokens.
+
+* TorchTitan: `MoE` (`TokenChoiceTopKRouter` with sigmoid scores + route_norm, `LocalTokenDispatcher`,
+  `GroupedExperts` on `torch._grouped_mm`, shared `FeedForward` of 2 x 3072), built from its own configs; as
+  shipped its gate runs in fp32 (autocast) and its experts use SiLU.
+* naive: k3_kernels.moe.naive (the spec: per-expert torch loop, its router, SiTU).
+* ours: `fused_router` (bf16 operands, fp32 accumulation) + `moe_experts` (grouped Triton GEMMs, SiTU fused, bf16
+  or FP8 forward) + the shared SiTU MLP on cuBLAS with the fused SiTU kernel.
+The routed-expert weights are the same tensors for all (their gradients reset between runs). Times are medians
+of `triton.testing.do_bench`; peak = max allocated during one call minus allocated before it; floors = the FLOPs
+over the measured bf16 (or FP8) GEMM rate, and the bytes that must move (weights, their gradients, the layer's
+input and output) over the measured copy bandwidth. Determinism: two forward+backward runs compared bit for bit,
+and a token subset's forward against the full batch's rows (batch invariance).
+`--smoke`: tiny shapes on CPU (our kernels in Triton's interpreter), to check the script. Writes
+benchmarks/results/moe.json (or $OUT/moe.json when OUT is set).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():  # the smoke run: our kernels in Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from benchmarks._results import run_header, write_results  # noqa: E402
+from k3_kernels.moe import naive  # noqa: E402
+from k3_kernels.moe.layer import Precision, moe_experts  # noqa: E402
+from k3_kernels.moe.router import fused_router  # noqa: E402
+from k3_kernels.situ import naive_situ_and_mul  # noqa: E402
+
+GiB = 2 ** 30
+BETA, LINEAR_BETA = 4.0, 25.0
+
+
+def situ(g, u):
+    if g.is_cuda:
+        from k3_kernels.situ.fused import situ_and_mul
+        return situ_and_mul(g, u, BETA, LINEAR_BETA)
+    return naive_situ_and_mul(g, u, BETA, LINEAR_BETA)
+
+
+class OursMoE(nn.Module):
+    """Our layer at the expert width: fused router + grouped-GEMM experts + shared SiTU MLP."""
+
+    def __init__(self, router_w, w1, w3, w2, shared, top_k, precision):
+        super().__init__()
+        self.router_w, self.w1, self.w3, self.w2 = router_w, w1, w3, w2
+        self.sg, self.su, self.sd = shared
+        self.bias = torch.zeros(router_w.shape[0], device=router_w.device)
+        self.top_k, self.precision = top_k, precision
+
+    def routed(self, x):
+        ids, w = fused_router(x, self.router_w, self.bias, self.top_k)
+        return moe_experts(x, ids, w, self.w1, self.w3, self.w2, BETA, LINEAR_BETA, self.precision)
+
+    def forward(self, x):
+        return self.routed(x) + F.linear(situ(F.linear(x, self.sg), F.linear(x, self.su)), self.sd)
+
+
+class NaiveMoE(OursMoE):
+    def forward(self, x):
+        return naive.naive_moe_layer(x, self.router_w, self.bias, self.w1, self.w3, self.w2, self.top_k,
+                                     (self.sg, self.su, self.sd), BETA, LINEAR_BETA)[0]
+
+
+def torchtitan_moe(L, I, E, k, n_shared, device, dtype):
+    from torchtitan.models.common.feed_forward import FeedForward
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.moe import MoE, GroupedExperts, RoutedExperts, TokenChoiceTopKRouter
+    from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+
+    S = n_shared * I
+    cfg = MoE.Config(
+        num_experts=E,
+        routed_experts=RoutedExperts.Config(
+            inner_experts=GroupedExperts.Config(dim=L, hidden_dim=I, num_experts=E),
+            token_dispatcher=LocalTokenDispatcher.Config(num_experts=E, top_k=k)),
+        router=TokenChoiceTopKRouter.Config(num_experts=E, gate=Linear.Config(in_features=L, out_features=E),
+                                            top_k=k, score_func="sigmoid", route_norm=True),
+        load_balance_coeff=1e-3,
+        shared_experts=FeedForward.Config(w1=Linear.Config(in_features=L, out_features=S),
+                                          w2=Linear.Config(in_features=S, out_features=L),
+                                          w3=Linear.Config(in_features=L, out_features=S)))
+    with torch.device(device):
+        m = cfg.build()
+    m = m.to(dtype)
+    m.expert_bias_E = m.expert_bias_E.float()
+    m.tokens_per_expert_E = m.tokens_per_expert_E.float()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.02)
+    return m
+
+
+class TorchTitanLayer(nn.Module):
+    """TorchTitan's MoE on [N, L] rows (it takes [B, S, L])."""
+
+    def __init__(self, moe):
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x):
+        return self.moe(x[None])[0]
+
+
+def measure(fn, reps_ms, grad_to_none):
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=max(5, reps_ms // 4), rep=reps_ms, grad_to_none=grad_to_none, return_mode="median")
+
+
+def timed_cpu(fn, n=2):
+    fn()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t) / n * 1e3
+
+
+def peak_extra(fn, device):
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / GiB
+
+
+def rates(device):
+    """Measured bf16 / FP8 GEMM rates (TFLOP/s) and copy bandwidth (GB/s): the floors' denominators."""
+    if device.type != "cuda":
+        return None
+    from triton.testing import do_bench
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    t16 = do_bench(lambda: a @ b, rep=100, return_mode="median")
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t().contiguous().t()
+    one = torch.ones((), device=device)
+    try:
+        t8 = do_bench(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), rep=100,
+                      return_mode="median")
+    except RuntimeError:
+        t8 = None
+    big = torch.empty(2 * GiB // 2, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(big)
+    tc = do_bench(lambda: dst.copy_(big), rep=100, return_mode="median")
+    return {"bf16_tflops": 2 * n ** 3 / t16 / 1e9, "fp8_tflops": 2 * n ** 3 / t8 / 1e9 if t8 else None,
+            "copy_gbps": 2 * big.numel() * 2 / tc / 1e6}
+
+
+def floors(N, L, I, E, k, n_shared, rate, fp8):
+    if rate is None:
+        return None
+    P = N * k
+    f_fwd = 2 * P * 3 * L * I + 2 * N * 3 * L * n_shared * I + 2 * N * L * E
+    w_bytes = (3 * E * L * I + 3 * n_shared * I * L + E * L) * 2
+    act = 2 * N * L * 2
+    tf = rate["fp8_tflops"] if fp8 and rate["fp8_tflops"] else rate["bf16_tflops"]
+    bw = rate["copy_gbps"] * 1e6  # bytes per ms
+    fwd_ms = max(f_fwd / (tf * 1e9), (w_bytes + act) / bw)
+    # backward: dgrad + wgrad (2x the forward FLOPs), weights read again, their gradients written
+    fb_ms = max((f_fwd / (tf * 1e9)) + 2 * f_fwd / (rate["bf16_tflops"] * 1e9), (3 * w_bytes + 2 * act) / bw)
+    return {"fwd_ms": fwd_ms, "fwd_bwd_ms": fb_ms, "fwd_tflop": f_fwd / 1e12}
+
+
+def run_point(impls, N, L, device, dtype, reps_ms, params):
+    torch.manual_seed(1)
+    x = (torch.randn(N, L, device=device) * 0.5).to(dtype).requires_grad_()
+    dy = torch.randn(N, L, device=device).to(dtype)
+    out = {}
+    for name, mod in impls.items():
+        entry = {}
+        try:
+            def fwd():
+                with torch.no_grad():
+                    return mod(x)
+
+            def fwd_bwd():
+                y = mod(x)
+                y.backward(dy)
+
+            grads = [x] + params[name]
+            if device.type == "cuda":
+                entry["fwd_ms"] = measure(fwd, reps_ms, None)
+                entry["fwd_bwd_ms"] = measure(fwd_bwd, reps_ms, grads)
+            else:
+                entry["fwd_ms"] = timed_cpu(fwd, 1)
+                entry["fwd_bwd_ms"] = timed_cpu(fwd_bwd, 1)
+            for p in grads:
+                p.grad = None
+            entry["peak_gib_fwd_bwd"] = peak_extra(fwd_bwd, device)
+            # determinism: two forward+backward runs, bit for bit (output, input and weight gradients)
+            runs = []
+            for _ in range(2):
+                for p in grads:
+                    p.grad = None
+                y = mod(x)
+                y.backward(dy)
+                runs.append([y.detach().clone()] + [p.grad.clone() for p in grads])
+            entry["bitwise_rerun"] = all(torch.equal(a, b) for a, b in zip(*runs))
+            if isinstance(mod, OursMoE) and not isinstance(mod, NaiveMoE):
+                # router + routed experts (the shared MLP is plain cuBLAS, which picks kernels by row count)
+                sub = torch.arange(0, N, 3, device=device)
+                with torch.no_grad():
+                    entry["routed_batch_invariant"] = bool(torch.equal(mod.routed(x[sub]), mod.routed(x)[sub]))
+            entry["_y"] = runs[0][0]
+            del runs
+        except torch.cuda.OutOfMemoryError as err:
+            entry = {"error": f"out of memory: {str(err).splitlines()[0][:160]}"}
+        for p in [x] + params[name]:
+            p.grad = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        out[name] = entry
+    return out
+
+
+SWEEP = {  # candidate tiles (block_m, block_n, block_k, warps, stages) per kernel, timed one kernel at a time
+    "gate_up": [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)],
+    "mm": [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4)],
+    "wgrad": [(128, 128, 64, 8, 3), (64, 128, 128, 8, 3), (64, 128, 64, 4, 4)],
+    "gate_up_fp8": [(128, 128, 128, 8, 3), (64, 128, 128, 4, 3)],
+    "mm_fp8": [(128, 128, 128, 8, 3), (128, 256, 128, 8, 3)],
+}
+
+
+def sweep(E, N, L, I, k, device, reps_ms):
+    """Per-kernel medians for each candidate tile (E experts, N tokens, random balanced-ish routing)."""
+    from k3_kernels.moe import grouped_gemm as gg
+    from k3_kernels.moe.permute import permute_rows, plan_routing
+    from k3_kernels.moe.layer import fp8_weight
+
+    torch.manual_seed(3)
+    z = torch.randn(N, L, device=device, dtype=torch.bfloat16)
+    ids = torch.rand(N, E, device=device).topk(k, dim=-1).indices
+    w1 = (torch.randn(E, I, L, device=device) * 0.02).bfloat16()
+    w3 = (torch.randn(E, I, L, device=device) * 0.02).bfloat16()
+    w2 = (torch.randn(E, L, I, device=device) * 0.02).bfloat16()
+    plan = plan_routing(ids, E)
+    xp, xq, xs = permute_rows(z, plan, fp8=True)
+    (w1q, w1s), (w3q, w3s), (w2q, w2s) = fp8_weight(w1), fp8_weight(w3), fp8_weight(w2)
+    gu, h, hq, hs = gg.gate_up(xp, w1, w3, plan, BETA, LINEAR_BETA, save_gu=True, quant_h=True)
+    dy = torch.randn(plan.rows, L, device=device, dtype=torch.bfloat16)
+    dgu = torch.randn(plan.rows, 2 * I, device=device, dtype=torch.bfloat16)
+    P = plan.rows
+    flops = {"gate_up": 4 * P * L * I, "down": 2 * P * L * I, "down_dgrad_situ": 2 * P * L * I,
+             "gate_up_dgrad": 4 * P * L * I, "wgrad_w2": 2 * P * L * I, "gate_up_fp8": 4 * P * L * I,
+             "down_fp8": 2 * P * L * I}
+    calls = {
+        "gate_up": ("gate_up", lambda: gg.gate_up(xp, w1, w3, plan, BETA, LINEAR_BETA, save_gu=True)),
+        "down": ("mm", lambda: gg.down(h, w2, plan, torch.bfloat16)),
+        "down_dgrad_situ": ("mm", lambda: gg.down_dgrad_situ(dy, w2, gu, plan, BETA, LINEAR_BETA)),
+        "gate_up_dgrad": ("mm", lambda: gg.gate_up_dgrad(dgu, w1, w3, plan)),
+        "wgrad_w2": ("wgrad", lambda: gg.wgrad(dy, h, plan, torch.bfloat16)),
+        "gate_up_fp8": ("gate_up_fp8", lambda: gg.gate_up(xp, w1, w3, plan, BETA, LINEAR_BETA, save_gu=False,
+                                                         write_h=False, quant_h=True,
+                                                         fp8=(xq, xs, w1q, w1s, w3q, w3s))),
+        "down_fp8": ("mm_fp8", lambda: gg.down(hq, w2, plan, torch.bfloat16, fp8=(hq, hs, w2q, w2s))),
+    }
+    base = gg.configs
+    out = {"experts": E, "tokens": N, "results": {}}
+    for name, (key, fn) in calls.items():
+        rows = []
+        for tile in SWEEP[key]:
+            cfg = gg.TileConfig(*tile)
+
+            def patched(dev, _key=key, _cfg=cfg):
+                c = dict(base(dev))
+                c[_key] = _cfg
+                return c
+            gg.configs = patched
+            try:
+                ms = measure(fn, reps_ms, None)
+                rows.append({"tile": tile, "ms": ms, "tflops": flops[name] / ms / 1e9})
+            except Exception as err:  # a tile that does not compile (shared memory, registers) is recorded
+                rows.append({"tile": tile, "error": f"{type(err).__name__}: {str(err)[:120]}"})
+            finally:
+                gg.configs = base
+        out["results"][name] = rows
+        print(name, [(r["tile"], round(r.get("tflops", 0), 1)) for r in rows], flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter): checks the script")
+    ap.add_argument("--experts", default="112,896")
+    ap.add_argument("--tokens", default="4096,16384,32768")
+    ap.add_argument("--impls", default="torchtitan,naive,ours_bf16,ours_fp8")
+    ap.add_argument("--naive-max-tokens", type=int, default=4096, help="the naive loop only up to this many tokens")
+    ap.add_argument("--rep-ms", type=int, default=150)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--sweep", default=None, help="E,N: per-kernel tile sweep at that point first")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.smoke:  # fp32: the interpreter's bf16 dots are not the GPU's (tests/kernels/conftest.py)
+        L, I, k, n_shared = 128, 128, 2, 2
+        experts, tokens = [4], [16]
+    else:
+        L, I, k, n_shared = 3584, 3072, 16, 2
+        experts, tokens = [int(v) for v in args.experts.split(",")], [int(v) for v in args.tokens.split(",")]
+    impl_names = args.impls.split(",")
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    result = {**run_header("moe", device=str(device), packages=("triton", "torchtitan")),
+              "shapes": {"latent": L, "intermediate": I, "top_k": k, "shared_experts": n_shared},
+              "rates": rates(device), "points": []}
+    path = args.out or (os.path.join(os.environ["OUT"], "moe.json") if os.environ.get("OUT") else "moe")
+    if args.sweep:
+        E_s, N_s = (int(v) for v in args.sweep.split(","))
+        result["sweep"] = sweep(E_s, N_s, L, I, k, device, args.rep_ms)
+        write_results(path, result)
+    for E in experts:
+        tt = torchtitan_moe(L, I, E, k, n_shared, device, dtype) if "torchtitan" in impl_names else None
+        torch.manual_seed(2)
+        if tt is not None:
+            ge = tt.routed_experts.inner_experts
+            w1, w3, w2 = ge.w1_EFD, ge.w3_EFD, ge.w2_EDF
+            router_w = tt.router.gate.weight
+        else:
+            w1 = nn.Parameter((torch.randn(E, I, L, device=device) * 0.02).to(dtype))
+            w3 = nn.Parameter((torch.randn(E, I, L, device=device) * 0.02).to(dtype))
+            w2 = nn.Parameter((torch.randn(E, L, I, device=device) * 0.02).to(dtype))
+            router_w = nn.Parameter((torch.randn(E, L, device=device) * 0.02).to(dtype))
+        shared = [nn.Parameter((torch.randn(*s, device=device) * 0.02).to(dtype))
+                  for s in ((n_shared * I, L), (n_shared * I, L), (L, n_shared * I))]
+        impls, params = {}, {}
+        mine = [router_w, w1, w3, w2, *shared]
+        if tt is not None:
+            impls["torchtitan"], params["torchtitan"] = TorchTitanLayer(tt), list(tt.parameters())
+        if "ours_bf16" in impl_names:
+            impls["ours_bf16"], params["ours_bf16"] = OursMoE(router_w, w1, w3, w2, shared, k, Precision.BF16), mine
+        if "ours_fp8" in impl_names:
+            impls["ours_fp8"], params["ours_fp8"] = OursMoE(router_w, w1, w3, w2, shared, k, Precision.FP8), mine
+        naive_mod = NaiveMoE(router_w, w1, w3, w2, shared, k, Precision.BF16) if "naive" in impl_names else None
+        for N in tokens:
+            run = dict(impls)
+            if naive_mod is not None and N <= args.naive_max_tokens:
+                run["naive"], params["naive"] = naive_mod, mine
+            t0 = time.time()
+            res = run_point(run, N, L, device, dtype, args.rep_ms, params)
+            point = {"experts": E, "tokens": N}
+            ref = res.get("ours_bf16", {}).get("_y")
+            for name, entry in res.items():
+                y = entry.pop("_y", None)
+                if ref is not None and y is not None and name in ("ours_fp8", "naive"):  # the same function
+                    entry["rel_rms_vs_ours_bf16"] = ((y.float() - ref.float()).pow(2).mean().sqrt()
+                                                     / ref.float().pow(2).mean().sqrt()).item()
+                point[name] = entry
+            tt_fb = point.get("torchtitan", {}).get("fwd_bwd_ms")
+            for name in ("ours_bf16", "ours_fp8"):
+                ours = point.get(name, {})
+                if tt_fb and ours.get("fwd_bwd_ms"):
+                    ours["speedup_fwd_bwd_vs_torchtitan"] = tt_fb / ours["fwd_bwd_ms"]
+                    ours["speedup_fwd_vs_torchtitan"] = point["torchtitan"]["fwd_ms"] / ours["fwd_ms"]
+            point["floor_bf16"] = floors(N, L, I, E, k, n_shared, result["rates"], False)
+            point["floor_fp8"] = floors(N, L, I, E, k, n_shared, result["rates"], True)
+            point["wall_s"] = time.time() - t0
+            result["points"].append(point)
+            print(f"E={E} N={N}: " + "  ".join(
+                f"{n} fwd {p.get('fwd_ms', float('nan')):.2f} fwd+bwd {p.get('fwd_bwd_ms', float('nan')):.2f} ms"
+                if "error" not in p else f"{n} {p['error'][:40]}" for n, p in point.items() if isinstance(p, dict)
+                and n in run), flush=True)
+            write_results(path, result)
+        del impls, run, naive_mod, tt
+        w1 = w3 = w2 = router_w = shared = mine = params = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print("wrote", write_results(path, result), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
