@@ -99,9 +99,12 @@ _LAST_SLOTS: list = [None, -1, None]   # weakref to the last slots tensor, its v
 def _segments_of(slots: torch.Tensor, n_adapters: int) -> torch.Tensor:
     """Host segments of `slots`, checked against the stack size; memoised for the last slots tensor (a forward
     passes the same one to every projection: one device-to-host copy per forward instead of one per projection).
-    A hit needs the same live tensor object at the same version, so its values cannot have changed."""
+    A hit needs the same live tensor object at the same version, so its values cannot have changed (inference
+    tensors have no version counter: for them the same object is enough; LoRAManager builds a new one per forward
+    and never writes it)."""
     ref, version, seg = _LAST_SLOTS
-    if ref is not None and ref() is slots and version == slots._version:
+    now = None if slots.is_inference() else slots._version
+    if ref is not None and ref() is slots and version == now:
         if seg.shape[0] and int(seg[:, 2].max()) >= n_adapters:
             raise ValueError(f"slots: entries must be in [-1, {n_adapters}), got up to {int(seg[:, 2].max())}")
         return seg
@@ -109,7 +112,7 @@ def _segments_of(slots: torch.Tensor, n_adapters: int) -> torch.Tensor:
     if s.numel() and (int(s.min()) < -1 or int(s.max()) >= n_adapters):
         raise ValueError(f"slots: entries must be in [-1, {n_adapters}), got [{int(s.min())}, {int(s.max())}]")
     seg = segments(s)
-    _LAST_SLOTS[:] = [weakref.ref(slots), slots._version, seg]
+    _LAST_SLOTS[:] = [weakref.ref(slots), now, seg]
     return seg
 
 

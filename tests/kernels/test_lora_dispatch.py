@@ -54,7 +54,10 @@ def _compare(model, lora, device, monkeypatch, force_kernel: bool, tol: float):
         real = ops.multi_lora
         m.setattr(ops, "multi_lora", lambda *a: calls.append(1) or real(*a))
         got, got_g = _run(model, lora, ids, sel)
+        with torch.inference_mode(), lora.use(sel):   # the engine's forwards: inference tensors (no version counter)
+            got_inf = model(ids, use_cache=False).logits.float()
     assert calls, "the fused path was not taken"
+    torch.testing.assert_close(got_inf, want, atol=tol, rtol=tol)
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     for n in want_g:
         assert len(got_g[n]) == len(want_g[n]) and want_g[n], n
