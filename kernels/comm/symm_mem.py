@@ -1,0 +1,114 @@
+"""The CUDA all-reduce over torch symmetric memory (`torch.distributed._symmetric_memory`): every rank's staging
+buffer is mapped into every peer's address space (NVLink P2P), and peer_sum's Triton kernels read the peers'
+buffers directly through a device pointer table (`_SymmetricMemory.buffer_ptrs`).
+
+Per rank, one symmetric uint8 buffer of 2 slots (double buffering by call parity); a slot holds the input region
+(the local copy of the caller's tensor) and the reduced-shard region (two-shot stage 1's output). The ordering
+uses torch's own device-side barrier (`_SymmetricMemory.barrier`, signal pads with release/acquire at system
+scope, on the current stream), the pattern torch's `_low_contention_all_gather` uses:
+
+    one-shot, call k (slot k % 2):  copy x -> input[slot]; barrier; out = sum_r peer_r.input[slot]
+    two-shot, call k:               copy x -> input[slot]; barrier; shard[slot] = sum_r peer_r.input[slot][my shard];
+                                    barrier; out = concat_s peer_s.shard[slot]
+
+No trailing barrier: call k + 1 uses the other slot, and a rank writes slot k % 2 again only at call k + 2, after
+call k + 1's first barrier, which no rank passes before every rank has finished call k's reads (stream order).
+Every call on a group must therefore run on one stream per rank, in the same order on every rank.
+NVLink multicast (multimem) is not used."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm
+
+from . import peer_sum
+from .plan import Algorithm, AllReduceConfig, shard_bounds, shard_size
+
+_MIN_CAPACITY = 1 << 20
+_SLOTS = 2
+
+
+class Workspace:
+    """The symmetric staging buffer of one (group, device): `capacity` bytes of input and of reduced shard per slot.
+    Created (collectively: every rank at the same call) on first use and regrown to the next power of two when a
+    larger message comes; a replaced buffer is kept alive (peers may still hold its mapping), at most a few."""
+
+    def __init__(self, group, device: torch.device, capacity: int):
+        self.capacity = capacity
+        self.slot_bytes = 2 * capacity
+        self.buffer = symm.empty(_SLOTS * self.slot_bytes, dtype=torch.uint8, device=device)
+        self.handle = symm.rendezvous(self.buffer, group)
+        self.rank, self.world = self.handle.rank, self.handle.world_size
+        # buffer_ptrs are the bases of the peers' mapped blocks; a tensor from torch's symmetric memory pool may
+        # start inside its block (torch >= 2.10 keeps that offset in the handle), at the same offset on every rank.
+        bases = list(self.handle.buffer_ptrs)
+        offset = self.buffer.data_ptr() - bases[self.rank]
+        if not 0 <= offset < self.handle.buffer_size:
+            raise RuntimeError(f"all_reduce: symmetric buffer at offset {offset} of its block (outside it)")
+        self.ptrs = torch.tensor([b + offset for b in bases], dtype=torch.int64, device=device)
+        self.calls = 0
+
+    def next_slot(self) -> int:
+        slot = self.calls % _SLOTS
+        self.calls += 1
+        return slot
+
+    def input_offset(self, slot: int, element_size: int) -> int:
+        return slot * self.slot_bytes // element_size
+
+    def shard_offset(self, slot: int, element_size: int) -> int:
+        return (slot * self.slot_bytes + self.capacity) // element_size
+
+    def input_view(self, slot: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+        start = slot * self.slot_bytes
+        return self.buffer[start:start + n * dtype.itemsize].view(dtype)
+
+    def shard_view(self, slot: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+        start = slot * self.slot_bytes + self.capacity
+        return self.buffer[start:start + n * dtype.itemsize].view(dtype)
+
+
+_workspaces: dict[tuple[str, int], Workspace] = {}
+_retired: list[Workspace] = []
+
+
+def workspace(group, device: torch.device, nbytes: int) -> Workspace:
+    """The group's workspace on `device`, at least `nbytes` per region (collective when it is created or grown)."""
+    key = (group.group_name, device.index)
+    ws = _workspaces.get(key)
+    if ws is None or ws.capacity < nbytes:
+        capacity = max(_MIN_CAPACITY, 1 << max(0, nbytes - 1).bit_length())
+        if ws is not None:
+            ws.handle.barrier(channel=0)  # no peer still reads the old buffer once every rank is past this
+            _retired.append(ws)
+        try:
+            ws = Workspace(group, device, capacity)
+        except RuntimeError as e:
+            raise RuntimeError(f"all_reduce: symmetric memory rendezvous failed on {device} ({e}); pass "
+                               f"AllReduceConfig(use_symmetric_memory=False) for the process-group path") from e
+        _workspaces[key] = ws
+    return ws
+
+
+def all_reduce_symm_mem(flat: torch.Tensor, group, algorithm: Algorithm, config: AllReduceConfig) -> torch.Tensor:
+    """Ordered sum of every rank's contiguous 1-D CUDA `flat` (same numel and dtype everywhere, checked before)."""
+    n, es = flat.numel(), flat.element_size()
+    ws = workspace(group, flat.device, n * es)
+    slot = ws.next_slot()
+    ws.input_view(slot, n, flat.dtype).copy_(flat)
+    ws.handle.barrier(channel=0)
+    out = torch.empty_like(flat)
+    if algorithm is Algorithm.ONE_SHOT:
+        peer_sum.one_shot(ws.ptrs, ws.input_offset(slot, es), out)
+        return out
+    start, end = shard_bounds(n, ws.world, es, config)[ws.rank]
+    shard = shard_size(n, ws.world, es, config)
+    peer_sum.reduce_shard(ws.ptrs, ws.input_offset(slot, es), ws.shard_view(slot, shard, flat.dtype), start, end)
+    ws.handle.barrier(channel=0)
+    peer_sum.gather_shards(ws.ptrs, ws.shard_offset(slot, es), out, shard)
+    return out
+
+
+def usable(flat: torch.Tensor, group, config: AllReduceConfig) -> bool:
+    """Symmetric memory serves this call: a CUDA tensor, asked for, and an NCCL group (the rendezvous's store)."""
+    return flat.is_cuda and config.use_symmetric_memory and "nccl" in str(dist.get_backend(group))

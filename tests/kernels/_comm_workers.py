@@ -1,0 +1,105 @@
+"""Rank processes for the all-reduce tests (tests/kernels/test_comm*.py): each rank runs a fixed battery of
+`k3_kernels.comm.all_reduce` calls over a pair group (ranks 0, 1) and the whole world, and saves what it got (and
+the errors it caught) for the parent process to compare with the spec. Inputs come from `make_input`, which the
+parent calls too, so nothing is exchanged except through the library under test."""
+from __future__ import annotations
+
+import os
+import traceback
+import zlib
+
+import torch
+import torch.distributed as dist
+
+SHAPES = ((1,), (7,), (1001,), (5, 13), (0,))
+DTYPES = (torch.float32, torch.bfloat16)
+GROUPS = {"pair": (0, 1), "world": None}  # None: every rank of the world
+
+
+def make_input(rank: int, shape: tuple, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
+    """Rank `rank`'s deterministic input: normal draws over ~8 decades, so that the order of the sum shows in the
+    bits (reordering 3 such terms changes some element's rounding)."""
+    g = torch.Generator().manual_seed(zlib.crc32(repr((rank, shape, str(dtype), salt)).encode()))
+    n = 1
+    for d in shape:
+        n *= d
+    x = torch.randn(n, generator=g, dtype=torch.float64)
+    x = x * torch.pow(10.0, torch.randint(-4, 4, (n,), generator=g).double())
+    return x.to(dtype).reshape(shape)
+
+
+def algorithms():
+    from k3_kernels.comm import Algorithm
+
+    return {"auto": None, "one_shot": Algorithm.ONE_SHOT, "two_shot": Algorithm.TWO_SHOT}
+
+
+def _run(rank: int, world: int, store_dir: str, device: str, backend: str) -> dict:
+    from k3_kernels.comm import AllReduceConfig, all_reduce
+
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, init_method=f"file://{store_dir}/store", rank=rank, world_size=world)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    groups = {name: dist.new_group(list(ranks)) if ranks else dist.group.WORLD for name, ranks in GROUPS.items()}
+    members = {name: ranks or tuple(range(world)) for name, ranks in GROUPS.items()}
+    out: dict = {"results": {}, "repeat_equal": {}, "errors": {}}
+    for gname, group in groups.items():
+        if rank not in members[gname]:
+            continue
+        for dtype in DTYPES:
+            for shape in SHAPES:
+                for aname, algo in algorithms().items():
+                    x = make_input(rank, shape, dtype).to(device)
+                    before = x.clone()
+                    config = AllReduceConfig(algorithm=algo)
+                    first = all_reduce(x, group, config)
+                    second = all_reduce(x, group, config)
+                    key = (gname, str(dtype), shape, aname)
+                    out["results"][key] = first.cpu()
+                    out["repeat_equal"][key] = (torch.equal(first.view(torch.uint8), second.view(torch.uint8))
+                                                and torch.equal(x, before))
+    if device == "cpu":
+        out["errors"] = _bad_inputs(rank, groups["world"], all_reduce, AllReduceConfig)
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+def _catch(fn) -> str:
+    try:
+        fn()
+    except (TypeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _bad_inputs(rank: int, group, all_reduce, AllReduceConfig) -> dict:
+    """Bad calls on the world group (3 ranks), then a good one: every rank must raise the same error for a bad
+    tensor on any one rank, and the group must still work after."""
+    f32 = torch.float32
+    shape_mismatch = make_input(rank, (8,) if rank == 1 else (7,), f32)
+    dtype_mismatch = make_input(rank, (7,), torch.bfloat16 if rank == 2 else f32)
+    base = make_input(rank, (4, 6), f32)
+    non_contiguous = base.t().contiguous().t() if rank == 0 else base  # rank 0: a (4, 6) view with stride (1, 4)
+    errors = {
+        "shape": _catch(lambda: all_reduce(shape_mismatch, group, name="grad")),
+        "dtype": _catch(lambda: all_reduce(dtype_mismatch, group, name="grad")),
+        "non_contiguous": _catch(lambda: all_reduce(non_contiguous, group, name="grad")),
+        "int_dtype": _catch(lambda: all_reduce(torch.arange(5, dtype=torch.int32), group, name="grad")),
+        "not_tensor": _catch(lambda: all_reduce([1.0, 2.0], group, name="grad")),
+        "local_only": _catch(lambda: all_reduce(base.t(), group, AllReduceConfig(check_across_ranks=False),
+                                                name="grad")),
+    }
+    after = all_reduce(make_input(rank, (7,), f32, salt=1), group)
+    return {**errors, "after": after}
+
+
+def worker(rank: int, world: int, store_dir: str, device: str = "cpu", backend: str = "gloo") -> None:
+    """torch.multiprocessing entry: run the battery, save rank<r>.pt (or rank<r>.err with the traceback)."""
+    try:
+        torch.save(_run(rank, world, store_dir, device, backend), os.path.join(store_dir, f"rank{rank}.pt"))
+    except BaseException:
+        with open(os.path.join(store_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
