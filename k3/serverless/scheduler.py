@@ -2,7 +2,8 @@
 
 Each round takes the kind (forward_backward, forward, optim_step, sample, ...) of the oldest waiting request and
 batches the head requests of that kind of as many sessions as fit (`max_batch_rows` rows), one request per
-session (a session's own requests run in order). Who goes first in a full round trades adapter locality against
+session (a session's own requests run in order), except for the read-only kinds (sample, logprobs), where a
+session's consecutive queued requests of the kind join the round too. Who goes first in a full round trades adapter locality against
 fairness: sessions whose optimizer state is resident go before offloaded ones, but a session passed over
 `max_skips` times goes first; among equals the session that has been served the fewest rows goes first (a deficit
 order, which keeps Jain's fairness index near 1 under equal demand). Sessions not scheduled for `offload_after`
@@ -23,6 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 BATCHED = ("forward_backward", "forward", "sample", "logprobs")
+# kinds that read a snapshot and change no session state: a session's consecutive requests of one of them may
+# share a round (its sample calls of one turn, issued together, become one engine batch)
+READ_ONLY = ("sample", "logprobs")
 RECENT_S = 0.25   # a session served this recently is expected to send its next request soon (batch_wait_s)
 
 
@@ -102,11 +106,18 @@ class Scheduler:
                 continue
             chosen.append(r)
             rows += r.rows
-        for r in chosen:
-            self.queues[r.session].popleft()
+        for r in list(chosen):
+            q = self.queues[r.session]
+            q.popleft()
             self.skips[r.session] = 0
-            self.served_rows[r.session] = self.served_rows.get(r.session, 0) + r.rows
             self.last_round[r.session] = self.round
+            if kind in READ_ONLY:   # the session's next requests of this kind too, while they come in a run
+                while q and q[0].kind == kind and rows + q[0].rows <= self.max_rows:
+                    chosen.append(q.popleft())
+                    rows += chosen[-1].rows
+        for r in chosen:
+            self.served_rows[r.session] = self.served_rows.get(r.session, 0) + r.rows
+        chosen.sort(key=lambda r: r.seq)
         return kind, chosen
 
     def _gather(self) -> None:

@@ -96,3 +96,16 @@ def test_batch_wait_gathers_sessions_in_a_closed_loop_and_a_lone_session_never_w
     assert fa.result(timeout=10) == 1 and fb.result(timeout=10) == 9
     s.close()
     assert rec.rounds[-1][0] == "sample" and sorted(x[0] for x in rec.rounds[-1][1]) == ["a", "solo"]
+
+
+def test_a_sessions_consecutive_sample_calls_share_a_round():
+    """Read-only calls (sample) queued one after another by one session join one round; a forward_backward
+    behind them waits for its own round (a session's state-changing calls stay one a round, in order)."""
+    s, rec, gate, first = _blocked()
+    futs = [s.submit("sample", "a", i) for i in range(3)] + [s.submit("forward_backward", "a", 3),
+                                                             s.submit("sample", "a", 4), s.submit("sample", "b", 5)]
+    gate.set()
+    assert [f.result(timeout=10) for f in futs] == [0, 1, 2, 3, 4, 5]
+    s.close()
+    rounds = [(k, [x[1] for x in b]) for k, b in rec.rounds[1:]]
+    assert rounds == [("sample", [0, 1, 2, 5]), ("forward_backward", [3]), ("sample", [4])]
