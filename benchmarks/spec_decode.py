@@ -41,7 +41,8 @@ def memory_table() -> list[dict]:
     mc = K3Config.preset("k3")
     snap = snapshot_bytes_per_draft(mc)
     rows = []
-    shapes = (("chain 3", 3, 4), ("chain 7", 7, 8), ("16-node tree (same per-node layout)", 16, 16))
+    # drafts: draft tokens (nodes) of the shape, positions: what one verify stores (the pending token as well)
+    shapes = (("chain 3", 3, 4), ("chain 7", 7, 8), ("16-node tree (pending token + 15 draft nodes)", 15, 16))
     for name, drafts, positions in shapes:
         ours = scratch_bytes_per_sequence_layer(mc, torch.bfloat16, positions)
         rows.append({"shape": name, "verify_positions": positions, "ours_bytes": ours,

@@ -69,30 +69,42 @@ class KimiDeltaAttention(nn.Module):
         y = F.silu(F.conv1d(full, conv.weight, groups=C))
         return y.transpose(1, 2), full[..., full.shape[-1] - (self.conv_size - 1):]
 
-    def forward(self, x: torch.Tensor, cache: CacheView, layer: int) -> torch.Tensor:
-        B, T, _ = x.shape
+    def step_inputs(self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+                    conv: torch.Tensor | None):
+        """The recurrence's inputs from the projections of x (xq, xk, xv [B, T, H*K], f [B, T, H*K], b [B, T, H])
+        and the short-conv windows `conv` [B, 3, H*K, W-1] (None: zeros) -> (q, k, v, g, beta, new windows). The
+        forward's own code; speculative commits (k3.rollout.spec) call it again on stored projections, at decode's
+        shapes, to rebuild k, v, g, beta bitwise instead of storing them."""
+        B, T, _ = xq.shape
         H, K = self.n_heads, self.head_dim
-        h0, conv = cache.kda(layer)
         windows = [None, None, None] if conv is None else list(conv.unbind(1))
-        xq, xk, xv = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q, wq = self._short_conv(xq, self.q_conv1d, windows[0])
         k, wk = self._short_conv(xk, self.k_conv1d, windows[1])
         v, wv = self._short_conv(xv, self.v_conv1d, windows[2])
         q, k = l2norm(q.view(B, T, H, K)), l2norm(k.view(B, T, H, K))
         v = v.view(B, T, H, K)
-        f = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
+        f = f.view(B, T, H, K)
         if self.lower_bound is not None:
             g = naive_kda_lowerbound_gate(f, self.A_log, self.dt_bias, self.lower_bound)
         else:
             g = naive_kda_gate(f, self.A_log, self.dt_bias)
-        beta = torch.sigmoid(self.b_proj(x).float())
+        beta = torch.sigmoid(b.float())
+        return q, k, v, g, beta, torch.stack([wq, wk, wv], dim=1)
+
+    def forward(self, x: torch.Tensor, cache: CacheView, layer: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, K = self.n_heads, self.head_dim
+        h0, conv = cache.kda(layer)
+        xq, xk, xv = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        f, b = self.f_b_proj(self.f_a_proj(x)), self.b_proj(x)
+        q, k, v, g, beta, windows = self.step_inputs(xq, xk, xv, f, b, conv)
         record = getattr(cache, "record_kda_inputs", None)   # speculative verify (k3.rollout.spec): ReplaySSM inputs
-        if record is not None:
-            record(layer, k, v, g, beta, torch.stack([xq, xk, xv], dim=2))   # pre-conv inputs [B, T, 3, H*K]
+        if record is not None:   # the projections only: the commit rebuilds k, v, g, beta with `step_inputs`
+            record(layer, torch.stack([xq, xk, xv], dim=2), f, b)   # [B, T, 3, H*K], [B, T, H*K], [B, T, H]
         o, h = self.mix(q, k, v, g, beta, h0)
         gate = self._output_gate(x).view(B, T, H, K)
         o = ops.gated_rms_norm(o, gate, self.o_norm.weight, self.eps).reshape(B, T, H * K)
-        cache.set_kda(layer, h, torch.stack([wq, wk, wv], dim=1))
+        cache.set_kda(layer, h, windows)
         return self.o_proj(o)
 
     def mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -158,24 +158,49 @@ class SpecDecoder:
                 eng._emit(s, e.token, e.logprob, e.sampling_logprob, rt[j])
 
 
+def replay_step_inputs(mod, scratch: ReplayScratch, ki: int, window: torch.Tensor, steps: int, n_seat: torch.Tensor,
+                       B: int) -> tuple[torch.Tensor, ...]:
+    """k, v, g, beta [steps, B, ...] of the stored positions of KDA layer `ki` (module `mod`), rebuilt from the
+    stored projections by the layer's own `step_inputs`, one position at a time at the decode batch size from the
+    committed windows `window` [B, 3, C, W-1] (each seat's window moves on only while it accepts): the bits the
+    verify pass computed, and plain decoding would."""
+    proj = {name: scratch.seats(ki, name, list(range(scratch.rows)), B) for name in ("conv_in", "f", "b")}
+    ks, vs, gs, bs = [], [], [], []
+    for t in range(steps):
+        x = proj["conv_in"][t]
+        _, k, v, g, beta, nxt = mod.step_inputs(x[:, None, 0], x[:, None, 1], x[:, None, 2], proj["f"][t, :, None],
+                                                proj["b"][t, :, None], window)
+        keep = (n_seat > t).view(-1, 1, 1, 1)
+        window = torch.where(keep, nxt.to(window.dtype), window)
+        ks.append(k[:, 0])
+        vs.append(v[:, 0])
+        gs.append(g[:, 0])
+        bs.append(beta[:, 0])
+    return tuple(torch.stack(x) for x in (ks, vs, gs, bs))
+
+
 def commit(eng: "Engine", rows: list["_Seq"], scratch: ReplayScratch, n_commit: list[int]) -> None:
-    """Keep the first n_commit[r] verify positions of row r: ReplaySSM fold of every KDA layer's stored inputs from
-    the committed state (at the decode batch size, rows in the seats they verified in), conv windows rolled
-    forward, MLA pages past the new length released."""
+    """Keep the first n_commit[r] verify positions of row r (its accepted path): ReplaySSM fold of every KDA layer's
+    rebuilt step inputs from the committed state (at the decode batch size, rows in the seats they verified in),
+    conv windows rolled forward, MLA pages past the new length released."""
     B, R = eng.cfg.decode_batch, len(rows)
     dev = eng.device
     slots = torch.tensor([eng.states.slot(s.state) for s in rows], dtype=torch.long, device=dev)
     n_seat = torch.zeros(B, dtype=torch.long, device=dev)
     n_seat[:R] = torch.tensor(n_commit, dtype=torch.long)
-    seat_of_row = list(range(R))
+    steps = max(n_commit)
     rec_store, conv_store = eng.states.dev["rec"], eng.states.dev["conv"]
+    layer_of = {ki: layer for layer, ki in eng.kda_index.items()}
     new_states = []
     for ki in range(len(eng.kda_index)):   # computed in full before anything is written
         S0 = rec_store.new_zeros(B, *rec_store.shape[2:])
         S0[:R] = rec_store[slots, ki]
-        k, v, g, beta = (scratch.seats(ki, name, seat_of_row, B) for name in ("k", "v", "g", "beta"))
+        window = conv_store.new_zeros(B, *conv_store.shape[2:])
+        window[:R] = conv_store[slots, ki]
+        mod = eng.model.model.layers[layer_of[ki]].self_attn
+        k, v, g, beta = replay_step_inputs(mod, scratch, ki, window, steps, n_seat, B)
         S = ops.kda_replay_commit(S0, k, v, g, beta, n_seat)
-        conv = naive_conv_roll(conv_store[slots, ki], scratch.bufs[ki]["conv_in"].transpose(0, 1), n_seat[:R])
+        conv = naive_conv_roll(window[:R], scratch.bufs[ki]["conv_in"].transpose(0, 1), n_seat[:R])
         new_states.append((S[:R], conv))
     for ki, (S, conv) in enumerate(new_states):
         rec_store[slots, ki] = S.to(torch.float32)

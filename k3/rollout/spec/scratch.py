@@ -1,5 +1,6 @@
-"""ReplaySSM scratch: the KDA step inputs a verify pass stores per draft position, allocated for the running
-requests of one verify (never per pool slot), and what it costs against one fp32 state snapshot per draft."""
+"""ReplaySSM scratch: what a verify pass stores per draft position of each KDA layer (the projections the step
+inputs are rebuilt from), allocated for the running requests of one verify (never per pool slot), and what it
+costs against one fp32 state snapshot per draft."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,11 +12,13 @@ from k3.config import K3Config
 
 def scratch_layout(mc: K3Config, dtype: torch.dtype, positions: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Per sequence and KDA layer: name -> (shape, dtype) of what the verify pass stores for `positions` draft
-    positions. k (post-conv, L2-normed) and v in the model dtype; the log-decay g and beta in fp32 (as the gate
-    computes them); the pre-conv q/k/v inputs (for the short-conv rollback) in the model dtype. No recurrent state."""
-    H, K, V = mc.kda_num_heads, mc.kda_head_dim, mc.kda_head_dim
-    return {"k": ((positions, H, K), dtype), "v": ((positions, H, V), dtype), "g": ((positions, H, K), torch.float32),
-            "beta": ((positions, H), torch.float32), "conv_in": ((positions, 3, H * K), dtype)}
+    positions: the layer's projections of each position, in the model dtype as the projections output them -- the
+    pre-conv q/k/v inputs (the short-conv windows roll forward by them), the gate's f = f_b(f_a(x)) and beta's
+    logit b_proj(x). The commit rebuilds k, v (conv, SiLU, L2Norm), the log-decay g and beta from them with the
+    layer's own `step_inputs` at decode's shapes, so they are bitwise what decode computes; storing post-conv k, v
+    and fp32 g, beta instead costs 1.75x as much (NOTES.md). No recurrent state."""
+    H, K = mc.kda_num_heads, mc.kda_head_dim
+    return {"conv_in": ((positions, 3, H * K), dtype), "f": ((positions, H * K), dtype), "b": ((positions, H), dtype)}
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -53,14 +56,17 @@ class ReplayScratch:
     def nbytes(self) -> int:
         return sum(t.nbytes for layer in self.bufs for t in layer.values())
 
-    def store(self, ki: int, rows: list[int], t0: int, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-              beta: torch.Tensor, conv_in: torch.Tensor) -> None:
+    def store(self, ki: int, rows: list[int], t0: int, conv_in: torch.Tensor, f: torch.Tensor,
+              b: torch.Tensor) -> None:
         """Positions [t0, t0+T) of requests `rows` from one forward's per-seat tensors [len(rows), T, ...]."""
-        T = k.shape[1]
-        b = self.bufs[ki]
-        idx = torch.as_tensor(rows, dtype=torch.long, device=b["k"].device)
-        for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta), ("conv_in", conv_in)):
-            b[name][idx, t0:t0 + T] = x.to(b[name].dtype)
+        T = conv_in.shape[1]
+        buf = self.bufs[ki]
+        idx = torch.as_tensor(rows, dtype=torch.long, device=buf["f"].device)
+        for name, x in (("conv_in", conv_in), ("f", f), ("b", b)):
+            if x.dtype != buf[name].dtype:
+                raise ValueError(f"ReplayScratch.store: {name} is {x.dtype}, the scratch holds {buf[name].dtype} "
+                                 f"(a cast would change the replayed bits)")
+            buf[name][idx, t0:t0 + T] = x
 
     def seats(self, ki: int, name: str, seat_of_row: list[int], n_seats: int) -> torch.Tensor:
         """Position-major [T, n_seats, ...] contiguous, request r at seat seat_of_row[r], zeros in empty seats (the

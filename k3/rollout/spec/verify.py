@@ -49,9 +49,9 @@ class SpecView(PoolView):
     def set_kda(self, layer, recurrent, conv):
         self.working[layer] = (recurrent, conv)
 
-    def record_kda_inputs(self, layer, k, v, g, beta, conv_in):
+    def record_kda_inputs(self, layer, conv_in, f, b):
         s = self.rec_seats
-        self.scratch.store(self.eng.kda_index[layer], self.rec_rows, self.t0, k[s], v[s], g[s], beta[s], conv_in[s])
+        self.scratch.store(self.eng.kda_index[layer], self.rec_rows, self.t0, conv_in[s], f[s], b[s])
 
 
 @dataclass
