@@ -3,7 +3,7 @@ module and calls the named function; CLI flags then override fields, e.g. --para
 
 k3_tiny / k3_small / k3: GPU training settings (bf16 parameters under FSDP, selective activation checkpointing).
 *_cpu: the same models on CPU with gloo (cpu.use_cpu() plus fp32, no CUDA graphs, contiguous CP shards, the local
-byte tokenizer and arithmetic dataset): what CI runs."""
+byte tokenizer and arithmetic dataset): what CI runs. *_gspo*: K3GSPOTrainer with GSPOLoss on RL batch files."""
 from __future__ import annotations
 
 from torchtitan.components.checkpoint import CheckpointManager
@@ -18,15 +18,24 @@ from torchtitan.trainer import Trainer
 from . import model_registry
 from .cpu import use_cpu
 from .data import ArithmeticDataLoader, ByteTokenizer
+from .loss import GSPOLoss
+from .rl_data import RLBatchDataLoader
+from .rl_trainer import K3GSPOTrainer
 
 
-def _trainer(flavor: str, *, seq_len: int, batch: int, steps: int, lr: float) -> Trainer.Config:
+def _trainer(flavor: str, *, seq_len: int, batch: int, steps: int, lr: float, rl: bool = False) -> Trainer.Config:
     spec = model_registry(flavor)
-    return Trainer.Config(
+    if rl:  # GSPO steps on RL batch files through the stock loop (rl_trainer.py)
+        config_cls, loss, data = K3GSPOTrainer.Config, GSPOLoss.Config(), RLBatchDataLoader.Config()
+    else:
+        config_cls = Trainer.Config
+        loss = CrossEntropyLoss.Config(global_vocab_size=spec.model.k3.vocab_size)
+        data = ArithmeticDataLoader.Config()
+    return config_cls(
         model_spec=spec,
-        loss=CrossEntropyLoss.Config(global_vocab_size=spec.model.k3.vocab_size),
+        loss=loss,
         tokenizer=ByteTokenizer.Config(),
-        dataloader=ArithmeticDataLoader.Config(),
+        dataloader=data,
         optimizer=default_adamw(lr=lr),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=1, decay_ratio=None),
         # CUDA graphs off: the MoE groups tokens by expert on the host (k3.model's expert loop), which capture forbids
@@ -63,12 +72,27 @@ def cpu_trainer_settings(config: Trainer.Config) -> Trainer.Config:
     config.comm.train_timeout_seconds = 120
     config.debug.seed = 0
     config.debug.deterministic = True
-    config.dataloader.corpus_lines = 512
+    if isinstance(config.dataloader, ArithmeticDataLoader.Config):
+        config.dataloader.corpus_lines = 512
     return config
 
 
 def k3_tiny_cpu() -> Trainer.Config:
     config = cpu_trainer_settings(_trainer("k3_tiny", seq_len=32, batch=2, steps=5, lr=3e-3))
+    return config
+
+
+def k3_tiny_gspo() -> Trainer.Config:
+    """GSPO (k3.rl) steps through TorchTitan's loop (K3GSPOTrainer) on an RL batch file: --dataloader.path."""
+    return _trainer("k3_tiny", seq_len=256, batch=8, steps=100, lr=1e-4, rl=True)
+
+
+def k3_tiny_gspo_cpu() -> Trainer.Config:
+    """k3_tiny_gspo on CPU (gloo, fp32): --dataloader.path FILE, --dataloader.no-router-replay turns R3 off."""
+    config = cpu_trainer_settings(_trainer("k3_tiny", seq_len=32, batch=2, steps=2, lr=3e-3, rl=True))
+    # PPO-width bands: the tests' rollouts are off-policy by ~0.05 nats a token, which GSPO's 3e-4 / 4e-4 would clip
+    # to a zero gradient
+    config.loss.eps_low, config.loss.eps_high = 0.2, 0.28
     return config
 
 

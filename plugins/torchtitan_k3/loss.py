@@ -3,7 +3,13 @@ loss is called as TorchTitan calls losses, `loss_fn(pred, labels, global_valid_t
 batch (pi_old log-probs, advantages, response mask, optional rollout log-probs) set beforehand with `set_batch`
 (TorchTitan's trainer hands a loss only logits and labels). Log-probs are taken from the logits of the labels in
 fp32; with "token-mean" aggregation the denominator is TorchTitan's global valid-token count, so summed gradients
-over data-parallel ranks equal the single-rank loss's."""
+over data-parallel ranks equal the single-rank loss's.
+
+Under context parallelism (`cp_group` set by the RL trainer) each rank holds a contiguous slice of every sequence,
+but GSPO's ratio is a mean over the whole sequence: the label log-probs are all-gathered along the sequence (with
+autograd: the backward reduce-scatters), every rank evaluates the same full-sequence loss on the full RL batch and
+returns 1/CP of it, so the CP ranks' losses sum (TorchTitan's logged loss) and their gradients sum to the
+unsharded loss's."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,6 +19,8 @@ import torch
 from torchtitan.components.loss import BaseLoss
 
 from k3.rl import gspo_loss
+
+from .comm import gather_along
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,7 @@ class GSPOLoss(BaseLoss):
     def __init__(self, config: Config, *, compile_config=None) -> None:
         self.config = config
         self.batch: RLBatch | None = None
+        self.cp_group = None
         self.fn = self._unused
 
     @staticmethod
@@ -53,9 +62,15 @@ class GSPOLoss(BaseLoss):
         if pred.shape[:2] != labels.shape:
             raise ValueError(f"labels: shape {tuple(labels.shape)} does not match logits {tuple(pred.shape)}")
         logp = torch.log_softmax(pred.float(), dim=-1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+        share = 1.0
+        if self.cp_group is not None:
+            import torch.distributed as dist
+
+            logp = torch.cat(gather_along(logp, 1, self.cp_group), dim=1)
+            share = 1.0 / dist.get_world_size(self.cp_group)
         c = self.config
         num_tokens = global_valid_tokens if c.agg == "token-mean" else None
         loss, metrics = gspo_loss(logp, b.old_logp, b.advantages, b.response_mask, c.eps_low, c.eps_high,
                                   token_level=c.token_level, rollout_logp=b.rollout_logp, agg=c.agg,
                                   num_tokens=num_tokens)
-        return loss, {k: torch.tensor(float(v)) for k, v in metrics.items()}
+        return loss * share if share != 1.0 else loss, {k: torch.tensor(float(v)) for k, v in metrics.items()}
