@@ -43,6 +43,7 @@ def job_config(seed: int, rank: int = 8) -> JobConfig:
     cfg = JobConfig()
     cfg.rollout.tasks_per_update, cfg.rollout.group_size, cfg.rollout.max_turn_tokens = 2, 4, 8
     cfg.rl.train_seed, cfg.rl.lora_rank = seed, rank
+    cfg.rl.router_replay = False   # the measured workload of serverless.json (R3 through the service: tests)
     return cfg
 
 

@@ -5,13 +5,14 @@ episodes of every task (multi-turn, the tool's output appended between turns; th
 issued together and batched by the server), rubric rewards, group advantages (`k3.rl.group_advantages`), then
 `forward_backward(data, "gspo")` in chunks of the server's `max_data` and one `optim_step`. The sampler's
 log-probs are pi_old; the per-token advantage A_i / (n_i B) makes the service's token-sum GSPO equal the
-embedded learner's seq-mean-token-mean aggregation. Router Replay is not available through the Tinker-shaped
-data (the service routes with the trainer's router)."""
+embedded learner's seq-mean-token-mean aggregation. With `rl.router_replay` the sampler also returns each token's
+routing and the data carry it (`loss_fn_inputs["routed_experts"]`): forward_backward routes every generated
+position through the experts the sampler chose (prompt and tool positions route freely)."""
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
@@ -28,6 +29,14 @@ class Rollout:
     episode: Episode
     logprobs: list[float]     # aligned with episode.tokens (0.0 at prompt and tool tokens)
     reward: float = 0.0
+    routed: dict[int, list] = field(default_factory=dict)   # input position -> its recorded routing (R3)
+
+    def add_turn(self, seq, tool: list[int], start: int) -> None:
+        """Record a sampled turn that began at transcript position `start`: token i was produced by position
+        start - 1 + i, so that position's routing is the sampler's routing of token i."""
+        self.logprobs += list(seq.logprobs) + [0.0] * len(tool)
+        for i, r in enumerate(seq.routed_experts or ()):
+            self.routed[start - 1 + i] = r
 
 
 def _seed(base: int, index: int, turn: int) -> int:
@@ -35,8 +44,10 @@ def _seed(base: int, index: int, turn: int) -> int:
 
 
 def sample_episodes(sampler: SamplingClient, env: CalculatorEnv, tasks: list[Task], group_size: int, *,
-                    temperature: float, top_p: float, top_k: int, max_turn_tokens: int, seed: int) -> list[Rollout]:
-    """G episodes of every task through the sampler; deterministic given `seed`."""
+                    temperature: float, top_p: float, top_k: int, max_turn_tokens: int, seed: int,
+                    routing: bool = False) -> list[Rollout]:
+    """G episodes of every task through the sampler; deterministic given `seed`. `routing`: record the sampler's
+    expert routing of every generated token (Router Replay)."""
     def params(s: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_turn_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                               seed=s, stop=tuple(env.stop_ids))
@@ -45,26 +56,27 @@ def sample_episodes(sampler: SamplingClient, env: CalculatorEnv, tasks: list[Tas
     futs = []
     for gi, task in enumerate(tasks):
         ep0 = env.start(task)
-        futs.append(sampler.sample_async(ModelInput.from_ints(ep0.tokens), group_size, params(_seed(seed, gi, 0))))
+        futs.append(sampler.sample_async(ModelInput.from_ints(ep0.tokens), group_size, params(_seed(seed, gi, 0)),
+                                         routing))
     for gi, (task, f) in enumerate(zip(tasks, futs)):
         for seq in f.result().sequences:
             ep = env.start(task)
             r = Rollout(ep, [0.0] * len(ep.tokens))
-            tool = env.step(ep, list(seq.tokens))
-            r.logprobs += list(seq.logprobs) + [0.0] * len(tool)
+            start = len(ep.tokens)
+            r.add_turn(seq, env.step(ep, list(seq.tokens)), start)
             rollouts.append(r)
     turn = 1
     while True:
         active = [i for i, r in enumerate(rollouts) if not r.episode.done]
         if not active:
             break
-        futs = [sampler.sample_async(ModelInput.from_ints(rollouts[i].episode.tokens), 1, params(_seed(seed, i, turn)))
-                for i in active]
+        futs = [sampler.sample_async(ModelInput.from_ints(rollouts[i].episode.tokens), 1, params(_seed(seed, i, turn)),
+                                     routing) for i in active]
         for i, f in zip(active, futs):
             seq = f.result().sequences[0]
             r = rollouts[i]
-            tool = env.step(r.episode, list(seq.tokens))
-            r.logprobs += list(seq.logprobs) + [0.0] * len(tool)
+            start = len(r.episode.tokens)
+            r.add_turn(seq, env.step(r.episode, list(seq.tokens)), start)
         turn += 1
     for r in rollouts:
         r.reward = env.reward(r.episode)
@@ -72,17 +84,20 @@ def sample_episodes(sampler: SamplingClient, env: CalculatorEnv, tasks: list[Tas
 
 
 def gspo_data(rollouts: list[Rollout], advantages: list[float]) -> list[Datum]:
-    """One Datum per episode: position i predicts token i + 1; weights 1 at the model's tokens."""
+    """One Datum per episode: position i predicts token i + 1; weights 1 at the model's tokens; the recorded
+    routing of the positions that produced them, when the rollouts carry it (-1: route freely)."""
     B = len(rollouts)
     out = []
     for r, a in zip(rollouts, advantages):
         toks, mask = r.episode.tokens, r.episode.model_mask
         n = max(sum(mask[1:]), 1)
-        out.append(Datum(ModelInput.from_ints(toks[:-1]), {
-            "target_tokens": toks[1:],
-            "weights": [1.0 if m else 0.0 for m in mask[1:]],
-            "logprobs": r.logprobs[1:],
-            "advantages": [a / (n * B) if m else 0.0 for m in mask[1:]]}))
+        inputs = {"target_tokens": toks[1:], "weights": [1.0 if m else 0.0 for m in mask[1:]],
+                  "logprobs": r.logprobs[1:], "advantages": [a / (n * B) if m else 0.0 for m in mask[1:]]}
+        if r.routed:
+            layers = next(iter(r.routed.values()))
+            free = [[-1] * len(layers[0])] * len(layers)
+            inputs["routed_experts"] = [r.routed.get(i, free) for i in range(len(toks) - 1)]
+        out.append(Datum(ModelInput.from_ints(toks[:-1]), inputs))
     return out
 
 
@@ -96,7 +111,8 @@ def gspo_update(tc: TrainingClient, cfg: JobConfig, update: int, env: Calculator
     sampler = tc.save_weights_and_get_sampling_client(f"u{update}")
     tasks = train_tasks(cfg.rl.train_seed * 1000 + update, r.tasks_per_update)
     rollouts = sample_episodes(sampler, env, tasks, r.group_size, temperature=r.temperature, top_p=r.top_p,
-                               top_k=r.top_k, max_turn_tokens=r.max_turn_tokens, seed=cfg.rl.train_seed * 7919 + update)
+                               top_k=r.top_k, max_turn_tokens=r.max_turn_tokens, seed=cfg.rl.train_seed * 7919 + update,
+                               routing=cfg.rl.router_replay)
     rewards = torch.tensor([x.reward for x in rollouts])
     adv = group_advantages(rewards, group_size=r.group_size).tolist()
     data = gspo_data(rollouts, adv)

@@ -62,7 +62,7 @@ class Service:
         self._retired: set[str] = set()          # sampler ids removed by the retention rule since this start
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-adapter-load")
         self._lock = threading.Lock()
-        self.stats = {"trained_rows": 0, "trained_tokens": 0, "sampled_tokens": 0}
+        self.stats = {"trained_rows": 0, "trained_tokens": 0, "sampled_tokens": 0, "replayed_rows": 0}
         self._restore()
         self.scheduler = Scheduler(self._execute, max_batch_rows=config.max_batch_rows,
                                    offload_after=config.offload_after, max_skips=config.max_skips,
@@ -348,6 +348,7 @@ class Service:
             if backward:
                 s.pending += 1
                 self.stats["trained_rows"] += len(r.payload.data)
+                self.stats["replayed_rows"] += sum("routed_experts" in d.loss_fn_inputs for d in r.payload.data)
                 self.stats["trained_tokens"] += int(res.metrics.get("num_tokens", 0))
             r.future.set_result({"loss_fn_outputs": [{"logprobs": lp} for lp in res.logprobs],
                                  "metrics": res.metrics})

@@ -208,3 +208,28 @@ def test_retention_is_durable_across_restart(tmp_path):
         assert len(svc.compute_logprobs(ids[-1], s, toks)) == 3           # the kept one still serves
     finally:
         svc.close()
+
+
+def test_the_job_puts_each_tokens_routing_at_the_position_that_produced_it():
+    """k3 rl --serverless with rl.router_replay: turn tokens' routings land at their producing positions (the
+    token before), everything else routes freely."""
+    from k3.envs.calc_task import Episode, Task
+    from k3.serverless.job import Rollout, gspo_data
+    from k3.serverless.types import SampledSequence
+
+    def routing(e):
+        return [[e, e + 1]] * N_MOE
+
+    ep = Episode(Task("1+1", 2), [5, 6, 7], [False] * 3)
+    r = Rollout(ep, [0.0] * 3)
+    ep.tokens += [8, 9, 10]                                 # a turn of two tokens, then one tool-output token
+    ep.model_mask += [True, True, False]
+    r.add_turn(SampledSequence([8, 9], [-1.0, -2.0], "stop", [routing(0), routing(2)]), [10], 3)
+    ep.tokens += [11]                                       # a second turn of one token
+    ep.model_mask += [True]
+    r.add_turn(SampledSequence([11], [-3.0], "stop", [routing(4)]), [], 6)
+    assert r.logprobs == [0.0, 0.0, 0.0, -1.0, -2.0, 0.0, -3.0]
+    d = gspo_data([r], [1.0])[0]
+    free = [[-1, -1]] * N_MOE
+    assert d.loss_fn_inputs["routed_experts"] == [free, free, routing(0), routing(2), free, routing(4)]
+    assert d.loss_fn_inputs["weights"] == [0.0, 0.0, 1.0, 1.0, 0.0, 1.0]

@@ -36,6 +36,7 @@ def test_rl_serverless_runs_two_gspo_updates(server, tmp_path):
     assert service.sessions[sid].step == 2
     # 6 episodes per update in chunks of max_data = 4: two forward_backward calls, one optimizer step each
     assert service.stats["trained_rows"] >= 12
+    assert service.stats["replayed_rows"] >= 12       # rl.router_replay (default on): the data carry the routing
 
 
 def test_rl_serverless_bad_url_is_one_line(tmp_path, capsys):
