@@ -212,6 +212,8 @@ def main() -> None:
             seeds = [100 + i for i in range(args.clients)]
             seq = scenario(url, seeds, args.updates, concurrent=False, rank=args.lora_rank)
             print(f"one after another: {seq['wall_s']:.1f} s, {seq['samples_per_s']:.2f} samples/s", flush=True)
+            write_results(args.out, {**result, "one_after_another": {k: v for k, v in seq.items() if k != "_weights"},
+                                     "partial": "the concurrent phase did not finish"})
             conc = scenario(url, seeds, args.updates, concurrent=True, rank=args.lora_rank)
             print(f"concurrent:        {conc['wall_s']:.1f} s, {conc['samples_per_s']:.2f} samples/s", flush=True)
             diffs = {s: weight_diff(seq["_weights"][s], conc["_weights"][s]) for s in seeds}
