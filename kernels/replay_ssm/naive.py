@@ -76,3 +76,97 @@ def naive_conv_roll(window: torch.Tensor, inputs: torch.Tensor, n_accept: torch.
     start = n_accept.to(torch.long).to(full.device).view(B, *([1] * (full.dim() - 1)))
     cols = start + torch.arange(w, device=full.device)
     return torch.gather(full, -1, cols.expand(*full.shape[:-1], w))
+
+
+# ---------------------------------------------------------------------------------------------- token trees
+def check_tree_inputs(state: torch.Tensor, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor,
+                      g: torch.Tensor, beta: torch.Tensor, parents: torch.Tensor,
+                      accept_node: torch.Tensor | None) -> None:
+    """Shapes and the tree's structure, checked before any work (the message names the offending tensor)."""
+    check_replay_inputs(state, k, v, g, beta, torch.zeros(k.shape[1], dtype=torch.long))
+    N, B = k.shape[:2]
+    if q is not None and tuple(q.shape) != tuple(k.shape):
+        raise ValueError(f"q: expected {tuple(k.shape)} (as k), got {tuple(q.shape)}")
+    if tuple(parents.shape) != (B, N) or parents.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"parents: expected int [B={B}, N={N}], got {parents.dtype} {tuple(parents.shape)}")
+    par = parents.cpu()
+    node = torch.arange(N).view(1, N)
+    if B and N and (bool((par < -1).any()) or bool((par >= node).any())):
+        raise ValueError("parents: node n's parent must be -1 (the committed state) or an earlier node < n")
+    if accept_node is not None:
+        if tuple(accept_node.shape) != (B,) or accept_node.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"accept_node: expected int [B={B}], got {accept_node.dtype} {tuple(accept_node.shape)}")
+        a = accept_node.cpu()
+        if B and (int(a.min()) < -1 or int(a.max()) >= N):
+            raise ValueError(f"accept_node: values must be in [-1, {N - 1}] (-1: nothing accepted), got range "
+                             f"[{int(a.min())}, {int(a.max())}]")
+
+
+def tree_paths(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """parents [B, N] -> (paths [B, N, D] int32: node n's path from the root's child down to n itself, padded with
+    0; depths [B, N] int32: its length). D = the deepest path (>= 1)."""
+    par = parents.cpu().tolist()
+    B, N = len(par), (len(par[0]) if par else 0)
+    rows = []
+    for b in range(B):
+        rows.append([])
+        for n in range(N):
+            path, m = [], n
+            while m >= 0:
+                path.append(m)
+                m = par[b][m]
+            rows[b].append(path[::-1])
+    D = max([len(p) for r in rows for p in r], default=1)
+    paths = torch.zeros(B, N, D, dtype=torch.int32)
+    depths = torch.zeros(B, N, dtype=torch.int32)
+    for b in range(B):
+        for n, p in enumerate(rows[b]):
+            paths[b, n, :len(p)] = torch.tensor(p, dtype=torch.int32)
+            depths[b, n] = len(p)
+    return paths, depths
+
+
+def naive_tree_verify(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                      beta: torch.Tensor, parents: torch.Tensor, accept_node: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """KDA over a token tree, the spec for `tree.py`: node n's output is the decode step of its inputs from its
+    parent's state (the committed `state` for parent -1), i.e. what plain decoding outputs at n if n's path is the
+    sequence. Node-major inputs: q, k [N, B, H, K]; v [N, B, HV, V]; g [N, B, HV, K]; beta [N, B, HV]; parents
+    [B, N] int (parent < node). Returns (o [N, B, HV, V] in v's dtype, and with `accept_node` [B] (-1: none) the
+    state after each row's accepted node: the ReplaySSM commit of its path, else None).
+
+    The reference keeps every node's state (it is the spec, not the memory plan); each node is one
+    `naive_recurrent_kda` single-token step on all B rows, as decode runs."""
+    check_tree_inputs(state, q, k, v, g, beta, parents, accept_node)
+    N, B = k.shape[:2]
+    par = parents.to(torch.long).to(state.device)
+    rows = torch.arange(B, device=state.device)
+    states = [state]   # states[n + 1]: after node n
+    outs = []
+    for n in range(N):
+        S_par = torch.stack(states)[par[:, n] + 1, rows]
+        o, S = naive_recurrent_kda(q[n].unsqueeze(1), k[n].unsqueeze(1), v[n].unsqueeze(1), g[n].unsqueeze(1),
+                                   beta[n].unsqueeze(1), initial_state=S_par, output_final_state=True)
+        outs.append(o[:, 0])
+        states.append(S)
+    o = torch.stack(outs) if outs else v.new_zeros(v.shape)
+    if accept_node is None:
+        return o, None
+    return o, torch.stack(states)[accept_node.to(torch.long).to(state.device) + 1, rows].clone()
+
+
+def path_inputs(x: torch.Tensor, parents: torch.Tensor, accept_node: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tree's node-major inputs x [N, B, ...] along each row's accepted path, root first -> ([D, B, ...] padded
+    with zeros, n_accept [B]): what `naive_replay_commit` / `replay_commit` fold (the chain commit of the path)."""
+    paths, depths = tree_paths(parents)
+    acc = accept_node.cpu().to(torch.long)
+    B = x.shape[1]
+    D = paths.shape[2]
+    out = x.new_zeros(D, *x.shape[1:])
+    n = torch.zeros(B, dtype=torch.long)
+    for b in range(B):
+        if int(acc[b]) >= 0:
+            p = paths[b, int(acc[b]), :int(depths[b, int(acc[b])])].to(torch.long)
+            out[:len(p), b] = x[p.to(x.device), b]
+            n[b] = len(p)
+    return out, n.to(x.device)
