@@ -42,6 +42,11 @@ def fp8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q
 
 
+def clear_fp8_cache() -> None:
+    """Drop the cached FP8 weight copies (they hold E x 3 x L x I bytes)."""
+    _FP8_CACHE.clear()
+
+
 class _ExpertsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z, w, w1, w3, w2, ids, beta, linear_beta, fp8):

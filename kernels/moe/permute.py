@@ -19,6 +19,7 @@ from k3_kernels.launch import cdiv, next_pow2
 
 FP8_MAX = 448.0
 QUANT_BLOCK = 128
+_E4M3_MAX = tl.constexpr(FP8_MAX)  # what the kernels read (globals in a kernel must be constexpr)
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,8 @@ def _permute_kernel(x_ptr, src_ptr, out_ptr, q_ptr, s_ptr, P, D, x_stride, out_s
         if QUANT:  # BLOCK_D == 128: one scale per row per block
             vf = v.to(tl.float32)
             amax = tl.max(tl.abs(vf), axis=1)
-            scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
-            q = tl.clamp(vf / scale[:, None], -FP8_MAX, FP8_MAX)
+            scale = tl.where(amax > 0, amax / _E4M3_MAX, 1.0)
+            q = tl.clamp(vf / scale[:, None], -_E4M3_MAX, _E4M3_MAX)
             tl.store(q_ptr + r64[:, None] * q_stride + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
             tl.store(s_ptr + r64 * n_blocks + b, scale, mask=rmask)
 

@@ -104,8 +104,10 @@ class _RouterFn(torch.autograd.Function):
             ds = dw
         dlogit = torch.zeros(x.shape[0], weight.shape[0], device=x.device, dtype=torch.float32)
         dlogit.scatter_(1, ids, ds * s * (1 - s))  # ids of a row are distinct: a plain scatter, no accumulation
-        dx = (dlogit @ weight.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
-        dweight = (dlogit.t() @ x.float()).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        # operands in the forward's dtype (bf16 GEMMs for a bf16 router, fp32 for an fp32 one), fp32 accumulation
+        g = dlogit.to(x.dtype)
+        dx = (g @ weight).to(x.dtype) if ctx.needs_input_grad[0] else None
+        dweight = (g.t() @ x).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return dx, dweight, None, None, None, None, None
 
 

@@ -2,6 +2,7 @@
 bit for bit the torch code the main job and its tests depend on); with the kernels switched on (interpreter on CPU,
 the default on CUDA) the layer gives the torch path's outputs, ids and gradients, replays forced routing, and falls
 back to the torch loop where a `project` override (LoRA adapters, expert-parallel shards) is installed."""
+import copy
 import os
 
 import pytest
@@ -27,13 +28,22 @@ def layer():
     return moe, x
 
 
-def _run(moe, x, forced=None):
-    moe.zero_grad(set_to_none=True)
-    xl = x.clone().requires_grad_()
-    y, idx = moe(xl, forced)
+def _run(moe, x, forced=None, device="cpu"):
+    """Forward + backward of a copy of the layer on `device` -> (y, ids, dx, parameter grads), on the CPU."""
+    moe = copy.deepcopy(moe).to(device)
+    xl = x.to(device).requires_grad_()
+    y, idx = moe(xl, forced.to(device) if forced is not None else None)
     y.square().sum().backward()
-    grads = {n: p.grad.clone() for n, p in moe.named_parameters() if p.grad is not None}
-    return y.detach(), idx, xl.grad, grads
+    grads = {n: p.grad.cpu() for n, p in moe.named_parameters() if p.grad is not None}
+    return y.detach().cpu(), idx.cpu(), xl.grad.cpu(), grads
+
+
+def _fused(monkeypatch):
+    """Where the fused kernels run: CUDA by default; on CPU through the interpreter with the switch on."""
+    if torch.cuda.is_available():
+        return "cuda"
+    monkeypatch.setattr(ops, "MOE_KERNELS_ON_CPU", True)
+    return "cpu"
 
 
 def test_cpu_path_does_not_use_the_kernels(layer, monkeypatch):
@@ -52,9 +62,9 @@ def test_cpu_path_does_not_use_the_kernels(layer, monkeypatch):
 def test_fused_layer_matches_torch_path(layer, monkeypatch):
     moe, x = layer
     y_ref, idx_ref, dx_ref, g_ref = _run(moe, x)
-    monkeypatch.setattr(ops, "MOE_KERNELS_ON_CPU", True)
-    assert ops.fused_moe(x)
-    y, idx, dx, g = _run(moe, x)
+    dev = _fused(monkeypatch)
+    assert ops.fused_moe(x.to(dev))
+    y, idx, dx, g = _run(moe, x, device=dev)
     assert torch.equal(idx, idx_ref)
     torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(dx, dx_ref, atol=1e-5, rtol=1e-4)
@@ -64,7 +74,7 @@ def test_fused_layer_matches_torch_path(layer, monkeypatch):
     # Router Replay through the layer: forced ids in, the same ids out, weights from the current router
     forced = torch.roll(idx_ref, 1, dims=-1)
     forced[0, 0] = -1  # this token routes freely
-    y_f, idx_f, _, _ = _run(moe, x, forced)
+    y_f, idx_f, _, _ = _run(moe, x, forced, device=dev)
     monkeypatch.setattr(ops, "MOE_KERNELS_ON_CPU", False)
     y_fr, idx_fr, _, _ = _run(moe, x, forced)
     assert torch.equal(idx_f, idx_fr) and torch.equal(idx_f[0, 1:], forced[0, 1:])
@@ -73,6 +83,7 @@ def test_fused_layer_matches_torch_path(layer, monkeypatch):
 
 def test_project_override_keeps_the_loop(layer, monkeypatch):
     moe, x = layer
+    moe = copy.deepcopy(moe)
     monkeypatch.setattr(ops, "MOE_KERNELS_ON_CPU", True)
     calls = []
 
