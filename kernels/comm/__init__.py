@@ -3,7 +3,7 @@ group's all-gathers elsewhere (gloo on CPU), all summing in rank order 0..W-1 (`
 Imports no Triton: the symmetric-memory path loads its kernels on first CUDA use."""
 from .allreduce import all_reduce
 from .naive import naive_all_reduce, ordered_sum
-from .plan import Algorithm, AllReduceConfig, choose_algorithm, shard_bounds
+from .plan import Algorithm, AllReduceConfig, Sync, choose_algorithm, shard_bounds
 
 __all__ = ["Algorithm", "AllReduceConfig", "all_reduce", "choose_algorithm", "naive_all_reduce", "ordered_sum",
-           "shard_bounds"]
+           "shard_bounds", "Sync"]

@@ -1,20 +1,30 @@
-"""Triton kernels of the symmetric-memory all-reduce: they read the peers' buffers through a pointer table (one
-int64 address per rank, rank order) and sum element i over ranks 0..W-1 in that order in fp32, rounding once, which
-is naive.py's order (the tests check it bit for bit, on CPU in Triton's interpreter over per-rank buffers of one
+"""Triton kernels of the symmetric-memory all-reduce. They reach every rank's buffer through a pointer table (one
+int64 address per rank, rank order) and sum element i over ranks 0..W-1 in that order in fp32, rounding once: the
+order of naive.py (the tests check it bit for bit, on CPU in Triton's interpreter over per-rank buffers of one
 process, and on 2+ GPUs over symmetric memory).
 
-Offsets are in elements of the tensor's dtype from each rank's buffer base. The kernels only compute; the
-synchronisation (every peer's input written before a read, no overwrite before every read) is the caller's
-(symm_mem.py). No atomics, no multimem instructions (NVLink multicast stays off)."""
+Work partition (the same on every rank, so that peers' programs with the same id touch the same blocks):
+* one-shot: program p owns blocks b = p, p + P, ... of BLOCK elements of the message;
+* two-shot: program p owns shard-local blocks j = p, p + P, ... of every shard (shard s = [s S, (s + 1) S)).
+Stages, each switched by a constexpr so the interpreter can run them rank after rank:
+  COPY_IN:  the caller's x -> this rank's input region (program p copies exactly the blocks peers' program p reads)
+  REDUCE:   one-shot: out[b] = sum_r peer_r.input[b];  two-shot: my shard region[j] = sum_r peer_r.input[my shard, j]
+  GATHER:   two-shot: out[s S + j] = peer_s.shard[j]
+With SYNC, program p meets program p of every peer (`_meet`) after COPY_IN and after REDUCE: it signals each peer's
+int32 signal pad slot [p W + rank] (compare-and-swap 0 -> 1, release, system scope; it retries while the peer has
+not yet consumed the previous signal) and consumes its own slots [p W + q] (1 -> 0, acquire), one thread per peer,
+all peers at once. Block-level barriers (bar.sync) order the other threads' accesses around those signals (the
+pattern of torch's own symmetric-memory kernels). No multimem instructions (NVLink multicast stays off)."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from k3_kernels.launch import CachedLaunch, cdiv
+from k3_kernels.launch import CachedLaunch, cdiv, next_pow2
 
 BLOCK = 2048
+NUM_WARPS = 8
 
 
 @triton.jit
@@ -24,71 +34,135 @@ def _peer(ptrs, rank, ty: tl.constexpr):
 
 
 @triton.jit
-def _one_shot_kernel(ptrs, in_offset, out_ptr, n, W: tl.constexpr, BLOCK: tl.constexpr):
-    """out[i] = round(sum_{r=0..W-1} fp32(peer_r[in_offset + i])) for this program's block of i."""
-    ty = out_ptr.dtype.element_ty
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    acc = tl.load(_peer(ptrs, 0, ty) + in_offset + offs, mask=mask, other=0.0).to(tl.float32)
-    for r in tl.static_range(1, W):
-        acc += tl.load(_peer(ptrs, r, ty) + in_offset + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(ty), mask=mask)
+def _meet(pads, pid, rank, W: tl.constexpr, WP: tl.constexpr):
+    """Program `pid` of this rank and program `pid` of every peer pass this point together; writes before it (any
+    thread of the block) are visible to the peers' reads after it. Lane q (one thread each, q < W, q != rank)
+    signals peer q and then consumes peer q's signal, all peers at once; a lane that is done (or is this rank, or
+    is padding up to WP = next power of two of W) compares and swaps -1 with -1, which never writes."""
+    tl.debug_barrier()
+    q = tl.arange(0, WP)
+    peer_pads = tl.load(pads + q, mask=q < W, other=0).to(tl.pointer_type(tl.int32))
+    own_pad = tl.load(pads + rank).to(tl.pointer_type(tl.int32))
+    pending = (q < W) & (q != rank)
+    send = tl.where(pending, peer_pads + pid * W + rank, own_pad + pid * W + rank)
+    while tl.sum(pending.to(tl.int32), axis=0) > 0:
+        old = tl.atomic_cas(send, tl.where(pending, 0, -1), tl.where(pending, 1, -1), sem="release", scope="sys")
+        pending = pending & (old != 0)
+    pending = (q < W) & (q != rank)
+    recv = own_pad + pid * W + tl.where(q < W, q, rank)
+    while tl.sum(pending.to(tl.int32), axis=0) > 0:
+        old = tl.atomic_cas(recv, tl.where(pending, 1, -1), tl.where(pending, 0, -1), sem="acquire", scope="sys")
+        pending = pending & (old != 1)
+    tl.debug_barrier()
 
 
 @triton.jit
-def _reduce_shard_kernel(ptrs, in_offset, shard_ptr, start, end, W: tl.constexpr, BLOCK: tl.constexpr):
-    """Two-shot stage 1 on one rank: shard[j] = round(sum_r fp32(peer_r[in_offset + start + j])), start + j < end."""
-    ty = shard_ptr.dtype.element_ty
-    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    i = start + j
-    mask = i < end
-    acc = tl.load(_peer(ptrs, 0, ty) + in_offset + i, mask=mask, other=0.0).to(tl.float32)
-    for r in tl.static_range(1, W):
-        acc += tl.load(_peer(ptrs, r, ty) + in_offset + i, mask=mask, other=0.0).to(tl.float32)
-    tl.store(shard_ptr + j, acc.to(ty), mask=mask)
+def _one_shot_kernel(x_ptr, ptrs, pads, in_offset, out_ptr, n, rank, W: tl.constexpr, WP: tl.constexpr,
+                     BLOCK: tl.constexpr,
+                     COPY_IN: tl.constexpr, REDUCE: tl.constexpr, SYNC: tl.constexpr):
+    ty = out_ptr.dtype.element_ty
+    pid, P = tl.program_id(0), tl.num_programs(0)
+    nblk = tl.cdiv(n, BLOCK)
+    lanes = tl.arange(0, BLOCK)
+    if COPY_IN:
+        local = _peer(ptrs, rank, ty) + in_offset
+        for b in range(pid, nblk, P):
+            i = tl.cast(b, tl.int64) * BLOCK + lanes
+            tl.store(local + i, tl.load(x_ptr + i, mask=i < n), mask=i < n)
+    if SYNC:
+        _meet(pads, pid, rank, W, WP)
+    if REDUCE:
+        for b in range(pid, nblk, P):
+            i = tl.cast(b, tl.int64) * BLOCK + lanes
+            mask = i < n
+            acc = tl.load(_peer(ptrs, 0, ty) + in_offset + i, mask=mask, other=0.0).to(tl.float32)
+            for r in tl.static_range(1, W):
+                acc += tl.load(_peer(ptrs, r, ty) + in_offset + i, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + i, acc.to(ty), mask=mask)
 
 
 @triton.jit
-def _gather_shards_kernel(ptrs, shard_offset, out_ptr, n, shard, BLOCK: tl.constexpr):
-    """Two-shot stage 2: out[s * shard + j] = peer_s[shard_offset + j] for program (s, block of j)."""
+def _two_shot_kernel(x_ptr, ptrs, pads, in_offset, shard_offset, out_ptr, n, shard, rank, W: tl.constexpr,
+                     WP: tl.constexpr,
+                     BLOCK: tl.constexpr, COPY_IN: tl.constexpr, REDUCE: tl.constexpr, GATHER: tl.constexpr,
+                     SYNC: tl.constexpr):
     ty = out_ptr.dtype.element_ty
-    s = tl.program_id(0)
-    j = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    i = s.to(tl.int64) * shard + j
-    mask = (j < shard) & (i < n)
-    v = tl.load(_peer(ptrs, s, ty) + shard_offset + j, mask=mask, other=0.0)
-    tl.store(out_ptr + i, v, mask=mask)
+    pid, P = tl.program_id(0), tl.num_programs(0)
+    nblk = tl.cdiv(shard, BLOCK)
+    lanes = tl.arange(0, BLOCK)
+    if COPY_IN:
+        local = _peer(ptrs, rank, ty) + in_offset
+        for j in range(pid, nblk, P):
+            jj = tl.cast(j, tl.int64) * BLOCK + lanes
+            for s in tl.static_range(W):
+                i = s * shard + jj
+                m = (jj < shard) & (i < n)
+                tl.store(local + i, tl.load(x_ptr + i, mask=m), mask=m)
+    if SYNC:
+        _meet(pads, pid, rank, W, WP)
+    if REDUCE:
+        mine = _peer(ptrs, rank, ty) + shard_offset
+        for j in range(pid, nblk, P):
+            jj = tl.cast(j, tl.int64) * BLOCK + lanes
+            i = rank * shard + jj
+            m = (jj < shard) & (i < n)
+            acc = tl.load(_peer(ptrs, 0, ty) + in_offset + i, mask=m, other=0.0).to(tl.float32)
+            for r in tl.static_range(1, W):
+                acc += tl.load(_peer(ptrs, r, ty) + in_offset + i, mask=m, other=0.0).to(tl.float32)
+            tl.store(mine + jj, acc.to(ty), mask=m)
+    if SYNC:
+        _meet(pads, pid, rank, W, WP)
+    if GATHER:
+        for j in range(pid, nblk, P):
+            jj = tl.cast(j, tl.int64) * BLOCK + lanes
+            for s in tl.static_range(W):
+                i = s * shard + jj
+                m = (jj < shard) & (i < n)
+                v = tl.load(_peer(ptrs, s, ty) + shard_offset + jj, mask=m)
+                tl.store(out_ptr + i, v, mask=m)
 
 
 _launch_one_shot = CachedLaunch(_one_shot_kernel)
-_launch_reduce_shard = CachedLaunch(_reduce_shard_kernel)
-_launch_gather_shards = CachedLaunch(_gather_shards_kernel)
+_launch_two_shot = CachedLaunch(_two_shot_kernel)
 
 
-def _check_table(ptrs: torch.Tensor) -> int:
+def _table(ptrs: torch.Tensor, what: str) -> int:
     if ptrs.dtype != torch.int64 or ptrs.dim() != 1 or not ptrs.is_contiguous():
-        raise ValueError(f"ptrs must be a contiguous 1-D int64 pointer table, got {ptrs.dtype}{list(ptrs.shape)}")
+        raise ValueError(f"{what} must be a contiguous 1-D int64 pointer table, got {ptrs.dtype}{list(ptrs.shape)}")
     return ptrs.numel()
 
 
-def one_shot(ptrs: torch.Tensor, in_offset: int, out: torch.Tensor) -> None:
-    """out (contiguous, n elements) = ordered sum of every rank's n elements at `in_offset` of its buffer."""
-    world, n = _check_table(ptrs), out.numel()
-    if n:
-        _launch_one_shot((cdiv(n, BLOCK),), ptrs, in_offset, out, n, W=world, BLOCK=BLOCK, num_warps=8)
+def one_shot(x: torch.Tensor, ptrs: torch.Tensor, pads: torch.Tensor, in_offset: int, out: torch.Tensor, rank: int,
+             programs: int, *, copy_in: bool = True, reduce: bool = True, sync: bool = True, block: int = BLOCK) -> None:
+    """Stages of the one-shot all-reduce of this rank (`programs` = P: the same on every rank). x, out: contiguous,
+    n elements; in_offset: the input region's element offset in every rank's buffer; block: elements per block
+    (a power of two; smaller ones let the interpreter tests reach the persistent loops cheaply)."""
+    world = _table(ptrs, "ptrs")
+    _table(pads, "pads")
+    _launch_one_shot((programs,), x, ptrs, pads, in_offset, out, out.numel(), rank, W=world, WP=next_pow2(world),
+                     BLOCK=block,
+                     COPY_IN=copy_in, REDUCE=reduce, SYNC=sync, num_warps=NUM_WARPS)
 
 
-def reduce_shard(ptrs: torch.Tensor, in_offset: int, shard_out: torch.Tensor, start: int, end: int) -> None:
-    """shard_out[:end - start] = ordered sum over ranks of elements [start, end) at `in_offset` (stage 1)."""
-    world = _check_table(ptrs)
-    if end > start:
-        _launch_reduce_shard((cdiv(end - start, BLOCK),), ptrs, in_offset, shard_out, start, end, W=world,
-                             BLOCK=BLOCK, num_warps=8)
+def two_shot(x: torch.Tensor, ptrs: torch.Tensor, pads: torch.Tensor, in_offset: int, shard_offset: int,
+             out: torch.Tensor, shard: int, rank: int, programs: int, *, copy_in: bool = True, reduce: bool = True,
+             gather: bool = True, sync: bool = True, block: int = BLOCK) -> None:
+    """Stages of the two-shot all-reduce of this rank; `shard` = plan.shard_size (elements per shard), shard_offset:
+    the reduced-shard region's element offset in every rank's buffer."""
+    world = _table(ptrs, "ptrs")
+    _table(pads, "pads")
+    _launch_two_shot((programs,), x, ptrs, pads, in_offset, shard_offset, out, out.numel(), shard, rank, W=world,
+                     WP=next_pow2(world), BLOCK=block, COPY_IN=copy_in, REDUCE=reduce, GATHER=gather, SYNC=sync, num_warps=NUM_WARPS)
 
 
-def gather_shards(ptrs: torch.Tensor, shard_offset: int, out: torch.Tensor, shard: int) -> None:
-    """out[s * shard + j] = rank s's reduced element j at `shard_offset` (stage 2; n = out.numel())."""
-    world, n = _check_table(ptrs), out.numel()
-    if n:
-        _launch_gather_shards((world, cdiv(shard, BLOCK)), ptrs, shard_offset, out, n, shard, BLOCK=BLOCK,
-                              num_warps=8)
+def programs_for(blocks: int, max_programs: int) -> int:
+    """Grid size: one program per block up to `max_programs` (persistent beyond), at least one."""
+    return max(1, min(blocks, max_programs))
+
+
+def one_shot_blocks(n: int) -> int:
+    return cdiv(n, BLOCK)
+
+
+def two_shot_blocks(shard: int) -> int:
+    return cdiv(shard, BLOCK)

@@ -17,6 +17,12 @@ class Algorithm(enum.Enum):
     TWO_SHOT = "two_shot"
 
 
+class Sync(enum.Enum):
+    """How the symmetric-memory kernels wait for their peers (peer_sum.py, symm_mem.py)."""
+    IN_KERNEL = "in_kernel"        # one launch per call; programs meet their peers' programs through signal pads
+    HOST_BARRIER = "host_barrier"  # one launch per stage, torch's `_SymmetricMemory.barrier` between them
+
+
 @dataclass(frozen=True)
 class AllReduceConfig:
     """Thresholds for the algorithm choice and the checks.
@@ -30,7 +36,9 @@ class AllReduceConfig:
         garbage. Costs one small collective per call; trusted hot loops may turn it off.
     shard_align_bytes: two-shot shard boundaries are multiples of this many bytes (aligned vector loads).
     use_symmetric_memory: CUDA tensors on an NCCL group go over symmetric memory (symm_mem.py); False sends them
-        through the process group's all-gathers (same bits, NCCL's speed)."""
+        through the process group's all-gathers (same bits, NCCL's speed).
+    sync: the symmetric-memory synchronisation (same bits either way; HOST_BARRIER is the fallback built only on
+        torch's own barrier)."""
 
     one_shot_max_bytes: int = 512 * 1024
     one_shot_max_world: int = 4
@@ -38,6 +46,7 @@ class AllReduceConfig:
     check_across_ranks: bool = True
     shard_align_bytes: int = 16
     use_symmetric_memory: bool = True
+    sync: Sync = Sync.IN_KERNEL
 
     def __post_init__(self):
         if self.one_shot_max_bytes < 0:
@@ -46,6 +55,8 @@ class AllReduceConfig:
             raise ValueError(f"AllReduceConfig.one_shot_max_world must be >= 1, got {self.one_shot_max_world}")
         if self.algorithm is not None and not isinstance(self.algorithm, Algorithm):
             raise TypeError(f"AllReduceConfig.algorithm must be an Algorithm or None, got {self.algorithm!r}")
+        if not isinstance(self.sync, Sync):
+            raise TypeError(f"AllReduceConfig.sync must be a Sync, got {self.sync!r}")
         a = self.shard_align_bytes
         if a < 1 or a & (a - 1):
             raise ValueError(f"AllReduceConfig.shard_align_bytes must be a power of two, got {a}")

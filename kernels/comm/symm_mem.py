@@ -1,28 +1,31 @@
 """The CUDA all-reduce over torch symmetric memory (`torch.distributed._symmetric_memory`): every rank's staging
 buffer is mapped into every peer's address space (NVLink P2P), and peer_sum's Triton kernels read the peers'
-buffers directly through a device pointer table (`_SymmetricMemory.buffer_ptrs`).
+buffers directly through a device pointer table (`_SymmetricMemory.buffer_ptrs`) and meet the peers' programs
+through the handle's signal pads (`signal_pad_ptrs`).
 
 Per rank, one symmetric uint8 buffer of 2 slots (double buffering by call parity); a slot holds the input region
-(the local copy of the caller's tensor) and the reduced-shard region (two-shot stage 1's output). The ordering
-uses torch's own device-side barrier (`_SymmetricMemory.barrier`, signal pads with release/acquire at system
-scope, on the current stream), the pattern torch's `_low_contention_all_gather` uses:
+(the caller's tensor, copied in by the kernel) and the reduced-shard region (two-shot's stage 1 output).
 
-    one-shot, call k (slot k % 2):  copy x -> input[slot]; barrier; out = sum_r peer_r.input[slot]
-    two-shot, call k:               copy x -> input[slot]; barrier; shard[slot] = sum_r peer_r.input[slot][my shard];
-                                    barrier; out = concat_s peer_s.shard[slot]
+    one-shot, call k (slot k % 2):  copy x -> input[slot]; meet; out = sum_r peer_r.input[slot]
+    two-shot, call k:               copy x -> input[slot]; meet; shard[slot] = sum_r peer_r.input[slot][my shard];
+                                    meet; out = concat_s peer_s.shard[slot]
 
-No trailing barrier: call k + 1 uses the other slot, and a rank writes slot k % 2 again only at call k + 2, after
-call k + 1's first barrier, which no rank passes before every rank has finished call k's reads (stream order).
-Every call on a group must therefore run on one stream per rank, in the same order on every rank.
-NVLink multicast (multimem) is not used."""
+(Sync.IN_KERNEL: one launch, "meet" = peer_sum._meet; Sync.HOST_BARRIER: one launch per stage, "meet" = torch's
+`_SymmetricMemory.barrier` on the current stream, the pattern torch's `_low_contention_all_gather` uses.)
+No trailing meeting: call k + 1 uses the other slot, and a rank writes slot k % 2 again only in call k + 2, after
+its call k + 1 met every peer's call k + 1, which no peer starts before finishing call k (stream order). So every
+call on a group runs on one stream per rank, in the same order on every rank, with the same size (checked when
+AllReduceConfig.check_across_ranks). NVLink multicast (multimem) is not used."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm
 
+from k3_kernels.launch import num_sms
+
 from . import peer_sum
-from .plan import Algorithm, AllReduceConfig, shard_bounds, shard_size
+from .plan import Algorithm, AllReduceConfig, Sync, shard_size
 
 _MIN_CAPACITY = 1 << 20
 _SLOTS = 2
@@ -46,6 +49,11 @@ class Workspace:
         if not 0 <= offset < self.handle.buffer_size:
             raise RuntimeError(f"all_reduce: symmetric buffer at offset {offset} of its block (outside it)")
         self.ptrs = torch.tensor([b + offset for b in bases], dtype=torch.int64, device=device)
+        self.pads = torch.tensor(list(self.handle.signal_pad_ptrs), dtype=torch.int64, device=device)
+        # program p uses int32 signal slots [p W, (p + 1) W) of every pad; one program per SM at most, all resident
+        # (a program spinning for a peer's program that cannot be scheduled would hang).
+        pad_bytes = getattr(self.handle, "signal_pad_size", None) or self.handle.get_signal_pad(self.rank).nbytes
+        self.max_programs = max(1, min(num_sms(device), pad_bytes // (4 * self.world)))
         self.calls = 0
 
     def next_slot(self) -> int:
@@ -59,14 +67,6 @@ class Workspace:
     def shard_offset(self, slot: int, element_size: int) -> int:
         return (slot * self.slot_bytes + self.capacity) // element_size
 
-    def input_view(self, slot: int, n: int, dtype: torch.dtype) -> torch.Tensor:
-        start = slot * self.slot_bytes
-        return self.buffer[start:start + n * dtype.itemsize].view(dtype)
-
-    def shard_view(self, slot: int, n: int, dtype: torch.dtype) -> torch.Tensor:
-        start = slot * self.slot_bytes + self.capacity
-        return self.buffer[start:start + n * dtype.itemsize].view(dtype)
-
 
 _workspaces: dict[tuple[str, int], Workspace] = {}
 _retired: list[Workspace] = []
@@ -79,7 +79,7 @@ def workspace(group, device: torch.device, nbytes: int) -> Workspace:
     if ws is None or ws.capacity < nbytes:
         capacity = max(_MIN_CAPACITY, 1 << max(0, nbytes - 1).bit_length())
         if ws is not None:
-            ws.handle.barrier(channel=0)  # no peer still reads the old buffer once every rank is past this
+            ws.handle.barrier(channel=0)  # every peer is past its last call on the old buffer
             _retired.append(ws)
         try:
             ws = Workspace(group, device, capacity)
@@ -95,17 +95,29 @@ def all_reduce_symm_mem(flat: torch.Tensor, group, algorithm: Algorithm, config:
     n, es = flat.numel(), flat.element_size()
     ws = workspace(group, flat.device, n * es)
     slot = ws.next_slot()
-    ws.input_view(slot, n, flat.dtype).copy_(flat)
-    ws.handle.barrier(channel=0)
     out = torch.empty_like(flat)
+    in_off = ws.input_offset(slot, es)
+    host = config.sync is Sync.HOST_BARRIER
     if algorithm is Algorithm.ONE_SHOT:
-        peer_sum.one_shot(ws.ptrs, ws.input_offset(slot, es), out)
+        programs = peer_sum.programs_for(peer_sum.one_shot_blocks(n), ws.max_programs)
+        if not host:
+            peer_sum.one_shot(flat, ws.ptrs, ws.pads, in_off, out, ws.rank, programs)
+            return out
+        peer_sum.one_shot(flat, ws.ptrs, ws.pads, in_off, out, ws.rank, programs, reduce=False, sync=False)
+        ws.handle.barrier(channel=0)
+        peer_sum.one_shot(flat, ws.ptrs, ws.pads, in_off, out, ws.rank, programs, copy_in=False, sync=False)
         return out
-    start, end = shard_bounds(n, ws.world, es, config)[ws.rank]
     shard = shard_size(n, ws.world, es, config)
-    peer_sum.reduce_shard(ws.ptrs, ws.input_offset(slot, es), ws.shard_view(slot, shard, flat.dtype), start, end)
+    programs = peer_sum.programs_for(peer_sum.two_shot_blocks(shard), ws.max_programs)
+    args = (flat, ws.ptrs, ws.pads, in_off, ws.shard_offset(slot, es), out, shard, ws.rank, programs)
+    if not host:
+        peer_sum.two_shot(*args)
+        return out
+    peer_sum.two_shot(*args, reduce=False, gather=False, sync=False)
     ws.handle.barrier(channel=0)
-    peer_sum.gather_shards(ws.ptrs, ws.shard_offset(slot, es), out, shard)
+    peer_sum.two_shot(*args, copy_in=False, gather=False, sync=False)
+    ws.handle.barrier(channel=0)
+    peer_sum.two_shot(*args, copy_in=False, reduce=False, sync=False)
     return out
 
 

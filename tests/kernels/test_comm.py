@@ -20,6 +20,7 @@ from k3_kernels.comm import (Algorithm, AllReduceConfig, choose_algorithm, naive
                              ordered_sum, shard_bounds)
 
 WORLD = 3
+BLOCK = 64  # the kernels' block in the interpreter tests (peer_sum.BLOCK on GPUs): several blocks per program
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -122,34 +123,73 @@ def test_shards_cover_every_element_once(n, world):
         assert all(s * es % 16 == 0 for s, e in bounds if e > s)
 
 
-def _buffers(parts, dtype, offset):
-    """Per-rank buffers as symm_mem lays them out: `offset` elements, the input, a shard region."""
-    n = parts[0].numel()
-    bufs = [torch.zeros(offset + 2 * n + 16, dtype=dtype) for _ in parts]
-    for b, p in zip(bufs, parts):
-        b[offset:offset + n] = p.reshape(-1)
-    return bufs, torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
+def _buffers(world, n, dtype, offset):
+    """Per-rank zeroed buffers laid out as symm_mem's slot 1 (`offset` elements, input region, shard region), their
+    pointer table, and dummy signal pads (the interpreter runs the stages rank after rank instead of meeting)."""
+    bufs = [torch.zeros(offset + 2 * n + 16, dtype=dtype) for _ in range(world)]
+    return bufs, torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64), torch.zeros(world, dtype=torch.int64)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_symm_mem_kernels_in_the_interpreter(world, dtype):
-    """peer_sum's kernels over W per-rank buffers reached through a pointer table: one-shot on every rank, and
-    two-shot (every rank's stage 1, then every rank's stage 2: the barrier's order) equal the spec bit for bit."""
+    """peer_sum's kernels over W per-rank buffers reached through a pointer table, each stage run on every rank
+    before the next (the order the meetings enforce on GPUs): one-shot and two-shot equal the spec bit for bit on
+    every rank, with 2 programs over 3 blocks of every shard (persistent loops) and more programs than blocks."""
     from k3_kernels.comm import peer_sum
     from k3_kernels.comm.plan import shard_size
 
-    for n in (1, 1001, 2 * peer_sum.BLOCK + 3):
-        parts = [make_input(r, (n,), dtype, salt=2) for r in range(world)]
-        spec = naive_all_reduce(parts)
+    for n, programs in ((1, 3), (2 * BLOCK * world + 3, 2)):
+        xs = [make_input(r, (n,), dtype, salt=2) for r in range(world)]
+        spec = naive_all_reduce(xs)
         off = 24
-        bufs, ptrs = _buffers(parts, dtype, off)
-        shard_at = off + n
-        size = shard_size(n, world, parts[0].element_size())
-        for r, (s, e) in enumerate(shard_bounds(n, world, parts[0].element_size())):
-            peer_sum.reduce_shard(ptrs, off, bufs[r][shard_at:shard_at + size], s, e)
+        shard = shard_size(n, world, xs[0].element_size())
+        outs = [torch.empty(n, dtype=dtype) for _ in range(world)]
+        bufs, ptrs, pads = _buffers(world, n, dtype, off)
         for r in range(world):
-            one, two = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
-            peer_sum.one_shot(ptrs, off, one)
-            peer_sum.gather_shards(ptrs, shard_at, two, size)
-            assert same_bits(one, spec) and same_bits(two, spec), (n, r)
+            peer_sum.one_shot(xs[r], ptrs, pads, off, outs[r], r, programs, reduce=False, sync=False, block=BLOCK)
+        for r in range(world):
+            peer_sum.one_shot(xs[r], ptrs, pads, off, outs[r], r, programs, copy_in=False, sync=False, block=BLOCK)
+            assert same_bits(outs[r], spec), ("one-shot", n, r)
+        outs = [torch.empty(n, dtype=dtype) for _ in range(world)]
+        bufs, ptrs, pads = _buffers(world, n, dtype, off)
+        stages = ({"reduce": False, "gather": False}, {"copy_in": False, "gather": False},
+                  {"copy_in": False, "reduce": False})
+        for stage in stages:
+            for r in range(world):
+                peer_sum.two_shot(xs[r], ptrs, pads, off, off + n, outs[r], shard, r, programs, sync=False, block=BLOCK,
+                                  **stage)
+        for r in range(world):
+            assert same_bits(outs[r], spec), ("two-shot", n, r)
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_meeting_protocol_in_the_interpreter(world):
+    """The in-kernel meeting's signal slots: with every peer's signal already posted to this rank (slot
+    [p W + q] of its own pad = 1 for each program p and peer q), a one-shot launch with SYNC consumes them all
+    (back to 0), posts exactly one signal to each peer (slot [p W + rank] of peer q's pad = 1), touches nothing
+    else, and still returns the spec's bits. (The waiting itself, across GPUs, is what test_comm_gpu.py runs.)"""
+    from k3_kernels.comm import peer_sum
+
+    n, programs, off = 3 * BLOCK + 1, 3, 8
+    xs = [make_input(r, (n,), torch.float32, salt=3) for r in range(world)]
+    spec = naive_all_reduce(xs)
+    bufs, ptrs, _ = _buffers(world, n, torch.float32, off)
+    pads_mem = [torch.zeros(programs * world + 4, dtype=torch.int32) for _ in range(world)]
+    pads = torch.tensor([p.data_ptr() for p in pads_mem], dtype=torch.int64)
+    for r in range(world):
+        peer_sum.one_shot(xs[r], ptrs, pads, off, torch.empty(n), r, programs, reduce=False, sync=False, block=BLOCK)
+    for r in range(world):
+        incoming = [(p * world + q) for p in range(programs) for q in range(world) if q != r]
+        pads_mem[r][incoming] = 1
+        out = torch.empty(n)
+        peer_sum.one_shot(xs[r], ptrs, pads, off, out, r, programs, block=BLOCK)
+        assert same_bits(out, spec)
+        assert int(pads_mem[r].sum()) == 0, "incoming signals not all consumed"
+        for q in range(world):
+            if q == r:
+                continue
+            posted = torch.zeros_like(pads_mem[q])
+            posted[[p * world + r for p in range(programs)]] = 1
+            assert torch.equal(pads_mem[q], posted), (r, q, pads_mem[q])
+            pads_mem[q].zero_()
