@@ -40,7 +40,7 @@ class Workspace:
         self.capacity = capacity
         self.slot_bytes = 2 * capacity
         self.buffer = symm.empty(_SLOTS * self.slot_bytes, dtype=torch.uint8, device=device)
-        self.handle = symm.rendezvous(self.buffer, group)
+        self.handle = symm.rendezvous(self.buffer, group.group_name)
         self.rank, self.world = self.handle.rank, self.handle.world_size
         # buffer_ptrs are the bases of the peers' mapped blocks; a tensor from torch's symmetric memory pool may
         # start inside its block (torch >= 2.10 keeps that offset in the handle), at the same offset on every rank.

@@ -103,3 +103,44 @@ def worker(rank: int, world: int, store_dir: str, device: str = "cpu", backend: 
         with open(os.path.join(store_dir, f"rank{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
         raise
+
+
+GPU_NUMELS = (1, 7, 1001, 4096, (1 << 16) + 3, 1 << 20, (3 << 21) + 5)  # up to 25 MB in fp32: regrows the buffer
+
+
+def _gpu_run(rank: int, world: int, store_dir: str) -> dict:
+    """On CUDA over NCCL + symmetric memory: every size, dtype, algorithm and sync mode, three calls back to back
+    with different inputs (the double-buffered slots reused without a host sync), each compared here with the
+    spec computed from every rank's inputs (make_input is deterministic), plus the process-group path."""
+    from k3_kernels.comm import AllReduceConfig, Sync, all_reduce, naive_all_reduce
+
+    torch.set_num_threads(1)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{store_dir}/store", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    ok: dict = {}
+    for numel in GPU_NUMELS:
+        for dtype in DTYPES:
+            specs = [naive_all_reduce([make_input(r, (numel,), dtype, salt=s) for r in range(world)]) for s in range(3)]
+            for aname, algo in algorithms().items():
+                for sync in (Sync.IN_KERNEL, Sync.HOST_BARRIER, None):
+                    config = (AllReduceConfig(algorithm=algo, sync=sync, check_across_ranks=False) if sync else
+                              AllReduceConfig(algorithm=algo, use_symmetric_memory=False))
+                    xs = [make_input(rank, (numel,), dtype, salt=s).cuda() for s in range(3)]
+                    outs = [all_reduce(x, None, config) for x in xs]  # no sync between the calls
+                    torch.cuda.synchronize()
+                    key = (numel, str(dtype), aname, sync.value if sync else "process_group")
+                    ok[key] = all(torch.equal(o.cpu().view(torch.uint8), s.view(torch.uint8))
+                                  for o, s in zip(outs, specs))
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"ok": ok}
+
+
+def gpu_worker(rank: int, world: int, store_dir: str) -> None:
+    try:
+        torch.save(_gpu_run(rank, world, store_dir), os.path.join(store_dir, f"rank{rank}.pt"))
+    except BaseException:
+        with open(os.path.join(store_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
