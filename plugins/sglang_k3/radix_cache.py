@@ -41,6 +41,7 @@ class K3RadixCache(UnifiedRadixCache):
         self.base_version = 0
         self.adapter_versions: dict[Hashable, int] = {}
         self.k3_stats = {"version_bumps": 0, "final_turn_demotions": 0}
+        self._demote_clock = 0.0       # below every real access time (SGLang's counter starts at 0 and grows)
 
     # ------------------------------------------------------------------ scopes
     def bump_policy_version(self, extra_key: str | None = None, *, all_scopes: bool = False) -> None:
@@ -91,22 +92,30 @@ class K3RadixCache(UnifiedRadixCache):
             self._demote(req.last_node)
 
     def _demote(self, node_id) -> None:
-        """Move a leaf to the evict-first end of each component's device LRU list (Python tree core; the session
-        partition keeps its own order and is left alone)."""
+        """Move the episode's own path (the leaf and its single-child ancestors, up to the first node another
+        request shares) to the evict-first end of each component's device LRU list, leaf last so it goes first.
+        Python tree core only; the session partition keeps its own order and is left alone."""
         if self.enable_session_radix_cache or not hasattr(self.tree_core, "node_by_id"):
             return
         node = self.tree_core.node_by_id(node_id)
-        if node is self.tree_core.root_node or node.children:
+        root = self.tree_core.root_node
+        if node is root or node.children:
             return
-        moved = False
+        path = [node]
+        while path[-1].parent is not None and path[-1].parent is not root and len(path[-1].parent.children) == 1:
+            path.append(path[-1].parent)
+        # FULL evicts leaves by `eviction_strategy.get_priority` (LRU: last_access_time); the other components walk
+        # their LRU lists. Both orders put the path first, the leaf before its ancestors.
+        for n in path:
+            self._demote_clock -= 1
+            n.last_access_time = self._demote_clock
         for lru in self.tree_core.lru_lists.values():
-            if not lru.in_list(node):
-                continue
             pt = lru._pt
-            lru._remove_node(node)
-            lru._add_node_after(lru.tail.lru_prev[pt], node)
-            moved = True
-        self.k3_stats["final_turn_demotions"] += moved
+            for n in reversed(path):                  # root-most first: the leaf ends up at the very end
+                if lru.in_list(n):
+                    lru._remove_node(n)
+                    lru._add_node_after(lru.tail.lru_prev[pt], n)
+        self.k3_stats["final_turn_demotions"] += 1
 
 
 def is_final_turn(req) -> bool:

@@ -70,11 +70,14 @@ class ReplayStats:
 class CacheDriver:
     """One cache on the kit's pools, served one request at a time (see the module doc)."""
 
-    def __init__(self, cfg, backend: str):
-        self.cfg = cfg
+    def __init__(self, cfg, backend: str, verify_prefix: bool = False):
+        """`verify_prefix`: write each computed token's id into its KV slot (first layer, first element; ids must
+        be < 256 to be exact in bf16) and check every hit's KV slots hold the matched tokens' ids."""
+        self.cfg, self.verify_prefix = cfg, verify_prefix
         self.cache, self.allocator, self.pool = build_cache(cfg, backend)
         self.stats = ReplayStats()
         self._rid = 0
+        self.base_version, self.versions = 0, {}
 
     # -------------------------------------------------------------- pools
     def _evict(self, tokens: int = 0, mamba: int = 0) -> None:
@@ -126,6 +129,46 @@ class CacheDriver:
         req.kv.mamba_last_track_idx = 0
         req.kv.mamba_next_track_idx = self.pool.get_mamba_ping_pong_other_idx(0)
 
+    def _key_buffer(self):
+        kv = self.allocator.get_kvcache()
+        kv = getattr(kv, "full_kv_pool", kv)
+        return kv.get_key_buffer(kv.start_layer)
+
+    def _check_and_mark(self, matched: list[int], prefix, computed: list[int], slots, version: int) -> None:
+        """KV slot marks: element 0 the token id, element 1 the policy version that computed it."""
+        import torch
+
+        buf = self._key_buffer()
+        flat = buf.view(buf.shape[0], -1)
+        if matched:
+            held = flat[prefix, :2].float().to(torch.int64).tolist()
+            for i, ((tok, ver), want) in enumerate(zip(held, matched)):
+                if tok != want:
+                    raise AssertionError(f"wrong prefix: position {i} holds token {tok}'s KV, the request has {want}")
+                if ver != version:
+                    raise AssertionError(f"wrong prefix: position {i}'s KV was computed by policy version {ver}, "
+                                         f"the request is served by version {version}")
+        if computed:
+            flat[slots, 0] = torch.tensor(computed, dtype=torch.float32).to(buf.dtype)
+            flat[slots, 1] = float(version)
+
+    # -------------------------------------------------------------- weight updates
+    def version_of(self, extra_key) -> int:
+        return self.base_version + self.versions.get(extra_key, 0)
+
+    def update_weights(self, extra_key: str | None = None, *, all_scopes: bool = False,
+                       sglang_flush: bool = True) -> None:
+        """A weight update (base: `all_scopes`; else the adapter behind `extra_key`). Ours bumps the scope;
+        SGLang's cache is flushed (`sglang_flush`, what SGLang does on update_weights) or left as it is."""
+        if all_scopes:
+            self.base_version += 1
+        else:
+            self.versions[extra_key] = self.versions.get(extra_key, 0) + 1
+        if hasattr(self.cache, "bump_policy_version"):
+            self.cache.bump_policy_version(extra_key, all_scopes=all_scopes)
+        elif sglang_flush:
+            self.cache.reset()
+
     @property
     def grid(self) -> int:
         for comp in self.cache._components_tuple:
@@ -155,6 +198,8 @@ class CacheDriver:
         new = self._alloc_kv(len(fill) - hit)     # one run: paged allocators continue the last page
         self.pool.write((row, slice(0, hit)), prefix)
         self.pool.write((row, slice(hit, len(fill))), new)
+        if self.verify_prefix:
+            self._check_and_mark(prompt[:hit], prefix, fill[hit:], new, self.version_of(extra_key))
         req.kv.cache_protected_len = hit
         req.last_node, req.lock = m.last_device_node, lock
         req.full_untruncated_fill_ids = array("q", prompt)
