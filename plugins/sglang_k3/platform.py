@@ -48,6 +48,17 @@ class K3CpuPlatform(CpuDeviceMixin, SRTPlatform):
     def get_dispatch_key_name(self) -> str:
         return "native"
 
+    def init_backend(self) -> None:
+        """Host pools (HiCache, the routed-experts host cache) are allocated by a function keyed by device name;
+        for "cpu" SGLang's default pins and `cudaHostRegister`s them, which fails without CUDA: plain memory."""
+        from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS
+
+        ALLOC_MEMORY_FUNCS["cpu"] = _alloc_host_unpinned
+
+
+def _alloc_host_unpinned(dims, dtype, device, pin_memory, allocator, registration_granularity_bytes=None):
+    return allocator.allocate(dims, dtype=dtype, device=device)
+
 
 def _accelerator_present() -> bool:
     if torch.cuda.is_available():

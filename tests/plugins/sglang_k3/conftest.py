@@ -11,6 +11,7 @@ this file first), without touching SGLang's files:
 3. Triton: SGLang's kernels run here only under `TRITON_INTERPRET=1` (fp32). The interpreter patches `tl`'s
    builtins while a kernel runs; SGLang's module-level aliases (`exp = tl.exp` in `fla/op.py`, imported by the
    kernels) keep the unpatched builtin, so they are rebound to forwarders (`rebind_triton_aliases`).
+4. `current_platform.init_backend()` runs once, as SGLang's model runner does for an out-of-tree platform.
 The kits also save/restore `torch.cuda`'s RNG state, which raises on a CPU build: a no-op stand-in is installed
 when CUDA is absent (the CPU generator is seeded and restored by the kits themselves).
 """
@@ -48,6 +49,7 @@ else:
         if type(platform).__module__ != "k3_sglang.platform":
             raise pytest.UsageError(f"SGLang picked platform {type(platform).__qualname__}, not k3_sglang's CPU "
                                     "platform: is the project installed in this venv (`pip install --no-deps -e .`)?")
+        platform.init_backend()  # what SGLang's model runner calls for an out-of-tree platform at import
 
     @pytest.fixture(autouse=True, scope="session")
     def _triton_aliases_rebound():
