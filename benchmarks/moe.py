@@ -93,9 +93,13 @@ def torchtitan_moe(L, I, E, k, n_shared, device, dtype):
         shared_experts=FeedForward.Config(w1=Linear.Config(in_features=L, out_features=S),
                                           w2=Linear.Config(in_features=S, out_features=L),
                                           w3=Linear.Config(in_features=L, out_features=S)))
-    with torch.device(device):
-        m = cfg.build()
-    m = m.to(dtype)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in bf16 directly: 896 experts in fp32 would not fit
+    try:
+        with torch.device(device):
+            m = cfg.build()
+    finally:
+        torch.set_default_dtype(prev)
     m.expert_bias_E = m.expert_bias_E.float()
     m.tokens_per_expert_E = m.tokens_per_expert_E.float()
     torch.manual_seed(0)
@@ -185,26 +189,33 @@ def run_point(impls, N, L, device, dtype, reps_ms, params):
     out = {}
     for name, mod in impls.items():
         entry = {}
-        try:
-            def fwd():
-                with torch.no_grad():
-                    return mod(x)
+        grads = [x] + params[name]
 
-            def fwd_bwd():
-                y = mod(x)
-                y.backward(dy)
+        def fwd():
+            with torch.no_grad():
+                return mod(x)
 
-            grads = [x] + params[name]
-            if device.type == "cuda":
-                entry["fwd_ms"] = measure(fwd, reps_ms, None)
-                entry["fwd_bwd_ms"] = measure(fwd_bwd, reps_ms, grads)
-            else:
-                entry["fwd_ms"] = timed_cpu(fwd, 1)
-                entry["fwd_bwd_ms"] = timed_cpu(fwd_bwd, 1)
+        def fwd_bwd():
+            mod(x).backward(dy)
+
+        def stage(key, fn):
+            """One measurement; out of memory is recorded for that figure (the next ones still run)."""
+            try:
+                entry[key] = fn()
+            except torch.cuda.OutOfMemoryError as err:
+                entry[key] = None
+                entry.setdefault("errors", {})[key] = f"out of memory: {str(err).splitlines()[0][:120]}"
             for p in grads:
                 p.grad = None
-            entry["peak_gib_fwd_bwd"] = peak_extra(fwd_bwd, device)
-            # determinism: two forward+backward runs, bit for bit (output, input and weight gradients)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+        def timing(fn, with_grads):
+            if device.type == "cuda":
+                return measure(fn, reps_ms, grads if with_grads else None)
+            return timed_cpu(fn, 1)
+
+        def rerun():
             runs = []
             for _ in range(2):
                 for p in grads:
@@ -212,21 +223,27 @@ def run_point(impls, N, L, device, dtype, reps_ms, params):
                 y = mod(x)
                 y.backward(dy)
                 runs.append([y.detach().clone()] + [p.grad.clone() for p in grads])
-            entry["bitwise_rerun"] = all(torch.equal(a, b) for a, b in zip(*runs))
-            if isinstance(mod, OursMoE) and not isinstance(mod, NaiveMoE):
-                # router + routed experts (the shared MLP is plain cuBLAS, which picks kernels by row count)
-                sub = torch.arange(0, N, 3, device=device)
-                with torch.no_grad():
-                    entry["routed_batch_invariant"] = bool(torch.equal(mod.routed(x[sub]), mod.routed(x)[sub]))
             entry["_y"] = runs[0][0]
-            del runs
-        except torch.cuda.OutOfMemoryError as err:
-            entry = {"error": f"out of memory: {str(err).splitlines()[0][:160]}"}
-        if name == "ours_fp8" and "error" not in entry:
+            return all(torch.equal(a, b) for a, b in zip(*runs))
+
+        stage("fwd_ms", lambda: timing(fwd, False))
+        stage("fwd_bwd_ms", lambda: timing(fwd_bwd, True))
+        stage("peak_gib_fwd_bwd", lambda: peak_extra(fwd_bwd, device))
+        # determinism: two forward+backward runs, bit for bit (output, input and all parameter gradients)
+        stage("bitwise_rerun", rerun)
+        if isinstance(mod, OursMoE) and not isinstance(mod, NaiveMoE):
+            # router + routed experts (the shared MLP is plain cuBLAS, which picks kernels by row count)
+            sub = torch.arange(0, N, 3, device=device)
+
+            def invariant():
+                with torch.no_grad():
+                    return bool(torch.equal(mod.routed(x[sub]), mod.routed(x)[sub]))
+            stage("routed_batch_invariant", invariant)
+        if name == "ours_fp8":
             ws = params[name][1:4]
             clear_fp8_cache()
-            entry["fp8_weight_quant_ms"] = (measure(lambda: [quantize_weight_fp8(w) for w in ws], reps_ms, None)
-                                            if device.type == "cuda" else None)
+            stage("fp8_weight_quant_ms", lambda: measure(lambda: [quantize_weight_fp8(w) for w in ws], reps_ms, None)
+                  if device.type == "cuda" else None)
         clear_fp8_cache()
         for p in [x] + params[name]:
             p.grad = None
@@ -378,9 +395,8 @@ def main() -> None:
             point["wall_s"] = time.time() - t0
             result["points"].append(point)
             print(f"E={E} N={N}: " + "  ".join(
-                f"{n} fwd {p.get('fwd_ms', float('nan')):.2f} fwd+bwd {p.get('fwd_bwd_ms', float('nan')):.2f} ms"
-                if "error" not in p else f"{n} {p['error'][:40]}" for n, p in point.items() if isinstance(p, dict)
-                and n in run), flush=True)
+                f"{n} fwd {p.get('fwd_ms') or float('nan'):.2f} fwd+bwd {p.get('fwd_bwd_ms') or float('nan'):.2f} ms"
+                for n, p in point.items() if isinstance(p, dict) and n in run), flush=True)
             write_results(path, result)
         del impls, run, naive_mod, tt
         w1 = w3 = w2 = router_w = shared = mine = params = None

@@ -49,9 +49,8 @@ def clear_fp8_cache() -> None:
 
 class _ExpertsFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z, w, w1, w3, w2, ids, beta, linear_beta, fp8):
+    def forward(ctx, z, w, w1, w3, w2, ids, beta, linear_beta, fp8, training):
         plan = plan_routing(ids, w1.shape[0])
-        training = any(ctx.needs_input_grad[:5])
         xp, xq, xs = permute_rows(z, plan, bf16=not fp8 or training, fp8=fp8)
         if fp8:
             (w1q, w1s), (w3q, w3s), (w2q, w2s) = fp8_weight(w1), fp8_weight(w3), fp8_weight(w2)
@@ -83,7 +82,7 @@ class _ExpertsFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dxp = gg.gate_up_dgrad(dgu, w1, w3, plan)
             dz = combine(dxp, plan, None, dout.dtype)  # each token's k rows summed in slot order
-        return dz, dw, dw1, dw3, dw2, None, None, None, None
+        return dz, dw, dw1, dw3, dw2, None, None, None, None, None
 
 
 def check_expert_args(z: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
@@ -128,5 +127,7 @@ def moe_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
     check_expert_args(z, ids, weights, w1, w3, w2, precision)
     if beta <= 0 or linear_beta <= 0:
         raise ValueError(f"beta, linear_beta: must be > 0, got {beta}, {linear_beta}")
+    # (inside a Function's forward, needs_input_grad says True even under no_grad: decide here what to save)
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (z, weights, w1, w3, w2))
     return _ExpertsFn.apply(z.contiguous(), weights.float(), w1, w3, w2, ids, float(beta), float(linear_beta),
-                            precision is Precision.FP8)
+                            precision is Precision.FP8, training)
