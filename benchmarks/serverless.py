@@ -179,6 +179,8 @@ def main() -> None:
     ap.add_argument("--max-batch-rows", type=int, default=32)
     ap.add_argument("--budget-s", type=float, default=0.0, help="skip sweep points starting after this (0: none)")
     ap.add_argument("--server-log", default=None, help="where the server's output goes (default: a temp file)")
+    ap.add_argument("--wait-file", default=None, help="after the warm-up, wait (up to 120 s) until this file exists "
+                    "(another job sharing the GPU, e.g. a test run, signals its end), so it overlaps no measurement")
     ap.add_argument("--out", default="serverless")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("K3_CPU_THREADS", "1")))
@@ -209,6 +211,11 @@ def main() -> None:
             t0 = time.perf_counter()
             scenario(url, [98, 99], 1, concurrent=True, rank=args.lora_rank)   # warm-up (allocations, JIT)
             result["warmup_s"] = time.perf_counter() - t0
+            if args.wait_file:
+                t0 = time.perf_counter()
+                while not Path(args.wait_file).exists() and time.perf_counter() - t0 < 120:
+                    time.sleep(0.2)
+                result["waited_for_other_job_s"] = time.perf_counter() - t0
             seeds = [100 + i for i in range(args.clients)]
             seq = scenario(url, seeds, args.updates, concurrent=False, rank=args.lora_rank)
             print(f"one after another: {seq['wall_s']:.1f} s, {seq['samples_per_s']:.2f} samples/s", flush=True)
