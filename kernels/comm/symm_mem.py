@@ -1,6 +1,6 @@
 """The CUDA all-reduce over torch symmetric memory (`torch.distributed._symmetric_memory`): every rank's staging
 buffer is mapped into every peer's address space (NVLink P2P), and peer_sum's Triton kernels read the peers'
-buffers directly through a device pointer table (`_SymmetricMemory.buffer_ptrs`) and meet the peers' programs
+buffers directly (at their `_SymmetricMemory.buffer_ptrs` addresses, as element deltas from this rank's) and meet the peers' programs
 through the handle's signal pads (`signal_pad_ptrs`).
 
 Per rank, one symmetric uint8 buffer of 2 slots (double buffering by call parity); a slot holds the input region
@@ -48,13 +48,22 @@ class Workspace:
         offset = self.buffer.data_ptr() - bases[self.rank]
         if not 0 <= offset < self.handle.buffer_size:
             raise RuntimeError(f"all_reduce: symmetric buffer at offset {offset} of its block (outside it)")
-        self.ptrs = torch.tensor([b + offset for b in bases], dtype=torch.int64, device=device)
+        self.bases = [b + offset for b in bases]
+        self._views: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self.pads = torch.tensor(list(self.handle.signal_pad_ptrs), dtype=torch.int64, device=device)
         # program p uses int32 signal slots [p W, (p + 1) W) of every pad; one program per SM at most, all resident
         # (a program spinning for a peer's program that cannot be scheduled would hang).
         pad_bytes = getattr(self.handle, "signal_pad_size", None) or self.handle.get_signal_pad(self.rank).nbytes
         self.max_programs = max(1, min(num_sms(device), pad_bytes // (4 * self.world)))
         self.calls = 0
+
+    def view(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's buffer as `dtype` and the peers' element deltas from it (peer_sum's addressing)."""
+        if dtype not in self._views:
+            deltas = peer_sum.peer_deltas(self.bases, self.rank, dtype.itemsize)
+            self._views[dtype] = (self.buffer.view(dtype),
+                                  torch.tensor(deltas, dtype=torch.int64, device=self.buffer.device))
+        return self._views[dtype]
 
     def next_slot(self) -> int:
         slot = self.calls % _SLOTS
@@ -98,18 +107,20 @@ def all_reduce_symm_mem(flat: torch.Tensor, group, algorithm: Algorithm, config:
     out = torch.empty_like(flat)
     in_off = ws.input_offset(slot, es)
     host = config.sync is Sync.HOST_BARRIER
+    buf, deltas = ws.view(flat.dtype)
     if algorithm is Algorithm.ONE_SHOT:
         programs = peer_sum.programs_for(peer_sum.one_shot_blocks(n), ws.max_programs)
+        args = (flat, buf, deltas, ws.pads, in_off, out, ws.rank, programs)
         if not host:
-            peer_sum.one_shot(flat, ws.ptrs, ws.pads, in_off, out, ws.rank, programs)
+            peer_sum.one_shot(*args)
             return out
-        peer_sum.one_shot(flat, ws.ptrs, ws.pads, in_off, out, ws.rank, programs, reduce=False, sync=False)
+        peer_sum.one_shot(*args, reduce=False, sync=False)
         ws.handle.barrier(channel=0)
-        peer_sum.one_shot(flat, ws.ptrs, ws.pads, in_off, out, ws.rank, programs, copy_in=False, sync=False)
+        peer_sum.one_shot(*args, copy_in=False, sync=False)
         return out
     shard = shard_size(n, ws.world, es, config)
     programs = peer_sum.programs_for(peer_sum.two_shot_blocks(shard), ws.max_programs)
-    args = (flat, ws.ptrs, ws.pads, in_off, ws.shard_offset(slot, es), out, shard, ws.rank, programs)
+    args = (flat, buf, deltas, ws.pads, in_off, ws.shard_offset(slot, es), out, shard, ws.rank, programs)
     if not host:
         peer_sum.two_shot(*args)
         return out

@@ -124,10 +124,15 @@ def test_shards_cover_every_element_once(n, world):
 
 
 def _buffers(world, n, dtype, offset):
-    """Per-rank zeroed buffers laid out as symm_mem's slot 1 (`offset` elements, input region, shard region), their
-    pointer table, and dummy signal pads (the interpreter runs the stages rank after rank instead of meeting)."""
-    bufs = [torch.zeros(offset + 2 * n + 16, dtype=dtype) for _ in range(world)]
-    return bufs, torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64), torch.zeros(world, dtype=torch.int64)
+    """Per-rank zeroed buffers laid out as symm_mem's slot 1 (`offset` elements, input region, shard region), each
+    rank's element deltas to the others', and dummy signal pads (the interpreter runs the stages rank after rank
+    instead of meeting)."""
+    from k3_kernels.comm.peer_sum import peer_deltas
+
+    bufs = [torch.zeros(offset + 2 * n + 64, dtype=dtype) for _ in range(world)]
+    bases = [b.data_ptr() for b in bufs]
+    deltas = [torch.tensor(peer_deltas(bases, r, bufs[0].element_size())) for r in range(world)]
+    return bufs, deltas, torch.zeros(world, dtype=torch.int64)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -145,19 +150,19 @@ def test_symm_mem_kernels_in_the_interpreter(world, dtype):
         off = 24
         shard = shard_size(n, world, xs[0].element_size())
         outs = [torch.empty(n, dtype=dtype) for _ in range(world)]
-        bufs, ptrs, pads = _buffers(world, n, dtype, off)
+        bufs, deltas, pads = _buffers(world, n, dtype, off)
         for r in range(world):
-            peer_sum.one_shot(xs[r], ptrs, pads, off, outs[r], r, programs, reduce=False, sync=False, block=BLOCK)
+            peer_sum.one_shot(xs[r], bufs[r], deltas[r], pads, off, outs[r], r, programs, reduce=False, sync=False, block=BLOCK)
         for r in range(world):
-            peer_sum.one_shot(xs[r], ptrs, pads, off, outs[r], r, programs, copy_in=False, sync=False, block=BLOCK)
+            peer_sum.one_shot(xs[r], bufs[r], deltas[r], pads, off, outs[r], r, programs, copy_in=False, sync=False, block=BLOCK)
             assert same_bits(outs[r], spec), ("one-shot", n, r)
         outs = [torch.empty(n, dtype=dtype) for _ in range(world)]
-        bufs, ptrs, pads = _buffers(world, n, dtype, off)
+        bufs, deltas, pads = _buffers(world, n, dtype, off)
         stages = ({"reduce": False, "gather": False}, {"copy_in": False, "gather": False},
                   {"copy_in": False, "reduce": False})
         for stage in stages:
             for r in range(world):
-                peer_sum.two_shot(xs[r], ptrs, pads, off, off + n, outs[r], shard, r, programs, sync=False, block=BLOCK,
+                peer_sum.two_shot(xs[r], bufs[r], deltas[r], pads, off, off + n, outs[r], shard, r, programs, sync=False, block=BLOCK,
                                   **stage)
         for r in range(world):
             assert same_bits(outs[r], spec), ("two-shot", n, r)
@@ -174,16 +179,16 @@ def test_meeting_protocol_in_the_interpreter(world):
     n, programs, off = 3 * BLOCK + 1, 3, 8
     xs = [make_input(r, (n,), torch.float32, salt=3) for r in range(world)]
     spec = naive_all_reduce(xs)
-    bufs, ptrs, _ = _buffers(world, n, torch.float32, off)
+    bufs, deltas, _ = _buffers(world, n, torch.float32, off)
     pads_mem = [torch.zeros(programs * world + 4, dtype=torch.int32) for _ in range(world)]
     pads = torch.tensor([p.data_ptr() for p in pads_mem], dtype=torch.int64)
     for r in range(world):
-        peer_sum.one_shot(xs[r], ptrs, pads, off, torch.empty(n), r, programs, reduce=False, sync=False, block=BLOCK)
+        peer_sum.one_shot(xs[r], bufs[r], deltas[r], pads, off, torch.empty(n), r, programs, reduce=False, sync=False, block=BLOCK)
     for r in range(world):
         incoming = [(p * world + q) for p in range(programs) for q in range(world) if q != r]
         pads_mem[r][incoming] = 1
         out = torch.empty(n)
-        peer_sum.one_shot(xs[r], ptrs, pads, off, out, r, programs, block=BLOCK)
+        peer_sum.one_shot(xs[r], bufs[r], deltas[r], pads, off, out, r, programs, block=BLOCK)
         assert same_bits(out, spec)
         assert int(pads_mem[r].sum()) == 0, "incoming signals not all consumed"
         for q in range(world):
