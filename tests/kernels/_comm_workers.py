@@ -144,3 +144,38 @@ def gpu_worker(rank: int, world: int, store_dir: str) -> None:
         with open(os.path.join(store_dir, f"rank{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
         raise
+
+
+def ptx_summary() -> dict:
+    """Compile peer_sum's kernels for sm_90 (the H200) without a GPU and count the instructions the tests care
+    about. Run in a process without TRITON_INTERPRET (the interpreter replaces @triton.jit at import)."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from k3_kernels.comm import peer_sum
+
+    out = {}
+    for ty in ("fp32", "bf16"):
+        for name, fn, extra in (("one_shot", peer_sum._one_shot_kernel, {}),
+                                ("two_shot", peer_sum._two_shot_kernel, {"GATHER": True})):
+            sig = {"x_ptr": f"*{ty}", "buf_ptr": f"*{ty}", "deltas": "*i64", "pads": "*i64", "in_offset": "i32"}
+            if name == "two_shot":
+                sig["shard_offset"] = "i32"
+            sig.update({"out_ptr": f"*{ty}", "n": "i32"})
+            if name == "two_shot":
+                sig["shard"] = "i32"
+            sig["rank"] = "i32"
+            consts = {"W": 3, "WP": 4, "BLOCK": peer_sum.BLOCK, "COPY_IN": True, "REDUCE": True, "SYNC": True, **extra}
+            sig.update({k: "constexpr" for k in consts})
+            names = list(sig)
+            # what Triton's specialisation sees for a message whose sizes and offsets are multiples of 16
+            attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items()
+                     if v != "constexpr" and k != "rank"}
+            ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                                 target=GPUTarget("cuda", 90, 32), options={"num_warps": peer_sum.NUM_WARPS}).asm["ptx"]
+            ops = re.findall(r"\b(ld\.global[.\w]*|st\.global[.\w]*|atom[.\w]*|multimem[.\w]*|red\.[.\w]*)", ptx)
+            out[f"{name}_{ty}"] = {op: ops.count(op) for op in sorted(set(ops))}
+    return out
