@@ -119,8 +119,8 @@ def _gate_up_kernel(x_ptr, xs_ptr, w1_ptr, w3_ptr, ws1_ptr, ws3_ptr, gu_ptr, h_p
             tl.store(h_ptr + r64[:, None] * I + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=m)
         if QUANT_H:  # BLOCK_N == QB: one scale per row of the tile
             amax = tl.max(tl.abs(tl.where(m, h, 0.0)), axis=1)
-            scale = tl.where(amax > 0, amax / _E4M3_MAX, 1.0)
-            q = tl.clamp(h / scale[:, None], -_E4M3_MAX, _E4M3_MAX)
+            scale = tl.where(amax > 0, tl.math.div_rn(amax, _E4M3_MAX), 1.0)
+            q = tl.clamp(tl.math.div_rn(h, scale[:, None]), -_E4M3_MAX, _E4M3_MAX)
             tl.store(hq_ptr + r64[:, None] * I + cols[None, :], q.to(hq_ptr.dtype.element_ty), mask=m)
             tl.store(hs_ptr + r64 * tl.cdiv(I, QB) + tn, scale, mask=rmask)
 

@@ -86,8 +86,8 @@ def _permute_kernel(x_ptr, src_ptr, out_ptr, q_ptr, s_ptr, P, D, x_stride, out_s
         if QUANT:  # BLOCK_D == 128: one scale per row per block
             vf = v.to(tl.float32)
             amax = tl.max(tl.abs(vf), axis=1)
-            scale = tl.where(amax > 0, amax / _E4M3_MAX, 1.0)
-            q = tl.clamp(vf / scale[:, None], -_E4M3_MAX, _E4M3_MAX)
+            scale = tl.where(amax > 0, tl.math.div_rn(amax, _E4M3_MAX), 1.0)
+            q = tl.clamp(tl.math.div_rn(vf, scale[:, None]), -_E4M3_MAX, _E4M3_MAX)
             tl.store(q_ptr + r64[:, None] * q_stride + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
             tl.store(s_ptr + r64 * n_blocks + b, scale, mask=rmask)
 
