@@ -97,11 +97,15 @@ class KimiDeltaAttention(nn.Module):
         h0, conv = cache.kda(layer)
         xq, xk, xv = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         f, b = self.f_b_proj(self.f_a_proj(x)), self.b_proj(x)
-        q, k, v, g, beta, windows = self.step_inputs(xq, xk, xv, f, b, conv)
+        tree = getattr(cache, "kda_tree", None)   # token-tree verify (k3.rollout.spec): positions are tree nodes
+        if tree is None:
+            q, k, v, g, beta, windows = self.step_inputs(xq, xk, xv, f, b, conv)
+        else:   # each node's conv window along its own path, its recurrence from its parent's state
+            q, k, v, g, beta, windows = tree.step_inputs(self, xq, xk, xv, f, b, conv)
         record = getattr(cache, "record_kda_inputs", None)   # speculative verify (k3.rollout.spec): ReplaySSM inputs
         if record is not None:   # the projections only: the commit rebuilds k, v, g, beta with `step_inputs`
             record(layer, torch.stack([xq, xk, xv], dim=2), f, b)   # [B, T, 3, H*K], [B, T, H*K], [B, T, H]
-        o, h = self.mix(q, k, v, g, beta, h0)
+        o, h = self.mix(q, k, v, g, beta, h0) if tree is None else tree.mix(q, k, v, g, beta, h0)
         gate = self._output_gate(x).view(B, T, H, K)
         o = ops.gated_rms_norm(o, gate, self.o_norm.weight, self.eps).reshape(B, T, H * K)
         cache.set_kda(layer, h, windows)

@@ -49,8 +49,20 @@ class GatedMLA(nn.Module):
         S = c_kv.shape[1]
         k_nope, v = self.kv_b_proj(c_kv).view(B, S, H, self.nope + self.v_dim).split([self.nope, self.v_dim], -1)
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
-        attn = ops.mla_attention(q_nope, q_pe, k_nope, k_pe, v, past, self.scale).to(x.dtype)
+        visible = getattr(cache, "attention_mask", None)   # token-tree verify (k3.rollout.spec): [B, T, S] bool
+        if visible is None:
+            attn = ops.mla_attention(q_nope, q_pe, k_nope, k_pe, v, past, self.scale).to(x.dtype)
+        else:   # each node sees the row's prefix and its own ancestors only
+            attn = _masked_attention(q_nope, q_pe, k_nope, k_pe, v, visible(S), self.scale).to(x.dtype)
         attn = attn.reshape(B, T, H * self.v_dim)
         if self.g_proj is not None:
             attn = attn * torch.sigmoid(self.g_proj(x))
         return self.o_proj(attn)
+
+
+def _masked_attention(q_nope, q_pe, k_nope, k_pe, v, visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """MLA attention in fp32 under an explicit mask visible [B, T, S] (query t of row b sees key s) -> [B, T, H, V]."""
+    scores = torch.einsum("bthd,bshd->bhts", q_nope.float(), k_nope.float())
+    scores = scores + torch.einsum("bthd,bsd->bhts", q_pe.float(), k_pe.float())
+    scores = (scores * scale).masked_fill(~visible.to(scores.device)[:, None], float("-inf"))
+    return torch.einsum("bhts,bshd->bthd", torch.softmax(scores, dim=-1), v.float())

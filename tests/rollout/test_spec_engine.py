@@ -138,10 +138,12 @@ def test_ngram_drafter_runs_in_the_engine(model, plain):
     assert eng.stats["spec_verifies"] > 0
 
 
-def test_batched_verify_is_close_to_plain(model, plain):
-    """One [decode_batch, k+1] forward per verify: the same tokens here, log-probs equal up to rounding."""
+@pytest.mark.parametrize("spec", ["ngram:3:batched", "ngram:2x3:batched"])
+def test_batched_verify_is_close_to_plain(model, plain, spec):
+    """One [decode_batch, k+1] forward per verify (trees: one position per node, MLA under the tree mask, KDA
+    nodes from their parents' states and conv windows): the same tokens here, log-probs equal up to rounding."""
     out, refs, _ = plain
-    eng = _spec_engine(model, refs, spec="ngram:3:batched")
+    eng = _spec_engine(model, refs, spec=spec)
     got = _turns(eng)
     assert eng.stats["spec_accepted_tokens"] > 0
     for a, b in zip(got, out):
@@ -215,7 +217,6 @@ def test_sampling_logprobs_mirror_the_sampler():
                                         ("ngram:4x2", "a 4x2 token tree has 20 draft nodes"),
                                         ("ngram:2x4", "30 draft nodes"), ("ngram:0x3", "branching"),
                                         ("ngram:2x3x1", "tree shape"), ("ngram:2x0", "draft_len"),
-                                        ("ngram:2x3:batched", "batched verification takes chain drafts"),
                                         (SpecConfig(ngram_min=3, ngram_max=2), "ngram_min")])
 def test_bad_settings_are_refused_before_any_request(model, bad, field):
     with pytest.raises(ValueError, match=field):

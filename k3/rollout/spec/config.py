@@ -94,9 +94,6 @@ class SpecConfig:
             raise ValueError(f"speculative.branching/draft_len: a {self.shape} token tree has {self.tree_nodes} draft "
                              f"nodes; the verify pass holds the pending token plus at most {MAX_TREE_NODES} nodes "
                              f"(e.g. 2x3 = 14, 3x2 = 12, 15x1 = 15)")
-        if self.branching > 1 and self.verify is VerifyMode.BATCHED:
-            raise ValueError(f"speculative.verify: batched verification takes chain drafts (branching 1); a "
-                             f"{self.shape} token tree verifies with verify='exact'")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"speculative.ngram_min/ngram_max: need 1 <= ngram_min <= ngram_max, got "
                              f"{self.ngram_min}, {self.ngram_max}")

@@ -24,7 +24,7 @@ from k3.rollout.spec.config import Acceptance, SpecConfig, SpecMethod, VerifyMod
 from k3.rollout.spec.ngram import NgramDrafter
 from k3.rollout.spec.scratch import ReplayScratch
 from k3.rollout.spec.tree import DraftTree
-from k3.rollout.spec.verify import verify_batched, verify_walk
+from k3.rollout.spec.verify import keep_path, verify_batched, verify_walk
 from k3.rollout.types import key_token
 from k3_kernels.replay_ssm.naive import naive_conv_roll
 
@@ -94,8 +94,8 @@ class SpecDecoder:
         roots = [key_token(s.key[s.pos]) for s in group]
         batched = self.cfg.verify is VerifyMode.BATCHED
         positions = [1 + t.depth for t in trees]
-        if batched:
-            positions = [max(positions)] * len(group)
+        if batched:   # every node at its own verify position
+            positions = [1 + max(len(t) for t in trees)] * len(group)
         for s, n in zip(group, positions):
             eng._prepare_pages(s, n)
             for p in s.bt:
@@ -124,13 +124,17 @@ class SpecDecoder:
             return e.token
 
         if batched:
-            if not all(t.is_chain() for t in trees):
-                raise ValueError("speculative.verify: batched verification takes chain drafts (branching 1)")
-            res = verify_batched(eng, group, [[rt] + list(t.tokens) for rt, t in zip(roots, trees)], capture)
-            for r, lg in enumerate(res.logits):   # the walk over the computed positions
-                for t, x in enumerate(lg):
-                    if advance(r, t, x) is None:
-                        break
+            chains = all(t.is_chain() for t in trees)
+            res = verify_batched(eng, group, [[rt] + list(t.tokens) for rt, t in zip(roots, trees)], capture,
+                                 None if chains else [t.verify_parents() for t in trees])
+            order = []
+            for r, lg in enumerate(res.logits):   # the walk over the computed positions (node i at position i + 1)
+                idx = [0]
+                while advance(r, len(idx) - 1, lg[idx[-1]]) is not None:
+                    idx.append(node[r] + 1)
+                order.append(idx)
+            if not chains:
+                keep_path(eng, group, res, order)
         else:
             res = verify_walk(eng, group, roots, positions, advance, capture)
         eng.stats["forwards"] += res.forwards

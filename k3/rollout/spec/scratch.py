@@ -75,3 +75,10 @@ class ReplayScratch:
         out = src.new_zeros(self.positions, n_seats, *src.shape[2:])
         out[:, seat_of_row] = src.transpose(0, 1)
         return out
+
+    def reorder(self, order: list[list[int]]) -> None:
+        """Row r's positions order[r] move to positions 0, 1, ... (a batched tree verify keeps its walked path)."""
+        for layer in self.bufs:
+            for name, buf in layer.items():
+                for r, idx in enumerate(order):
+                    buf[r, :len(idx)] = buf[r, torch.tensor(idx, dtype=torch.long, device=buf.device)].clone()

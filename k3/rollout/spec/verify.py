@@ -54,6 +54,71 @@ class SpecView(PoolView):
         self.scratch.store(self.eng.kda_index[layer], self.rec_rows, self.t0, conv_in[s], f[s], b[s])
 
 
+class TreeSpecView(SpecView):
+    """SpecView of one batched token-tree verify: verify position i of row b is tree node i - 1 (position 0 the
+    pending token), parents[b][i] its parent position (-1: the committed state). MLA: each position sees the row's
+    prefix and its ancestors (`attention_mask`, the latents of all positions go into the row's pages at pos + i);
+    KDA (`kda_tree`): each node's short conv runs over the window along its own path and its recurrence starts from
+    its parent's state (k3_kernels.replay_ssm tree verify: inputs only, no state per node); the pool is not written."""
+
+    def __init__(self, eng: "Engine", rows: list["_Seq | None"], T: int, scratch: ReplayScratch,
+                 row_of_seat: list[int | None], parents: list[list[int]]):
+        super().__init__(eng, rows, T, 0, scratch, row_of_seat, {})
+        self.parents = torch.tensor(parents, dtype=torch.long)
+        anc = torch.zeros(len(rows), T, T, dtype=torch.bool)
+        self.window_cols: list[list[list[int]]] = []   # [b][i]: the W-1 conv-window columns before position i
+        W1 = eng.model.config.conv_kernel_size - 1
+        for b, par in enumerate(parents):
+            cols_b = []
+            for i in range(T):
+                path, j = [], i
+                while j >= 0:
+                    anc[b, i, j] = True
+                    path.append(j)
+                    j = par[j]
+                cols = list(range(W1)) + [W1 + a for a in reversed(path[1:])]   # committed window, then ancestors
+                cols_b.append(cols[len(cols) - W1:])
+            self.window_cols.append(cols_b)
+        self.anc = anc
+        self.kda_tree = self
+
+    def attention_mask(self, S: int) -> torch.Tensor:
+        B, T = self.anc.shape[:2]
+        s = torch.arange(S).view(1, 1, S)
+        past = self.past.view(B, 1, 1)
+        rel = (s - past).clamp(0, T - 1).expand(B, T, S)
+        return (s < past) | ((s >= past) & (s < past + T) & torch.gather(self.anc, 2, rel))
+
+    def step_inputs(self, mod, xq, xk, xv, f, b, conv):
+        B, T, C = xq.shape
+        W1 = mod.conv_size - 1
+        if conv is None:
+            conv = xq.new_zeros(B, 3, C, W1)
+        src = torch.cat([conv.to(xq.dtype), torch.stack([xq, xk, xv], dim=1).transpose(2, 3)], dim=-1)
+        cols = torch.tensor(self.window_cols, dtype=torch.long, device=src.device)   # [B, T, W-1]
+        idx = cols.view(B, 1, 1, T * W1).expand(B, 3, C, T * W1)
+        windows = torch.gather(src, 3, idx).view(B, 3, C, T, W1).permute(0, 3, 1, 2, 4).reshape(B * T, 3, C, W1)
+        one = lambda x: x.reshape(B * T, 1, x.shape[-1])   # noqa: E731 (every node a one-token row)
+        q, k, v, g, beta, _ = mod.step_inputs(one(xq), one(xk), one(xv), one(f), one(b), windows)
+        H, K = q.shape[2:]
+        return (q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, K), g.view(B, T, H, K),
+                beta.view(B, T, H), conv)
+
+    def mix(self, q, k, v, g, beta, h0):
+        node_major = [x.transpose(0, 1) for x in (q, k, v, g, beta)]
+        parents = self.parents.to(q.device)
+        if q.is_cuda:
+            from k3_kernels.replay_ssm.tree import tree_verify
+            o, _ = tree_verify(h0.float(), *node_major, parents)
+        else:
+            from k3_kernels.replay_ssm.naive import naive_tree_verify
+            o, _ = naive_tree_verify(h0.float(), *node_major, parents)
+        return o.transpose(0, 1), h0
+
+    def set_kda(self, layer, recurrent, conv):
+        pass   # the committed state stays; the commit folds the accepted path
+
+
 @dataclass
 class VerifyResult:
     logits: list[list[torch.Tensor]]    # [row][t] logits [vocab] after position t (t < len(tokens[row]))
@@ -136,9 +201,12 @@ def verify_walk(eng: "Engine", rows: list["_Seq"], roots: list[int], max_positio
     return VerifyResult(logits, routing, scratch, forwards, features)
 
 
-def verify_batched(eng: "Engine", rows: list["_Seq"], tokens: list[list[int]], capture=None) -> VerifyResult:
-    """BATCHED verification of chains: one [decode_batch, T] forward from the committed states (rows with shorter
-    drafts repeat their last token; pages prepared for T positions)."""
+def verify_batched(eng: "Engine", rows: list["_Seq"], tokens: list[list[int]], capture=None,
+                   parents: list[list[int]] | None = None) -> VerifyResult:
+    """BATCHED verification: one [decode_batch, T] forward from the committed states (pages prepared for T
+    positions). Chains: `tokens[r]` = the pending token and the draft, causal (rows with shorter drafts repeat
+    their last token). Token trees: `parents[r]` gives each position's parent position (TreeSpecView's tree mask
+    and tree KDA); shorter rows are padded with positions chained to their last one."""
     B = eng.cfg.decode_batch
     if len(rows) > B:
         raise ValueError(f"verify: {len(rows)} rows exceed decode_batch {B}")
@@ -150,9 +218,36 @@ def verify_batched(eng: "Engine", rows: list["_Seq"], tokens: list[list[int]], c
     for r, toks in enumerate(tokens):
         ids[r, :len(toks)] = torch.tensor(toks, dtype=torch.long)
         ids[r, len(toks):] = toks[-1]
-    out, feats = _verify_forward(eng, seats, row_of_seat, ids, 0, scratch, {}, capture)
+    if parents is None:
+        out, feats = _verify_forward(eng, seats, row_of_seat, ids, 0, scratch, {}, capture)
+    else:
+        par = [list(parents[r]) + list(range(len(parents[r]) - 1, T - 1)) if r < len(rows) else list(range(-1, T - 1))
+               for r in range(B)]
+        with _at_positions(rows, 0):
+            view = TreeSpecView(eng, seats, T, scratch, row_of_seat, par)
+            with eng._adapters_for(seats), (capture if capture is not None else contextlib.nullcontext()):
+                out = eng.model(ids.to(eng.device), view, return_routed_experts=True)
+            feats = capture.features() if capture is not None else None
     logits = [[out.logits[r, j] for j in range(len(toks))] for r, toks in enumerate(tokens)]
     routing = [[out.routed_experts[r, j] if out.routed_experts is not None else torch.zeros(0, dtype=torch.long)
                 for j in range(len(toks))] for r, toks in enumerate(tokens)]
     features = None if feats is None else [[feats[r, j] for j in range(len(toks))] for r, toks in enumerate(tokens)]
     return VerifyResult(logits, routing, scratch, 1, features)
+
+
+def keep_path(eng: "Engine", rows: list["_Seq"], res: VerifyResult, order: list[list[int]]) -> None:
+    """After a batched tree verify: bring each row's walked positions `order[r]` (0, then its accepted path's node
+    positions) to verify positions 0, 1, ...: the MLA latents in the row's pages (NoPE: a latent does not depend on
+    its position), the stored KDA projections, logits, routing and features. The commit then keeps a chain."""
+    P = eng.cfg.page_size
+    store = eng.pages.dev["kv"]
+    for r, (s, idx) in enumerate(zip(rows, order)):
+        for j, i in enumerate(idx):   # increasing j: a source (i >= j) is never overwritten before it is read
+            if i != j:
+                src, dst = s.pos + i, s.pos + j
+                store[eng.pages.slot(s.bt[dst // P]), :, dst % P] = store[eng.pages.slot(s.bt[src // P]), :, src % P]
+        res.logits[r] = [res.logits[r][i] for i in idx]
+        res.routing[r] = [res.routing[r][i] for i in idx]
+        if res.features is not None:
+            res.features[r] = [res.features[r][i] for i in idx]
+    res.scratch.reorder(order)
