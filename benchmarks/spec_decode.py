@@ -5,8 +5,8 @@ one intra-op thread as `k3` runs):
   * accept length (tokens per verify step, bonus included) and acceptance rate (accepted / drafted) for the n-gram
     drafter and the trained drafter at draft length 3, greedy, on the held-out calculator prompts (turn 0); whether
     tokens and log-probs are bitwise plain decoding's;
-  * decode tokens/s at decode batch 1, 8, 32 (as many prompts as seats): plain, n-gram exact, drafter exact,
-    drafter batched. Decode time = wall time inside the decode forwards (plain) or the speculative steps (spec);
+  * decode tokens/s at decode batch 1, 8, 32 (as many prompts as seats): plain, n-gram exact (chain 3, tree
+    2x3), drafter exact (chain 3, tree 2x3), drafter batched (chain 3, tree 2x3). Decode time = wall time inside the decode forwards (plain) or the speculative steps (spec);
     tokens = those sampled in decode steps (each sequence's first comes from its prefill). Median of `--repeats`.
     Also on the job's own rollouts (k3.jobs.episodes.run_episodes: G = 4 samples per task, all turns, temperature
     1, prefix cache on) with MATCH acceptance, so spec and plain produce the same episodes.
@@ -15,8 +15,10 @@ GPU (`--gpu`): a K3-width model with 4 layers (3 KDA + 1 MLA, 96 heads x 128, hi
   weights, bf16): decode tokens/s at batch 1, 8, 32 for plain, spec exact and spec batched with an oracle drafter
   (plain decoding's own greedy continuation, one draft token in three corrupted: accept length measured, not set)
   and n-gram (batched); the Triton replay kernel against the torch fold at K3's dims.
+  Token trees (2x3: top-2 at each of 3 depths, <= 14 nodes): n-gram and drafter rows on CPU (exact: the walk;
+  batched: one forward under the tree mask), n-gram batched on the GPU, and the Triton tree verify vs its reference.
 Both: the memory table (spec scratch bytes per sequence per KDA layer at K3 dims vs fp32 snapshots), from the
-allocation code (k3.rollout.spec.scratch). Token trees are not implemented: no tree row.
+allocation code (k3.rollout.spec.scratch).
 Writes benchmarks/results/spec_decode.json (`--out` to redirect; `--merge` keeps the other device's section).
 """
 from __future__ import annotations
@@ -143,9 +145,14 @@ def cpu_section(repeats: int) -> dict:
     tasks = heldout_tasks()
     sp = SamplingParams(temperature=0.0, max_tokens=job.rollout.max_turn_tokens, stop_token_ids=tuple(env.stop_ids))
     methods = {"ngram_exact": SpecConfig(draft_len=3),
+               "ngram_tree_2x3_exact": SpecConfig(draft_len=3, branching=2),
                "drafter_exact": SpecConfig(method="drafter", draft_len=3, drafter_path=str(drafter_dir)),
+               "drafter_tree_2x3_exact": SpecConfig(method="drafter", draft_len=3, branching=2,
+                                                    drafter_path=str(drafter_dir)),
                "drafter_batched": SpecConfig(method="drafter", draft_len=3, verify="batched",
-                                             drafter_path=str(drafter_dir))}
+                                             drafter_path=str(drafter_dir)),
+               "drafter_tree_2x3_batched": SpecConfig(method="drafter", draft_len=3, branching=2, verify="batched",
+                                                      drafter_path=str(drafter_dir))}
     from k3.jobs.episodes import run_episodes
 
     def episodes(n_tasks):
@@ -162,6 +169,9 @@ def cpu_section(repeats: int) -> dict:
         for name, spec in (("ngram_exact_match", SpecConfig(draft_len=3, acceptance="match")),
                            ("drafter_exact_match", SpecConfig(method="drafter", draft_len=3, acceptance="match",
                                                               drafter_path=str(drafter_dir))),
+                           ("drafter_tree_2x3_exact_match", SpecConfig(method="drafter", draft_len=3, branching=2,
+                                                                       acceptance="match",
+                                                                       drafter_path=str(drafter_dir))),
                            ("drafter_batched_match", SpecConfig(method="drafter", draft_len=3, acceptance="match",
                                                                 verify="batched", drafter_path=str(drafter_dir)))):
             r, out = _run(model, None, None, spec, batch, repeats=repeats, drive=drive)
@@ -198,7 +208,12 @@ def cpu_section(repeats: int) -> dict:
         t = time.perf_counter()
         naive_replay_commit(*args)
         ts.append(time.perf_counter() - t)
+    accept = [{"method": name, "shape": spec.shape, "verify": spec.verify.value,
+               "accept_length": rows[1][name]["accept_length"], "acceptance_rate": rows[1][name]["acceptance_rate"],
+               "bitwise_equal_to_plain": rows[1][name]["bitwise_equal_to_plain"]}
+              for name, spec in methods.items()]   # batch 8 (the rows at batch 1 and 32 hold the same walk)
     return {"device": "cpu", "model": "tiny (the main job's SFT base)", "drafter": str(drafter_dir),
+            "accept_length_calculator": accept,
             "workload": f"{len(tasks)} held-out calculator prompts (first max(batch, 8)), greedy, turn 0, "
                         f"max_tokens {sp.max_tokens}, stop at the task's stop tokens",
             "throughput": rows, "job_rollouts": job_rows,
@@ -231,7 +246,7 @@ def gpu_section(repeats: int, budget_s: float) -> dict:
     prompts_all = [torch.randint(3, min(1000, model.config.vocab_size), (16,), generator=g).tolist() for _ in range(32)]
     sp = SamplingParams(temperature=0.0, max_tokens=32)
     warm = SamplingParams(temperature=0.0, max_tokens=6)   # kernel builds (decode, verify widths) before timing
-    for spec in (None, "ngram:3", "ngram:3:batched"):
+    for spec in (None, "ngram:3", "ngram:3:batched", "ngram:2x3:batched"):
         Engine(model, prefix_cache=False, speculative=spec, decode_batch=1).generate([prompts_all[0]], warm)
     rows = []
     for batch in (1, 8, 32):
@@ -243,7 +258,8 @@ def gpu_section(repeats: int, budget_s: float) -> dict:
         refs = [p + c.token_ids for p, c in zip(prompts, ref)]
         row = {"batch": batch, "plain": plain}
         for name, spec, oracle in (("oracle_exact", "ngram:3", refs), ("oracle_batched", "ngram:3:batched", refs),
-                                   ("ngram_batched", "ngram:3:batched", None)):
+                                   ("ngram_batched", "ngram:3:batched", None),
+                                   ("ngram_tree_2x3_batched", "ngram:2x3:batched", None)):
             r, out = _run(model, prompts, sp, spec, batch, oracle_refs=oracle, repeats=repeats)
             r["bitwise_equal_to_plain"] = _same(out, ref)
             r["speedup_vs_plain"] = (r["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
@@ -259,12 +275,26 @@ def gpu_section(repeats: int, budget_s: float) -> dict:
             torch.rand(T, B, H, device=dev), torch.full((B,), 3, device=dev))
     tri = triton.testing.do_bench(lambda: replay_commit(*args), return_mode="median")
     ref = triton.testing.do_bench(lambda: naive_replay_commit(*args), return_mode="median")
+    from k3.rollout.spec.tree import build_tree
+    from k3_kernels.replay_ssm import naive_tree_verify, tree_verify
+    tree = build_tree([[1, 2, 3], [1, 2, 4], [1, 5, 6], [1, 5, 7], [8, 9, 10], [8, 9, 11], [8, 12, 13],
+                       [8, 12, 14]], branching=2, depth=3, max_nodes=14)
+    N = len(tree) + 1   # the pending token and 14 nodes
+    parents = torch.tensor([tree.verify_parents()] * B, device=dev)
+    targs = (torch.randn(B, H, K, K, device=dev), torch.randn(N, B, H, K, device=dev).bfloat16(),
+             torch.randn(N, B, H, K, device=dev).bfloat16(), torch.randn(N, B, H, K, device=dev).bfloat16(),
+             -torch.rand(N, B, H, K, device=dev), torch.rand(N, B, H, device=dev), parents)
+    tri_tree = triton.testing.do_bench(lambda: tree_verify(*targs), return_mode="median")
+    ref_tree = triton.testing.do_bench(lambda: naive_tree_verify(*targs), return_mode="median")
     return {"device": torch.cuda.get_device_name(), "model": "K3 width, 4 layers (3 KDA + 1 MLA), 16 experts top-8, "
             "random weights, bf16",
             "workload": "random prompts of 16 tokens (as many as the batch), greedy, 32 new tokens",
             "throughput": rows,
             "replay_commit": {"shape": f"B={B} T={T} H={H} K=V={K}, 3 accepted, bf16 k/v", "triton_ms_median": tri,
-                              "torch_fold_ms_median": ref, "speedup": ref / tri}}
+                              "torch_fold_ms_median": ref, "speedup": ref / tri},
+            "tree_verify": {"shape": f"B={B}, 2x3 tree (pending + 14 nodes), H={H} K=V={K}, bf16 q/k/v",
+                            "triton_ms_median": tri_tree, "torch_reference_ms_median": ref_tree,
+                            "speedup": ref_tree / tri_tree}}
 
 
 def main() -> None:
