@@ -31,7 +31,7 @@ def test_score_elements_balanced_equal_contiguous_grow_with_rank():
     for cp in (2, 4, 8):
         balanced, contiguous = mla_score_elements(seq, cp, balanced=True), mla_score_elements(seq, cp, balanced=False)
         assert len(set(balanced)) == 1 and contiguous == sorted(contiguous) and contiguous[-1] == cp * contiguous[0]
-        assert max(balanced) < max(contiguous)
+        assert balanced[0] == (2 * cp + 1) * (seq // (2 * cp)) ** 2 and max(balanced) < max(contiguous)
 
 
 def test_balanced_mla_cp4_is_exact_and_balances_the_measured_work():
