@@ -22,22 +22,32 @@ def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None = None, config: 
     config.check_across_ranks (default) every rank raises the same error, also for a mismatch across ranks or a
     bad tensor on one rank only, and the group stays usable for the next call."""
     group = group if group is not None else dist.group.WORLD
-    checks.check_tensor(x, name, group)
+    world, backend = _group_info(group)
+    checks.check_tensor(x, name, backend)
     if config.check_across_ranks:
         checks.check_across_ranks(x, name, group)
     else:
         checks.raise_local(x, name)
-    world = dist.get_world_size(group)
-    flat = x.detach().reshape(-1)
+    flat = x.detach().view(-1)
     if world == 1 or flat.numel() == 0:
-        return ordered_sum([flat], x.dtype).reshape(x.shape)
+        return ordered_sum([flat], x.dtype).view(x.shape)
     algorithm = choose_algorithm(flat.numel() * flat.element_size(), world, config)
-    if flat.is_cuda:
-        from . import symm_mem  # CUDA only: keeps Triton out of the CPU path
+    if flat.is_cuda and config.use_symmetric_memory and "nccl" in backend:
+        from .symm_mem import all_reduce_symm_mem  # CUDA only: keeps Triton out of the CPU path
 
-        if symm_mem.usable(flat, group, config):
-            return symm_mem.all_reduce_symm_mem(flat, group, algorithm, config).reshape(x.shape)
-    return all_reduce_process_group(flat, group, algorithm, config).reshape(x.shape)
+        return all_reduce_symm_mem(flat, group, algorithm, config).view(x.shape)
+    return all_reduce_process_group(flat, group, algorithm, config).view(x.shape)
+
+
+_groups: dict = {}
+
+
+def _group_info(group) -> tuple[int, str]:
+    """(world size, backend name) of a group, looked up once (the per-call host time counts at small sizes)."""
+    info = _groups.get(group)
+    if info is None:
+        info = _groups[group] = (dist.get_world_size(group), str(dist.get_backend(group)))
+    return info
 
 
 __all__ = ["Algorithm", "AllReduceConfig", "all_reduce"]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import enum
 
 import torch
-import torch.distributed as dist
 
 from .naive import ACCUMULATOR
 from .process_group import all_gather_rows
@@ -44,11 +43,11 @@ def describe(x: torch.Tensor) -> str:
     return f"{x.dtype}{list(x.shape)} stride {list(x.stride())} on {x.device}"
 
 
-def check_tensor(x, name: str, group) -> None:
-    """Checks that need no peer: raise TypeError / ValueError naming `name` (on this rank only)."""
+def check_tensor(x, name: str, backend: str) -> None:
+    """Checks that need no peer: raise TypeError / ValueError naming `name` (on this rank only); `backend`: the
+    group's (dist.get_backend)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"all_reduce: {name} must be a torch.Tensor, got {type(x).__name__}")
-    backend = dist.get_backend(group)
     if x.device.type == "cpu" and backend == "nccl":
         raise ValueError(f"all_reduce: {name} is on the CPU but the group's backend is nccl (use a gloo group)")
     if x.device.type not in ("cpu", "cuda"):

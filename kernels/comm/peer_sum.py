@@ -140,12 +140,6 @@ _launch_one_shot = CachedLaunch(_one_shot_kernel)
 _launch_two_shot = CachedLaunch(_two_shot_kernel)
 
 
-def _table(t: torch.Tensor, what: str) -> int:
-    if t.dtype != torch.int64 or t.dim() != 1 or not t.is_contiguous():
-        raise ValueError(f"{what} must be a contiguous 1-D int64 table, got {t.dtype}{list(t.shape)}")
-    return t.numel()
-
-
 def peer_deltas(bases: list[int], rank: int, element_size: int) -> list[int]:
     """deltas[q] = (rank q's buffer address - this rank's) in elements, each a multiple of 16 elements."""
     out = []
@@ -164,8 +158,7 @@ def one_shot(x: torch.Tensor, buf: torch.Tensor, deltas: torch.Tensor, pads: tor
     n elements; buf: this rank's buffer in x's dtype; deltas: peer_deltas of the buffers; pads: the signal pads'
     addresses; in_offset: the input region's element offset in every rank's buffer; block: elements per block
     (a power of two; smaller ones let the interpreter tests reach the persistent loops cheaply)."""
-    world = _table(deltas, "deltas")
-    _table(pads, "pads")
+    world = deltas.numel()
     _launch_one_shot((programs,), x, buf, deltas, pads, in_offset, out, out.numel(), rank, W=world, WP=next_pow2(world),
                      BLOCK=block,
                      COPY_IN=copy_in, REDUCE=reduce, SYNC=sync, num_warps=NUM_WARPS)
@@ -176,8 +169,7 @@ def two_shot(x: torch.Tensor, buf: torch.Tensor, deltas: torch.Tensor, pads: tor
              gather: bool = True, sync: bool = True, block: int = BLOCK) -> None:
     """Stages of the two-shot all-reduce of this rank; `shard` = plan.shard_size (elements per shard), shard_offset:
     the reduced-shard region's element offset in every rank's buffer."""
-    world = _table(deltas, "deltas")
-    _table(pads, "pads")
+    world = deltas.numel()
     _launch_two_shot((programs,), x, buf, deltas, pads, in_offset, shard_offset, out, out.numel(), shard, rank, W=world,
                      WP=next_pow2(world), BLOCK=block, COPY_IN=copy_in, REDUCE=reduce, GATHER=gather, SYNC=sync, num_warps=NUM_WARPS)
 

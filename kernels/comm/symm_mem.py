@@ -77,13 +77,13 @@ class Workspace:
         return (slot * self.slot_bytes + self.capacity) // element_size
 
 
-_workspaces: dict[tuple[str, int], Workspace] = {}
+_workspaces: dict[tuple, Workspace] = {}  # (group, device index) -> its workspace
 _retired: list[Workspace] = []
 
 
 def workspace(group, device: torch.device, nbytes: int) -> Workspace:
     """The group's workspace on `device`, at least `nbytes` per region (collective when it is created or grown)."""
-    key = (group.group_name, device.index)
+    key = (group, device.index)
     ws = _workspaces.get(key)
     if ws is None or ws.capacity < nbytes:
         capacity = max(_MIN_CAPACITY, 1 << max(0, nbytes - 1).bit_length())
@@ -99,39 +99,57 @@ def workspace(group, device: torch.device, nbytes: int) -> Workspace:
     return ws
 
 
+class _Plan:
+    """Everything of one call shape (group, dtype, numel, algorithm, sync) that does not change between calls: the
+    launch arguments of both slots (the per-call host time is what one-shot's latency is made of)."""
+
+    def __init__(self, ws: Workspace, dtype: torch.dtype, n: int, algorithm: Algorithm, config: AllReduceConfig):
+        self.ws, self.host = ws, config.sync is Sync.HOST_BARRIER
+        self.one_shot = algorithm is Algorithm.ONE_SHOT
+        es = dtype.itemsize
+        buf, deltas = ws.view(dtype)
+        if self.one_shot:
+            programs = peer_sum.programs_for(peer_sum.one_shot_blocks(n), ws.max_programs)
+            self.slots = [(buf, deltas, ws.pads, ws.input_offset(s, es)) for s in range(_SLOTS)]
+            self.tail = (ws.rank, programs)
+        else:
+            shard = shard_size(n, ws.world, es, config)
+            programs = peer_sum.programs_for(peer_sum.two_shot_blocks(shard), ws.max_programs)
+            self.slots = [(buf, deltas, ws.pads, ws.input_offset(s, es), ws.shard_offset(s, es))
+                          for s in range(_SLOTS)]
+            self.tail = (shard, ws.rank, programs)
+
+    def run(self, flat: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(flat)
+        args = (flat, *self.slots[self.ws.next_slot()], out, *self.tail)
+        if self.one_shot:
+            if not self.host:
+                peer_sum.one_shot(*args)
+                return out
+            peer_sum.one_shot(*args, reduce=False, sync=False)
+            self.ws.handle.barrier(channel=0)
+            peer_sum.one_shot(*args, copy_in=False, sync=False)
+            return out
+        if not self.host:
+            peer_sum.two_shot(*args)
+            return out
+        peer_sum.two_shot(*args, reduce=False, gather=False, sync=False)
+        self.ws.handle.barrier(channel=0)
+        peer_sum.two_shot(*args, copy_in=False, gather=False, sync=False)
+        self.ws.handle.barrier(channel=0)
+        peer_sum.two_shot(*args, copy_in=False, reduce=False, sync=False)
+        return out
+
+
+_plans: dict[tuple, _Plan] = {}
+
+
 def all_reduce_symm_mem(flat: torch.Tensor, group, algorithm: Algorithm, config: AllReduceConfig) -> torch.Tensor:
     """Ordered sum of every rank's contiguous 1-D CUDA `flat` (same numel and dtype everywhere, checked before)."""
-    n, es = flat.numel(), flat.element_size()
-    ws = workspace(group, flat.device, n * es)
-    slot = ws.next_slot()
-    out = torch.empty_like(flat)
-    in_off = ws.input_offset(slot, es)
-    host = config.sync is Sync.HOST_BARRIER
-    buf, deltas = ws.view(flat.dtype)
-    if algorithm is Algorithm.ONE_SHOT:
-        programs = peer_sum.programs_for(peer_sum.one_shot_blocks(n), ws.max_programs)
-        args = (flat, buf, deltas, ws.pads, in_off, out, ws.rank, programs)
-        if not host:
-            peer_sum.one_shot(*args)
-            return out
-        peer_sum.one_shot(*args, reduce=False, sync=False)
-        ws.handle.barrier(channel=0)
-        peer_sum.one_shot(*args, copy_in=False, sync=False)
-        return out
-    shard = shard_size(n, ws.world, es, config)
-    programs = peer_sum.programs_for(peer_sum.two_shot_blocks(shard), ws.max_programs)
-    args = (flat, buf, deltas, ws.pads, in_off, ws.shard_offset(slot, es), out, shard, ws.rank, programs)
-    if not host:
-        peer_sum.two_shot(*args)
-        return out
-    peer_sum.two_shot(*args, reduce=False, gather=False, sync=False)
-    ws.handle.barrier(channel=0)
-    peer_sum.two_shot(*args, copy_in=False, gather=False, sync=False)
-    ws.handle.barrier(channel=0)
-    peer_sum.two_shot(*args, copy_in=False, reduce=False, sync=False)
-    return out
-
-
-def usable(flat: torch.Tensor, group, config: AllReduceConfig) -> bool:
-    """Symmetric memory serves this call: a CUDA tensor, asked for, and an NCCL group (the rendezvous's store)."""
-    return flat.is_cuda and config.use_symmetric_memory and "nccl" in str(dist.get_backend(group))
+    n = flat.numel()
+    key = (group, flat.device.index, flat.dtype, n, algorithm, config.sync, config.shard_align_bytes)
+    plan = _plans.get(key)
+    if plan is None or plan.ws is not _workspaces.get(key[:2]):
+        plan = _plans[key] = _Plan(workspace(group, flat.device, n * flat.element_size()), flat.dtype, n,
+                                   algorithm, config)
+    return plan.run(flat)

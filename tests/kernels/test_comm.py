@@ -114,6 +114,13 @@ def test_choice_by_size_and_world_size():
         AllReduceConfig(algorithm="one_shot")
 
 
+def test_symm_mem_path_imports_without_a_gpu():
+    """symm_mem.py (the CUDA path) imports here: its torch and Triton APIs exist in the pinned versions."""
+    from k3_kernels.comm import symm_mem
+
+    assert callable(symm_mem.all_reduce_symm_mem) and symm_mem.Workspace.view
+
+
 @pytest.mark.parametrize("n,world", [(0, 2), (1, 3), (7, 2), (1001, 3), (4096, 4), (5, 8)])
 def test_shards_cover_every_element_once(n, world):
     for es in (2, 4):
@@ -219,3 +226,96 @@ def test_kernels_compile_for_the_h200():
                                                                    "atom.global.acquire.sys.cas.b32"}, (kernel, ops)
         assert ops.get("ld.global.cg.v4.b32", 0) >= 3, (kernel, ops)  # W = 3 peers' loads, vectorised
         assert not [op for op in ops if op.startswith("ld.global.cg") and "v4" not in op], (kernel, ops)
+
+
+class _FakeSymm:
+    """Stands in for torch.distributed._symmetric_memory with W threads of one process as the ranks: `empty` is
+    host memory, `rendezvous` exchanges the buffers' addresses (and fresh signal pads) between the threads, and the
+    handle's `barrier` is a thread barrier. Enough to run symm_mem.py's own logic (workspace, slots, offsets,
+    regrowth, plans) with Sync.HOST_BARRIER over the interpreter."""
+
+    def __init__(self, world: int):
+        import threading
+
+        self.world, self.barrier = world, threading.Barrier(world)
+        self.local, self.posted, self.lock = threading.local(), {}, threading.Lock()
+
+    def empty(self, size, dtype, device):
+        return torch.zeros(size, dtype=dtype)
+
+    def rendezvous(self, buffer, group_name):
+        rank = self.local.rank
+        with self.lock:
+            self.posted[rank] = buffer
+        self.barrier.wait()
+        ptrs = [self.posted[r].data_ptr() for r in range(self.world)]
+        self.barrier.wait()
+        fake = self
+
+        class Handle:
+            def __init__(self):
+                self.rank, self.world_size, self.buffer_ptrs = rank, fake.world, ptrs
+                self.buffer_size = buffer.numel()
+                self.pads = [torch.zeros(256, dtype=torch.int32) for _ in range(fake.world)]
+                self.signal_pad_ptrs, self.signal_pad_size = [p.data_ptr() for p in self.pads], 1024
+
+            def barrier(self, channel=0):
+                fake.barrier.wait()
+        return Handle()
+
+
+def test_symm_mem_orchestration_on_cpu_threads(monkeypatch):
+    """symm_mem.py's host logic end to end on CPU: 3 thread-ranks call all_reduce_symm_mem back to back (both
+    algorithms, slots alternating, a message past the first 1 MiB capacity regrowing the workspace), with the
+    kernels in the interpreter (one launch at a time) and torch's barrier played by a thread barrier; every
+    result equals the spec bit for bit."""
+    import threading
+
+    from k3_kernels.comm import Sync, peer_sum, symm_mem
+
+    world = 3
+    fake = _FakeSymm(world)
+    monkeypatch.setattr(symm_mem, "symm", fake)
+    monkeypatch.setattr(symm_mem, "_workspaces", {})
+    monkeypatch.setattr(symm_mem, "_plans", {})
+    monkeypatch.setattr(symm_mem, "_retired", [])
+    launch_lock = threading.Lock()
+    def one_at_a_time(launch):
+        def run(*args, **kwargs):
+            with launch_lock:
+                launch(*args, **kwargs)
+        return run
+
+    for name in ("_launch_one_shot", "_launch_two_shot"):
+        monkeypatch.setattr(peer_sum, name, one_at_a_time(getattr(peer_sum, name)))
+
+    class Group:
+        group_name = "fake"
+
+    calls = [(Algorithm.ONE_SHOT, 1001, 0), (Algorithm.TWO_SHOT, 1001, 1), (Algorithm.TWO_SHOT, 1001, 2),
+             (Algorithm.ONE_SHOT, 7, 3), (Algorithm.TWO_SHOT, (1 << 18) + 40, 4), (Algorithm.ONE_SHOT, 1001, 5)]
+    results, errors = {}, []
+
+    def rank_main(rank):
+        try:
+            fake.local.rank = rank
+            group = Group()
+            for algo, n, salt in calls:
+                x = make_input(rank, (n,), torch.float32, salt=10 + salt)
+                config = AllReduceConfig(algorithm=algo, sync=Sync.HOST_BARRIER, check_across_ranks=False)
+                results[(rank, salt)] = symm_mem.all_reduce_symm_mem(x, group, algo, config)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append((rank, repr(e)))
+            fake.barrier.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    for algo, n, salt in calls:
+        spec = naive_all_reduce([make_input(r, (n,), torch.float32, salt=10 + salt) for r in range(world)])
+        for r in range(world):
+            assert same_bits(results[(r, salt)], spec), (algo, n, salt, r)
+    assert len(symm_mem._retired) == world  # each rank's first workspace retired by the regrowth
