@@ -246,3 +246,37 @@ def test_every_registered_config_is_a_trainer_config_k3_can_run():
         assert config.model_spec.name == "k3" and config.training.disable_cuda_graphs, name
         assert config.parallelism.spmd_backend == "partial_dtensor", name
         assert config.parallelism.context_parallel_load_balancer is None, name
+
+
+@pytest.mark.parametrize("stored", ["published_128", "kimi_linear_4d"])
+def test_hf_storage_reader_loads_a_log_layouts_of_published_checkpoints(tmp_path, stored):
+    """TorchTitan's initial_load_in_hf steps in process (to_hf -> DCP load with the adapter's reader -> from_hf ->
+    load_state_dict) on a 96-KDA-head model whose file stores A_log as the published K3 checkpoint does (F32[128],
+    the first 96 the heads') or as Kimi Linear does ([1, 1, 96, 1]): the model gets the file's values."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    cfg = K3Config.preset("tiny")
+    cfg = cfg.replace(linear_attn_config={**cfg.linear_attn_config, "num_heads": 96, "head_dim": 4})
+    torch.manual_seed(1)
+    ref = K3ForCausalLM(cfg)
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if n.endswith(".A_log"):
+                p.uniform_(-1, 1)
+    ref.save_pretrained(tmp_path)
+    hf = load_file(str(tmp_path / "model.safetensors"))
+    for k in [k for k in hf if k.endswith(".A_log")]:
+        hf[k] = (torch.cat([hf[k], torch.full((32,), 7.0)]) if stored == "published_128"
+                 else hf[k].view(1, 1, 96, 1).contiguous())
+    save_file(hf, str(tmp_path / "model.safetensors"))
+    tcfg = K3TitanModel.Config(k3=cfg)
+    model = tcfg.build()
+    adapter = K3StateDictAdapter(tcfg, None)
+    target = adapter.to_hf(model.state_dict())
+    dcp.load(target, storage_reader=adapter.get_hf_storage_reader(str(tmp_path)), no_dist=True)
+    model.load_state_dict(adapter.from_hf(target))
+    ids = torch.randint(0, cfg.vocab_size, (1, 20))
+    with torch.no_grad():
+        assert torch.equal(model(ids), ref(ids, use_cache=False).logits)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in ref.state_dict().items())
