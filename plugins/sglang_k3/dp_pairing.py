@@ -6,7 +6,7 @@ all-gathers six counts per rank over the TP group and returns one verdict. We wr
 (`sglang.srt.plugins.hook_registry`): with `SGLANG_K3_DP_PAIRING=1` the verdict comes from our rule, fed by the same
 all-gather (SGLang's `_gather_info`, so every rank decides from identical counts) with the timeout field left 0
 (no rank-local wall-clock timer enters the decision); the hard cap is SGLang's own `--prefill-delayer-max-delay-
-passes`. Without the variable the hook calls SGLang's decision unchanged. No SGLang file is patched.
+passes` (N: at most N - 1 delayed passes, as SGLang's rule). Without the variable the hook calls SGLang's decision unchanged. No SGLang file is patched.
 
 `delayer_policy` builds DP ranks' `PrefillDelayer`s (SGLang's class and decision code, hooked or not) for
 `k3.rollout.dp_pairing.simulate`: the benchmark and the tests compare SGLang's settings and ours on one trace.
@@ -32,6 +32,12 @@ def register() -> None:
     HookRegistry.register(TARGET, negotiate_bounded, HookType.AROUND)
 
 
+def wait_cap(max_delay_passes: int) -> int:
+    """SGLang's `--prefill-delayer-max-delay-passes N` delays at most N - 1 passes in a row (its rule admits on the
+    N-th); ours honours the same bound."""
+    return max(0, int(max_delay_passes) - 1)
+
+
 def pairing_config(delayer) -> PairingConfig | None:
     """Ours if `SGLANG_K3_DP_PAIRING=1` (read once per delayer), else None (SGLang's rule). A bad value is a
     ValueError naming the variable."""
@@ -48,7 +54,7 @@ def pairing_config(delayer) -> PairingConfig | None:
             frac = float(raw)
         except ValueError:
             raise ValueError(f"{ENV_MIN_READY}: must be a number in (0, 1], got {raw!r}") from None
-        cfg = PairingConfig(max_wait_passes=int(delayer._max_delay_passes), min_ready_fraction=frac)
+        cfg = PairingConfig(max_wait_passes=wait_cap(delayer._max_delay_passes), min_ready_fraction=frac)
     delayer._k3_pairing = cfg
     return cfg
 
@@ -121,7 +127,7 @@ def delayer_policy(max_delay_passes: int, max_running: int, ours: bool, min_read
         while len(ranks) < n:
             d = make_delayer(max_delay_passes, n)
             if ours:
-                d._k3_pairing = PairingConfig(max_delay_passes, min_ready_fraction)
+                d._k3_pairing = PairingConfig(wait_cap(max_delay_passes), min_ready_fraction)
             ranks.append(d)
             trackers.append(RecentPrefillBatchSizeTracker())
         # the six fields each rank all-gathers: prefillable, watermark force, running, max_prefill_bs, queue, timeout
