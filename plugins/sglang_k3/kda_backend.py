@@ -24,6 +24,8 @@ import torch
 from k3_kernels.kda import chunk_kda, fused_recurrent_kda
 from sglang.srt.layers.attention.linear.kernels.kernel_backend import LinearAttnKernelBase
 
+from . import spec
+
 BACKEND_NAME = "k3"
 DISPATCHER_INIT = "sglang.srt.layers.attention.linear.kda_backend.KDAKernelDispatcher.__init__"
 
@@ -132,6 +134,11 @@ class K3KDAKernel(LinearAttnKernelBase):
         `intermediate_states_buffer[intermediate_state_indices[i], t]` (SGLang commits the accepted one after
         verification: `update_mamba_state_after_mtp_verify`). One recurrent step per draft depth, all requests
         batched in it: exact per token, the same bits whatever the batch holds."""
+        if spec.replay_active():  # K3_REPLAY: outputs from inputs only, the step inputs kept for the commit
+            return spec.replay_verify(A_log=A_log, dt_bias=dt_bias, q=q, k=k, v=v, a=a, b=b, ssm_states=ssm_states,
+                                      cache_indices=cache_indices, layer_key=intermediate_states_buffer.data_ptr(),
+                                      cache_steps=cache_steps, retrieve_parent_token=retrieve_parent_token,
+                                      lower_bound=lower_bound)
         if kwargs.get("cache_ring"):
             raise NotImplementedError("k3 KDA verify does not write SGLang's ReplaySSM ring "
                                       "(--enable-linear-replayssm-spec): use --speculative-algorithm K3_REPLAY")
