@@ -153,7 +153,8 @@ def peer_deltas(bases: list[int], rank: int, element_size: int) -> list[int]:
 
 def one_shot(x: torch.Tensor, buf: torch.Tensor, deltas: torch.Tensor, pads: torch.Tensor, in_offset: int,
              out: torch.Tensor, rank: int,
-             programs: int, *, copy_in: bool = True, reduce: bool = True, sync: bool = True, block: int = BLOCK) -> None:
+             programs: int, *, copy_in: bool = True, reduce: bool = True, sync: bool = True,
+             block: int = BLOCK) -> None:
     """Stages of the one-shot all-reduce of this rank (`programs` = P: the same on every rank). x, out: contiguous,
     n elements; buf: this rank's buffer in x's dtype; deltas: peer_deltas of the buffers; pads: the signal pads'
     addresses; in_offset: the input region's element offset in every rank's buffer; block: elements per block
@@ -165,13 +166,15 @@ def one_shot(x: torch.Tensor, buf: torch.Tensor, deltas: torch.Tensor, pads: tor
 
 
 def two_shot(x: torch.Tensor, buf: torch.Tensor, deltas: torch.Tensor, pads: torch.Tensor, in_offset: int,
-             shard_offset: int, out: torch.Tensor, shard: int, rank: int, programs: int, *, copy_in: bool = True, reduce: bool = True,
+             shard_offset: int, out: torch.Tensor, shard: int, rank: int, programs: int, *, copy_in: bool = True,
+             reduce: bool = True,
              gather: bool = True, sync: bool = True, block: int = BLOCK) -> None:
     """Stages of the two-shot all-reduce of this rank; `shard` = plan.shard_size (elements per shard), shard_offset:
     the reduced-shard region's element offset in every rank's buffer."""
     world = deltas.numel()
     _launch_two_shot((programs,), x, buf, deltas, pads, in_offset, shard_offset, out, out.numel(), shard, rank, W=world,
-                     WP=next_pow2(world), BLOCK=block, COPY_IN=copy_in, REDUCE=reduce, GATHER=gather, SYNC=sync, num_warps=NUM_WARPS)
+                     WP=next_pow2(world), BLOCK=block, COPY_IN=copy_in, REDUCE=reduce, GATHER=gather, SYNC=sync,
+                     num_warps=NUM_WARPS)
 
 
 def programs_for(blocks: int, max_programs: int) -> int:

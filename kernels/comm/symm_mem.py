@@ -1,7 +1,7 @@
 """The CUDA all-reduce over torch symmetric memory (`torch.distributed._symmetric_memory`): every rank's staging
 buffer is mapped into every peer's address space (NVLink P2P), and peer_sum's Triton kernels read the peers'
-buffers directly (at their `_SymmetricMemory.buffer_ptrs` addresses, as element deltas from this rank's) and meet the peers' programs
-through the handle's signal pads (`signal_pad_ptrs`).
+buffers directly (at their `_SymmetricMemory.buffer_ptrs` addresses, as element deltas from this rank's) and
+meet the peers' programs through the handle's signal pads (`signal_pad_ptrs`).
 
 Per rank, one symmetric uint8 buffer of 2 slots (double buffering by call parity); a slot holds the input region
 (the caller's tensor, copied in by the kernel) and the reduced-shard region (two-shot's stage 1 output).
@@ -19,7 +19,6 @@ AllReduceConfig.check_across_ranks). NVLink multicast (multimem) is not used."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm
 
 from k3_kernels.launch import num_sms

@@ -58,7 +58,7 @@ def test_every_rank_gets_the_spec_bits(ranks):
         spec = naive_all_reduce([make_input(r, shape, dtype) for r in members(g)])
         for r in members(g):
             got = ranks[r]["results"][(g, str(dtype), shape, a)]
-            assert same_bits(got, spec), (g, dt, shape, a, r)
+            assert same_bits(got, spec), (g, dtype, shape, a, r)
 
 
 def test_repeat_runs_and_algorithms_agree(ranks):
@@ -159,9 +159,11 @@ def test_symm_mem_kernels_in_the_interpreter(world, dtype):
         outs = [torch.empty(n, dtype=dtype) for _ in range(world)]
         bufs, deltas, pads = _buffers(world, n, dtype, off)
         for r in range(world):
-            peer_sum.one_shot(xs[r], bufs[r], deltas[r], pads, off, outs[r], r, programs, reduce=False, sync=False, block=BLOCK)
+            peer_sum.one_shot(xs[r], bufs[r], deltas[r], pads, off, outs[r], r, programs, reduce=False, sync=False,
+                              block=BLOCK)
         for r in range(world):
-            peer_sum.one_shot(xs[r], bufs[r], deltas[r], pads, off, outs[r], r, programs, copy_in=False, sync=False, block=BLOCK)
+            peer_sum.one_shot(xs[r], bufs[r], deltas[r], pads, off, outs[r], r, programs, copy_in=False, sync=False,
+                              block=BLOCK)
             assert same_bits(outs[r], spec), ("one-shot", n, r)
         outs = [torch.empty(n, dtype=dtype) for _ in range(world)]
         bufs, deltas, pads = _buffers(world, n, dtype, off)
@@ -169,8 +171,8 @@ def test_symm_mem_kernels_in_the_interpreter(world, dtype):
                   {"copy_in": False, "reduce": False})
         for stage in stages:
             for r in range(world):
-                peer_sum.two_shot(xs[r], bufs[r], deltas[r], pads, off, off + n, outs[r], shard, r, programs, sync=False, block=BLOCK,
-                                  **stage)
+                peer_sum.two_shot(xs[r], bufs[r], deltas[r], pads, off, off + n, outs[r], shard, r, programs,
+                                  sync=False, block=BLOCK, **stage)
         for r in range(world):
             assert same_bits(outs[r], spec), ("two-shot", n, r)
 
@@ -190,7 +192,8 @@ def test_meeting_protocol_in_the_interpreter(world):
     pads_mem = [torch.zeros(programs * world + 4, dtype=torch.int32) for _ in range(world)]
     pads = torch.tensor([p.data_ptr() for p in pads_mem], dtype=torch.int64)
     for r in range(world):
-        peer_sum.one_shot(xs[r], bufs[r], deltas[r], pads, off, torch.empty(n), r, programs, reduce=False, sync=False, block=BLOCK)
+        peer_sum.one_shot(xs[r], bufs[r], deltas[r], pads, off, torch.empty(n), r, programs, reduce=False, sync=False,
+                          block=BLOCK)
     for r in range(world):
         incoming = [(p * world + q) for p in range(programs) for q in range(world) if q != r]
         pads_mem[r][incoming] = 1

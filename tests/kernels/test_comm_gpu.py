@@ -1,8 +1,8 @@
 """The deterministic all-reduce on 2+ GPUs (NCCL group, torch symmetric memory, the Triton peer-sum kernels with
 in-kernel meetings and with torch's host barrier): every rank's result equal bit for bit to the spec for sizes up to
 25 MB, fp32 and bf16, one-shot / two-shot / auto, calls back to back. The CPU counterpart is test_comm.py (gloo
-ranks, and the same kernels' stages and signal protocol in Triton's interpreter). Needs >= 2 GPUs; on a
-2-GPU machine: `. benchmarks/device_env.sh && python -m pytest -q tests/kernels/test_comm_gpu.py` (kernels/comm/NOTES.md)."""
+ranks, and the same kernels' stages and signal protocol in Triton's interpreter). Needs >= 2 GPUs; on a 2-GPU
+machine: `. benchmarks/device_env.sh && python3 -m pytest -q tests/kernels/test_comm_gpu.py` (kernels/comm/NOTES.md)."""
 from __future__ import annotations
 
 import os
