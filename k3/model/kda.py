@@ -70,18 +70,24 @@ class KimiDeltaAttention(nn.Module):
         return y.transpose(1, 2), full[..., full.shape[-1] - (self.conv_size - 1):]
 
     def step_inputs(self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
-                    conv: torch.Tensor | None):
+                    conv: torch.Tensor | None, with_q: bool = True):
         """The recurrence's inputs from the projections of x (xq, xk, xv [B, T, H*K], f [B, T, H*K], b [B, T, H])
         and the short-conv windows `conv` [B, 3, H*K, W-1] (None: zeros) -> (q, k, v, g, beta, new windows). The
         forward's own code; speculative commits (k3.rollout.spec) call it again on stored projections, at decode's
-        shapes, to rebuild k, v, g, beta bitwise instead of storing them."""
+        shapes, to rebuild k, v, g, beta bitwise instead of storing them (`with_q=False`: q is None, its window
+        only rolled)."""
         B, T, _ = xq.shape
         H, K = self.n_heads, self.head_dim
         windows = [None, None, None] if conv is None else list(conv.unbind(1))
-        q, wq = self._short_conv(xq, self.q_conv1d, windows[0])
+        if with_q:
+            q, wq = self._short_conv(xq, self.q_conv1d, windows[0])
+            q = l2norm(q.view(B, T, H, K))
+        else:
+            w0 = xq.new_zeros(B, xq.shape[2], self.conv_size - 1) if windows[0] is None else windows[0].to(xq.dtype)
+            q, wq = None, torch.cat([w0, xq.transpose(1, 2)], dim=-1)[..., T:]
         k, wk = self._short_conv(xk, self.k_conv1d, windows[1])
         v, wv = self._short_conv(xv, self.v_conv1d, windows[2])
-        q, k = l2norm(q.view(B, T, H, K)), l2norm(k.view(B, T, H, K))
+        k = l2norm(k.view(B, T, H, K))
         v = v.view(B, T, H, K)
         f = f.view(B, T, H, K)
         if self.lower_bound is not None:

@@ -173,7 +173,7 @@ def replay_step_inputs(mod, scratch: ReplayScratch, ki: int, window: torch.Tenso
     for t in range(steps):
         x = proj["conv_in"][t]
         _, k, v, g, beta, nxt = mod.step_inputs(x[:, None, 0], x[:, None, 1], x[:, None, 2], proj["f"][t, :, None],
-                                                proj["b"][t, :, None], window)
+                                                proj["b"][t, :, None], window, with_q=False)
         keep = (n_seat > t).view(-1, 1, 1, 1)
         window = torch.where(keep, nxt.to(window.dtype), window)
         ks.append(k[:, 0])
