@@ -68,9 +68,11 @@ class K3ReplayWorker(BaseSpecWorker):
 
     # ------------------------------------------------------------------ drafting
     def draft_trees(self, contexts: list[list[int]]) -> list[DraftTree]:
-        """One tree of at most D - 1 nodes per request (its tokens so far, the pending one last)."""
+        """One tree of at most D - 1 nodes per request (its tokens so far, the pending one last); a tree of
+        branching b is at most (D - 1) // b deep, so that each of its first b continuations fits whole."""
         n = self.draft_token_num - 1
-        return [self.drafter.propose_tree(ctx, self.branching, n, n) for ctx in contexts]
+        depth = max(1, n // self.branching)
+        return [self.drafter.propose_tree(ctx, self.branching, depth, n) for ctx in contexts]
 
     def verify_layout(self, pending: list[int], trees: list[DraftTree]) -> VerifyLayout:
         D, B = self.draft_token_num, len(trees)

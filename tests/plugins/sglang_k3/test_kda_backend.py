@@ -68,7 +68,8 @@ def test_sglang_kda_kit_case_on_k3_kernels(case, k3_backend_selected):
 # --- target_verify (speculative verification) -------------------------------------------------------------------
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context  # noqa: E402
-from sglang.test.kits.attention_unittest.runner_modes import speculative_target_verify_runner as verify_kit  # noqa: E402
+from sglang.test.kits.attention_unittest.runner_modes import (  # noqa: E402
+    speculative_target_verify_runner as verify_kit)
 
 rebind_triton_aliases()
 

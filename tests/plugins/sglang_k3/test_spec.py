@@ -21,7 +21,8 @@ from sglang.srt.model_executor.forward_context import ForwardContext, forward_co
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 from sglang.srt.speculative.spec_utils import commit_mamba_states_after_verify  # noqa: E402
 from sglang.test.kits.attention_unittest.attention_methods import kda_attention as kit  # noqa: E402
-from sglang.test.kits.attention_unittest.runner_modes import speculative_target_verify_runner as verify_kit  # noqa: E402
+from sglang.test.kits.attention_unittest.runner_modes import (  # noqa: E402
+    speculative_target_verify_runner as verify_kit)
 
 from k3_sglang import spec  # noqa: E402
 
@@ -97,8 +98,9 @@ def _commit(fixture, case, accepted_node, topk):
         path = path[::-1]
         accept_index[b, : len(path)] = torch.tensor(path) + b * D
         accept_lens[b] = len(path)
-    batch = SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY, req_pool_indices=fixture.forward_batch.req_pool_indices,
-                            mamba_track_indices=None, seq_lens=fixture.forward_batch.seq_lens, tree_cache=None)
+    batch = SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY,
+                            req_pool_indices=fixture.forward_batch.req_pool_indices, mamba_track_indices=None,
+                            seq_lens=fixture.forward_batch.seq_lens, tree_cache=None)
     commit_mamba_states_after_verify(SimpleNamespace(model_runner=runner), batch, accept_lens, accept_index, D)
 
 
@@ -122,7 +124,8 @@ def test_replay_commit_equals_sglangs_per_draft_state_commit(monkeypatch, topk, 
     _commit(base, case, accepted, topk)
     want = kit._ssm_states(base).clone()
     assert not spec.pending_layers()
-    replay, _, _, before_replay, out_replay = _verified_fixture(monkeypatch, topk, spec.CHAIN if topk == 1 else spec.TREE)
+    algorithm = spec.CHAIN if topk == 1 else spec.TREE
+    replay, _, _, before_replay, out_replay = _verified_fixture(monkeypatch, topk, algorithm)
     assert torch.equal(before_replay, before)  # identical seeds: the same prefix states
     torch.testing.assert_close(out_replay, out_base, atol=2e-5, rtol=2e-5)
     pending = spec.pending_layers()
@@ -152,3 +155,61 @@ def test_validator_refuses_what_the_chain_algorithm_cannot_serve(fields, match):
         spec.validate_server_args(SimpleNamespace(**{**good, **fields}), tree=False)
     with pytest.raises(ValueError, match="topk >= 2"):
         spec.validate_server_args(SimpleNamespace(**good), tree=True)
+
+
+# --- the worker, built as SGLang builds it ----------------------------------------------------------------------
+from _sglang_helpers import server_args  # noqa: E402
+
+
+def _worker(topk: int, draft_tokens: int):
+    with server_args(speculative_num_draft_tokens=draft_tokens, speculative_eagle_topk=topk):
+        cls = SpeculativeAlgorithm.from_string(spec.TREE if topk > 1 else spec.CHAIN).create_worker(
+            SimpleNamespace(disable_overlap_schedule=True))
+        # TpModelWorker needs a CUDA model runner; the worker only stores it at construction
+        return cls(server_args=SimpleNamespace(), gpu_id=0, nccl_port=0, target_worker=SimpleNamespace())
+
+
+def _logits_choosing(tokens_by_position, vocab=16):
+    out = torch.full((len(tokens_by_position), vocab), -10.0)
+    for i, t in enumerate(tokens_by_position):
+        out[i, t] = 10.0
+    return out
+
+
+def test_chain_worker_drafts_from_history_and_accepts_the_matching_prefix():
+    w = _worker(topk=1, draft_tokens=4)
+    assert w.draft_worker is None and w.weight_update_runners() == []  # no draft weights to update
+    ctx = [1, 2, 3, 4, 1, 2]  # "1 2" occurred before, followed by "3 4 1"
+    (tree,) = w.draft_trees([ctx])
+    assert tree.tokens == (3, 4, 1) and tree.is_chain()
+    layout = w.verify_layout([ctx[-1]], [tree])
+    assert layout.tokens.tolist() == [[2, 3, 4, 1]] and layout.parents.tolist() == [[-1, 0, 1, 2]]
+    assert layout.retrieve_next_token.tolist() == [[1, 2, 3, -1]]
+    # target: after 2 -> 3 (accept), after 3 -> 4 (accept), after 4 -> 9 (reject 1: correction 9)
+    acc = w.accept(layout, _logits_choosing([3, 4, 9, 0]))
+    assert acc.accept_lens.tolist() == [3] and acc.accept_index.tolist() == [[0, 1, 2, -1]]
+    assert acc.emitted == [[3, 4, 9]]
+
+
+def test_tree_worker_walks_into_the_branch_the_target_chose_and_ignores_padding():
+    w = _worker(topk=2, draft_tokens=5)
+    ctx = [7, 1, 5, 6, 7, 1, 8, 9, 7, 1]  # "7 1" was followed by "5 6" and by "8 9"
+    (tree,) = w.draft_trees([ctx])
+    assert not tree.is_chain() and set(tree.tokens) <= {5, 6, 8, 9} and len(tree) <= 4
+    layout = w.verify_layout([ctx[-1]], [tree])
+    assert layout.real.sum() == 1 + len(tree)
+    eight = 1 + tree.tokens.index(8)  # verify position of node "8"
+    nine = 1 + tree.tokens.index(9)
+    choices = [0] * 5
+    choices[0], choices[eight], choices[nine] = 8, 9, 3  # root -> 8 -> 9 -> (3: not drafted)
+    acc = w.accept(layout, _logits_choosing(choices))
+    assert acc.emitted == [[8, 9, 3]] and acc.accept_lens.tolist() == [3]
+    assert acc.accept_index[0, :3].tolist() == [0, eight, nine]
+    # SGLang's tree links are consistent with the parents: every child's first sibling chain returns to its parent
+    for i in range(1, 5):
+        p = int(layout.parents[0, i])
+        first, seen = int(layout.retrieve_next_token[0, p]), []
+        while first >= 0:
+            seen.append(first)
+            first = int(layout.retrieve_next_sibling[0, first])
+        assert i in seen
