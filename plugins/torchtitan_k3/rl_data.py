@@ -121,3 +121,32 @@ class RLBatchDataLoader(ParallelAwareDataloader):
         T = inputs.shape[1]
         out = {"input": inputs, "positions": torch.arange(T).expand(inputs.shape[0], T).contiguous(), **batch}
         return out, labels
+
+
+def label_logp(model, tokens: torch.Tensor, routed_experts: torch.Tensor | None = None) -> torch.Tensor:
+    """log pi(tokens[:, 1:]) [N, seq_len] under a k3.model `K3ForCausalLM` (fp32, no gradient)."""
+    with torch.no_grad():
+        logits = model(tokens[:, :-1], use_cache=False, routed_experts=routed_experts).logits
+    return torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, 1:, None])[..., 0]
+
+
+def example_rl_batch(model, rows: int, seq_len: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A small RL batch for the CPU tests and the parity benchmark (write it with `write_rl_batch`): arithmetic-corpus
+    tokens; row i's response starts at label 10 + 2 (i % 4); pi_old log-probs are `model`'s plus N(0, 0.05) noise
+    (off-policy enough for non-trivial ratios, inside PPO-width clip bands); advantages cycle 1, -0.7, 0.4, -1.2;
+    a recorded routing (data.recorded_routing) for every token except row 0's first 6 (they route freely)."""
+    from .data import ByteTokenizer, arithmetic_corpus, recorded_routing
+
+    cfg = model.config
+    ids = torch.tensor(ByteTokenizer().encode(arithmetic_corpus(16 * rows, seed=seed + 1))[:rows * (seq_len + 1)])
+    if ids.numel() < rows * (seq_len + 1):
+        raise ValueError(f"rows / seq_len: the corpus is too short for {rows} rows of {seq_len + 1} tokens")
+    ids = ids.view(rows, seq_len + 1)
+    starts = 10 + 2 * (torch.arange(rows) % 4)
+    mask = torch.arange(seq_len)[None, :] >= starts[:, None]
+    g = torch.Generator().manual_seed(seed)
+    old = label_logp(model, ids) + 0.05 * torch.randn(rows, seq_len, generator=g)
+    routed = recorded_routing(ids[:, :-1], len(cfg.moe_layer_ids), cfg.num_experts_per_token, cfg.num_experts)
+    routed[0, :6] = -1
+    advantages = torch.tensor([1.0, -0.7, 0.4, -1.2]).repeat((rows + 3) // 4)[:rows]
+    return dict(tokens=ids, response_mask=mask, old_logp=old, advantages=advantages, routed_experts=routed)

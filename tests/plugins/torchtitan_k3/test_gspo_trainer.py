@@ -11,9 +11,8 @@ import torch
 from k3.model import K3ForCausalLM
 from k3.rl import gspo_loss
 from k3_torchtitan.config_registry import k3_tiny_gspo_cpu
-from k3_torchtitan.data import ByteTokenizer, arithmetic_corpus, recorded_routing
 from k3_torchtitan.launch import max_diff, model_from_dcp, parallel_args, run_trainer
-from k3_torchtitan.rl_data import RLBatchDataLoader, write_rl_batch
+from k3_torchtitan.rl_data import RLBatchDataLoader, example_rl_batch, label_logp, write_rl_batch
 
 CONFIG = "k3_tiny_gspo_cpu"
 LOSS_TOL, GRAD_NORM_TOL = 1e-4, 1e-3
@@ -21,16 +20,10 @@ LOGGED = 1.5e-5  # TorchTitan logs the loss to 5 decimals
 ROWS, SEQ, BATCH = 4, 32, 2
 
 
-def _label_logp(model, tokens, routed=None) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(tokens[:, :-1], use_cache=False, routed_experts=routed).logits
-    return torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, 1:, None])[..., 0]
-
-
 def _reference(model, batch, rows, routed: bool) -> float:
     loss_cfg = k3_tiny_gspo_cpu().loss
     tokens, mask = batch["tokens"][rows], batch["response_mask"][rows]
-    logp = _label_logp(model, tokens, batch["routed_experts"][rows] if routed else None)
+    logp = label_logp(model, tokens, batch["routed_experts"][rows] if routed else None)
     loss, _ = gspo_loss(logp, batch["old_logp"][rows], batch["advantages"][rows], mask, loss_cfg.eps_low,
                         loss_cfg.eps_high, agg="token-mean", num_tokens=mask.sum())
     return float(loss)
@@ -40,16 +33,7 @@ def _reference(model, batch, rows, routed: bool) -> float:
 def gspo(titan_root, seed):
     root = titan_root / "gspo"
     seed_model = model_from_dcp(seed[2])
-    cfg = seed_model.config
-    tok = ByteTokenizer()
-    ids = torch.tensor(tok.encode(arithmetic_corpus(64, seed=1))[:ROWS * (SEQ + 1)]).view(ROWS, SEQ + 1)
-    mask = torch.arange(SEQ)[None, :] >= torch.tensor([10, 12, 14, 16])[:, None]  # prompt, then the response
-    g = torch.Generator().manual_seed(0)
-    old = _label_logp(seed_model, ids) + 0.05 * torch.randn(ROWS, SEQ, generator=g)
-    routed = recorded_routing(ids[:, :-1], len(cfg.moe_layer_ids), cfg.num_experts_per_token, cfg.num_experts)
-    routed[0, :6] = -1  # unrecorded tokens route freely
-    batch = dict(tokens=ids, response_mask=mask, old_logp=old, advantages=torch.tensor([1.0, -0.7, 0.4, -1.2]),
-                 routed_experts=routed)
+    batch = example_rl_batch(seed_model, rows=ROWS, seq_len=SEQ)
     path = write_rl_batch(root / "batch.safetensors", **batch)
     data = ["--dataloader.path", str(path)]
     out = {"batch": batch, "seed_model": seed_model, "root": root}
@@ -87,7 +71,7 @@ def test_router_replay_changes_only_the_routing(gspo):
     # replaying the model's own routing is free routing, bit for bit
     tokens = batch["tokens"][:2, :-1]
     own = K3ForCausalLM.forward(model, tokens, use_cache=False, return_routed_experts=True).routed_experts
-    assert torch.equal(_label_logp(model, batch["tokens"][:2], own), _label_logp(model, batch["tokens"][:2]))
+    assert torch.equal(label_logp(model, batch["tokens"][:2], own), label_logp(model, batch["tokens"][:2]))
 
 
 def test_rl_batch_file_errors_name_the_field(tmp_path, gspo):
