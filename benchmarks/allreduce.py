@@ -1,8 +1,8 @@
 """All-reduce latency on 2+ GPUs of one host: NCCL (`dist.all_reduce`), torch's symmetric-memory one-shot and
 two-shot (`torch.ops.symm_mem.one_shot_all_reduce`, `two_shot_all_reduce_`) and ours (`k3_kernels.comm.all_reduce`:
 the automatic choice, one-shot and two-shot forced, in-kernel meetings; the automatic choice with torch's host
-barrier and with the cross-rank input check, to show their price), bf16 at 8 KB .. 32 MB, all in one process per
-rank. Times: medians of CUDA-event timings of single calls after warm-up (the anchors' method,
+barrier, with the cross-rank input check, and over NCCL's all-gather instead of symmetric memory, to show their
+price), bf16 at 8 KB .. 32 MB, all in one process per rank. Times: medians of CUDA-event timings of single calls after warm-up (the anchors' method,
 shared/anchors/bench_comm.py), so host overhead counts where the host is slower than the GPU.
 Determinism: ours compared bit for bit, twice, with the spec (every rank's input gathered, summed in rank order in
 fp32, rounded once) on every rank; NCCL's and torch two-shot's results are compared with the spec too (informative:
@@ -73,7 +73,7 @@ def _ours(**kw) -> AllReduceConfig:
 
 OURS = {"ours": _ours(), "ours_one_shot": _ours(algorithm=Algorithm.ONE_SHOT),
         "ours_two_shot": _ours(algorithm=Algorithm.TWO_SHOT), "ours_host_barrier": _ours(sync=Sync.HOST_BARRIER),
-        "ours_checked": _ours(check_across_ranks=True)}
+        "ours_checked": _ours(check_across_ranks=True), "ours_process_group": _ours(use_symmetric_memory=False)}
 
 
 def _spec(x: torch.Tensor) -> torch.Tensor:
@@ -109,8 +109,8 @@ def _row(nbytes: int, rank: int, world: int, dev: torch.device, smoke: bool, ite
         torch.ops.symm_mem.two_shot_all_reduce_(t, "sum", gname)
         row["bitwise_equal_spec"]["torch_two_shot"] = _bits_equal(t, spec)
     for name, config in OURS.items():
-        if smoke and config.sync is Sync.HOST_BARRIER:
-            continue
+        if smoke and (config.sync is Sync.HOST_BARRIER or not config.use_symmetric_memory):
+            continue  # on CPU every `ours` row is the process-group path already
         row["us"][name] = timer(lambda: all_reduce(x, None, config), iters, warm)
         row["bitwise_equal_spec"][name] = all(_bits_equal(all_reduce(x, None, config), spec) for _ in range(2))
     ok = torch.tensor([all(v for k, v in row["bitwise_equal_spec"].items() if k.startswith("ours"))], device=dev,

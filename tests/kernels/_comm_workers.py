@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 SHAPES = ((1,), (7,), (1001,), (5, 13), (0,))
 DTYPES = (torch.float32, torch.bfloat16)
-GROUPS = {"pair": (0, 1), "world": None}  # None: every rank of the world
+GROUPS = {"solo": (0,), "pair": (0, 1), "world": None}  # None: every rank of the world
 
 
 def make_input(rank: int, shape: tuple, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
