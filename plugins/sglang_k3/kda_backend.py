@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from k3_kernels.kda import chunk_kda, fused_recurrent_kda
 from sglang.srt.layers.attention.linear.kernels.kernel_backend import LinearAttnKernelBase
 
+from . import kda_layouts as layouts
 from . import spec
 
 BACKEND_NAME = "k3"
@@ -57,24 +57,6 @@ def selected_phases() -> PhaseSelection:
                           verify=verify == BACKEND_NAME)
 
 
-def _flat_gate(a: torch.Tensor, tokens: int, hv: int, k: int, name: str) -> torch.Tensor:
-    if a.numel() != tokens * hv * k:
-        raise ValueError(f"{name}: expected {tokens} x {hv} x {k} raw gate values, got shape {tuple(a.shape)}")
-    return a.reshape(1, tokens, hv, k)
-
-
-def _flat_beta(b: torch.Tensor, tokens: int, hv: int, name: str) -> torch.Tensor:
-    if b.numel() != tokens * hv:
-        raise ValueError(f"{name}: expected {tokens} x {hv} raw beta values, got shape {tuple(b.shape)}")
-    return b.reshape(1, tokens, hv)
-
-
-def _check_pool(ssm_states: torch.Tensor, hv: int, k: int, v: int) -> None:
-    if ssm_states.dim() != 4 or tuple(ssm_states.shape[1:]) != (hv, v, k) or ssm_states.dtype != torch.float32:
-        raise ValueError(f"ssm_states must be SGLang's fp32 pool [P, HV, V, K] = [P, {hv}, {v}, {k}], got "
-                         f"{ssm_states.dtype} {tuple(ssm_states.shape)} (--mamba-ssm-dtype float32)")
-
-
 class K3KDAKernel(LinearAttnKernelBase):
     """decode / extend / target_verify of SGLang's kernel contract on `k3_kernels.kda`."""
 
@@ -90,16 +72,8 @@ class K3KDAKernel(LinearAttnKernelBase):
     def decode(self, q, k, v, a, b, *, A_log, dt_bias, ssm_states, cache_indices, query_start_loc,
                lower_bound: float | None = None, **kwargs) -> torch.Tensor:
         """One token per request (q, k, v [1, B, H, D]); updates `ssm_states[cache_indices]` in place."""
-        _, tokens, _, K = q.shape
-        HV, V = v.shape[2], v.shape[3]
-        _check_pool(ssm_states, HV, K, V)
-        o, _ = fused_recurrent_kda(
-            q, k, v, _flat_gate(a, tokens, HV, K, "decode a"), _flat_beta(b, tokens, HV, "decode b"),
-            A_log=A_log, dt_bias=dt_bias, initial_state=ssm_states, use_qk_l2norm_in_kernel=True,
-            use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound,
-            state_v_first=True, cu_seqlens=query_start_loc, ssm_state_indices=cache_indices.to(torch.int64),
-            inplace_final_state=True)
-        return o
+        return layouts.decode(q, k, v, a, b, A_log=A_log, dt_bias=dt_bias, ssm_states=ssm_states,
+                              cache_indices=cache_indices, query_start_loc=query_start_loc, lower_bound=lower_bound)
 
     def extend(self, q, k, v, g, beta, *, ssm_states, cache_indices, query_start_loc, A_log=None, dt_bias=None,
                lower_bound: float | None = None, beta_is_raw: bool = False,
@@ -108,21 +82,9 @@ class K3KDAKernel(LinearAttnKernelBase):
         if return_intermediate_states or kwargs.get("track_state") is not None:
             raise NotImplementedError("k3 KDA extend does not write track snapshots: use "
                                       "--mamba-radix-cache-strategy no_buffer with --linear-attn-prefill-backend k3")
-        _, tokens, _, K = q.shape
-        HV, V = v.shape[2], v.shape[3]
-        _check_pool(ssm_states, HV, K, V)
-        if A_log is None:
-            raise ValueError("k3 KDA extend needs A_log / dt_bias: SGLang passes the raw gate (gate formed in kernel)")
-        slots = cache_indices.to(torch.int64)
-        h0 = ssm_states.index_select(0, slots)  # [N, HV, V, K]
-        with torch.no_grad():
-            o, ht = chunk_kda(
-                q, k, v, _flat_gate(g, tokens, HV, K, "extend g"), _flat_beta(beta, tokens, HV, "extend beta"),
-                initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                use_beta_sigmoid_in_kernel=beta_is_raw, lower_bound=lower_bound, state_v_first=True,
-                cu_seqlens=query_start_loc.to(torch.int64), A_log=A_log, dt_bias=dt_bias)
-        ssm_states.index_copy_(0, slots, ht.to(ssm_states.dtype))
-        return o
+        return layouts.extend(q, k, v, g, beta, ssm_states=ssm_states, cache_indices=cache_indices,
+                              query_start_loc=query_start_loc, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                              beta_is_raw=beta_is_raw)
 
     def target_verify(self, A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, query_start_loc,
                       intermediate_states_buffer, intermediate_state_indices, cache_steps: int,
@@ -142,44 +104,10 @@ class K3KDAKernel(LinearAttnKernelBase):
         if kwargs.get("cache_ring"):
             raise NotImplementedError("k3 KDA verify does not write SGLang's ReplaySSM ring "
                                       "(--enable-linear-replayssm-spec): use --speculative-algorithm K3_REPLAY")
-        _, tokens, H, K = q.shape
-        HV, V = v.shape[2], v.shape[3]
-        D = int(cache_steps)
-        _check_pool(ssm_states, HV, K, V)
-        if D <= 0 or tokens % D:
-            raise ValueError(f"target_verify: {tokens} tokens are not whole groups of cache_steps={D} draft tokens")
-        B = tokens // D
-        if intermediate_states_buffer.dim() != 5 or tuple(intermediate_states_buffer.shape[2:]) != (HV, V, K) \
-                or intermediate_states_buffer.shape[1] < D:
-            raise ValueError(f"intermediate_states_buffer must be [S, >= {D}, {HV}, {V}, {K}], got "
-                             f"{tuple(intermediate_states_buffer.shape)}")
-        if retrieve_parent_token is not None and tuple(retrieve_parent_token.shape) != (B, D):
-            raise ValueError(f"retrieve_parent_token must be [{B}, {D}], got {tuple(retrieve_parent_token.shape)}")
-        qd, kd = q.reshape(B, D, H, K), k.reshape(B, D, H, K)
-        vd = v.reshape(B, D, HV, V)
-        gd = a.reshape(B, D, HV, K)
-        bd = b.reshape(B, D, HV)
-        rows = intermediate_state_indices[:B].to(torch.int64)
-        root = ssm_states.index_select(0, cache_indices[:B].to(torch.int64))  # [B, HV, V, K]
-        states = torch.empty(B, D, HV, V, K, dtype=torch.float32, device=q.device)
-        out = torch.empty(B, D, HV, V, dtype=v.dtype, device=q.device)
-        arange = torch.arange(B, device=q.device)
-        for t in range(D):
-            if t == 0:
-                start = root
-            else:
-                parent = (torch.full((B,), t - 1, device=q.device, dtype=torch.int64) if retrieve_parent_token is None
-                          else retrieve_parent_token[:, t].to(torch.int64))
-                start = torch.where((parent < 0).view(B, 1, 1, 1), root, states[arange, parent.clamp(min=0)])
-            o_t, s_t = fused_recurrent_kda(
-                qd[:, t:t + 1], kd[:, t:t + 1], vd[:, t:t + 1], gd[:, t:t + 1], bd[:, t:t + 1], A_log=A_log,
-                dt_bias=dt_bias, initial_state=start.contiguous(), output_final_state=True,
-                use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                lower_bound=lower_bound, state_v_first=True)
-            out[:, t] = o_t[:, 0]
-            states[:, t] = s_t
-        intermediate_states_buffer[rows, :D] = states.to(intermediate_states_buffer.dtype)
-        return out.reshape(1, tokens, HV, V)
+        return layouts.target_verify(A_log, dt_bias, q, k, v, a, b, ssm_states=ssm_states,
+                                     cache_indices=cache_indices, intermediate_states_buffer=intermediate_states_buffer,
+                                     intermediate_state_indices=intermediate_state_indices, cache_steps=cache_steps,
+                                     retrieve_parent_token=retrieve_parent_token, lower_bound=lower_bound)
 
 
 def _dispatcher_init(original, self, decode_backend, prefill_backend, verify_backend):
