@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from k3_kernels.kda.naive import l2norm, naive_kda_gate, naive_kda_lowerbound_gate, naive_recurrent_kda
-from k3_sglang import kda_layouts
+from k3_sglang import kda_layouts, spec
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 # (prefix lens, extend lens) of the kit's extend cases; decode: prefix lens only
 EXTEND_CASES = [((2, 4), (3, 1)), ((0,), (16,)), ((0, 0, 0), (15, 16, 17)), ((16,), (2,)), ((8,), (8,)),
                 ((15,), (2,)), ((0, 8, 16), (15, 8, 1)), ((31,), (2,)), ((5,), (70,))]
@@ -140,3 +140,35 @@ def test_verify_writes_each_draft_state_from_its_parent(device, tree):
                                                  b[j:j + 1], start)
                 torch.testing.assert_close(o[0, j].float(), want_o[0], **_tol(layer))
                 torch.testing.assert_close(buf[row, t], want_s, **_tol(layer))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_replay_verify_and_commit_equal_the_per_draft_states(device, tree):
+    """ReplaySSM (K3_REPLAY): outputs from inputs only, then the accepted path folded into the committed state,
+    against the per-draft states `target_verify` writes (what SGLang's default commit would copy)."""
+    _skip_cpu_without_interpreter(device)
+    D, B = 4, 2
+    parents = [-1, 0, 0, 1] if tree else [-1, 0, 1, 2]
+    accepted = torch.tensor([3, 2] if tree else [3, 1], device=device)
+    for kw in _layers(device):
+        layer = Layer(device, **kw)
+        q, k, v, a, b = layer.inputs(B * D)
+        pool = layer.pool(4)
+        slots = torch.tensor([2, 0], device=device)
+        buf = torch.zeros(B, D, layer.HV, layer.V, layer.K, device=device)
+        rpt = torch.tensor([parents] * B, device=device) if tree else None
+        want_o = kda_layouts.target_verify(layer.A_log, layer.dt_bias, q, k, v, a, b, ssm_states=pool,
+                                           cache_indices=slots, intermediate_states_buffer=buf,
+                                           intermediate_state_indices=torch.arange(B, device=device), cache_steps=D,
+                                           retrieve_parent_token=rpt, lower_bound=layer.lb)
+        o = spec.replay_verify(A_log=layer.A_log, dt_bias=layer.dt_bias, q=q, k=k, v=v, a=a, b=b, ssm_states=pool,
+                               cache_indices=slots, layer_key=-1, cache_steps=D, retrieve_parent_token=rpt,
+                               lower_bound=layer.lb)
+        inputs = spec.pending_layers()[-1]
+        spec._pending.clear()
+        torch.testing.assert_close(o.float(), want_o.float(), **_tol(layer))
+        committed = pool.index_select(0, slots)
+        spec.commit_layer(pool, committed, slots, accepted, inputs)
+        for i in range(B):
+            torch.testing.assert_close(pool[slots[i]], buf[i, int(accepted[i])], **_tol(layer))
