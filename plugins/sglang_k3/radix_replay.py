@@ -110,8 +110,10 @@ class CacheDriver:
         req = Req(rid=f"r{self._rid}", origin_input_text="", origin_input_ids=array("q", prompt),
                   sampling_params=SamplingParams(temperature=0, max_new_tokens=1, custom_params=custom))
         self._rid += 1
-        if self.cache.supports_mamba() and self.pool.mamba_allocator.available_size() < 1:
-            self._evict(mamba=1)
+        if self.cache.supports_mamba():   # the request's slot + the prompt-end checkpoint's copy
+            short = 2 - self.pool.mamba_allocator.available_size()
+            if short > 0:
+                self._evict(mamba=short)
         if self.pool.alloc([req]) is None:
             raise RuntimeError("req_to_token_pool: no free request row")
         req.extra_key = extra_key
