@@ -38,14 +38,19 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def configs(device: torch.device) -> dict[str, TileConfig]:
-    """One fixed configuration per kernel (batch invariance: never chosen by the row count)."""
+def configs(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict[str, TileConfig]:
+    """One fixed configuration per kernel (batch invariance: never chosen by the row count). The H200 tiles are
+    the best of a per-kernel sweep (benchmarks/moe.py --sweep 112,16384; NOTES.md); fp32 operands (the model's
+    fp32 tests) take small tiles that fit shared memory."""
     if device.type != "cuda":  # interpreter: small tiles
         t = TileConfig(16, 32, 32, 4, 1, 2)
         return {"gate_up": TileConfig(16, 128, 32, 4, 1, 2), "mm": t, "wgrad": TileConfig(32, 32, 16, 4, 1)}
-    return {"gate_up": TileConfig(128, 128, 64, 8, 3), "gate_up_fp8": TileConfig(128, 128, 128, 8, 3),
-            "mm": TileConfig(128, 128, 64, 8, 4), "mm_fp8": TileConfig(128, 128, 128, 8, 3),
-            "wgrad": TileConfig(128, 128, 64, 8, 3)}
+    if dtype == torch.float32:
+        return {"gate_up": TileConfig(64, 64, 32, 4, 2), "mm": TileConfig(64, 64, 32, 4, 2),
+                "wgrad": TileConfig(32, 64, 32, 4, 2)}
+    return {"gate_up": TileConfig(128, 128, 64, 8, 3), "gate_up_fp8": TileConfig(64, 128, 128, 4, 3),
+            "mm": TileConfig(128, 256, 64, 8, 3), "mm_fp8": TileConfig(128, 128, 128, 8, 3),
+            "wgrad": TileConfig(64, 128, 128, 8, 3)}
 
 
 @triton.jit
@@ -234,7 +239,7 @@ def gate_up(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan: RoutingPl
     I = w1.shape[1]
     if (act_dtype or x.dtype) not in (torch.bfloat16, torch.float32):
         raise ValueError(f"x: activations must be bf16 or fp32, got {act_dtype or x.dtype}")
-    cfg = configs(x.device)["gate_up_fp8" if fp8 is not None and x.is_cuda else "gate_up"]
+    cfg = configs(x.device, act_dtype or x.dtype)["gate_up_fp8" if fp8 is not None and x.is_cuda else "gate_up"]
     if quant_h and (I % QUANT_BLOCK or cfg.block_n != QUANT_BLOCK):
         raise ValueError(f"w1: FP8 H needs an intermediate size divisible by {QUANT_BLOCK}, got {I}")
     dev, dt = x.device, act_dtype or x.dtype
@@ -270,7 +275,7 @@ def down(h: torch.Tensor, w2: torch.Tensor, plan: RoutingPlan, out_dtype: torch.
     y = torch.empty(P, L, device=h.device, dtype=out_dtype)
     if P == 0:
         return y
-    cfg = configs(h.device)["mm_fp8" if fp8 is not None and h.is_cuda else "mm"]
+    cfg = configs(h.device, out_dtype)["mm_fp8" if fp8 is not None and h.is_cuda else "mm"]
     tiles, n_m, grid = _grid(plan, cfg, L)
     if fp8 is not None:
         a, a_s, b, b_s = fp8
@@ -284,21 +289,48 @@ def down(h: torch.Tensor, w2: torch.Tensor, plan: RoutingPlan, out_dtype: torch.
     return y
 
 
+@triton.jit
+def _situ_bwd_kernel(dh_ptr, gu_ptr, dgu_ptr, P, I, beta, linear_beta, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr):
+    """dG | dU [P, 2I] from dH [P, I] and the saved G | U [P, 2I] (SiTU's backward, fp32 math)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    m = (rows < P)[:, None] & (cols < I)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    dh = tl.load(dh_ptr + r64 * I + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    g = tl.load(gu_ptr + r64 * (2 * I) + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + r64 * (2 * I) + I + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    tg = _tanh(g / beta)
+    sg = tl.sigmoid(g)
+    tu = _tanh(u / linear_beta)
+    dact = (1.0 - tg * tg) * sg + beta * tg * sg * (1.0 - sg)
+    out = dgu_ptr + r64 * (2 * I) + cols[None, :]
+    tl.store(out, (dh * linear_beta * tu * dact).to(dgu_ptr.dtype.element_ty), mask=m)
+    tl.store(out + I, (dh * beta * tg * sg * (1.0 - tu * tu)).to(dgu_ptr.dtype.element_ty), mask=m)
+
+
 def down_dgrad_situ(dy: torch.Tensor, w2: torch.Tensor, gu: torch.Tensor, plan: RoutingPlan, beta: float,
-                    linear_beta: float) -> torch.Tensor:
-    """dH = dY W2_e with SiTU's backward fused: -> dGU [P, 2I] (dG | dU) from the saved gu [P, 2I]."""
+                    linear_beta: float, fused: bool = False) -> torch.Tensor:
+    """dH = dY W2_e, then SiTU's backward -> dGU [P, 2I] (dG | dU) from the saved gu [P, 2I]. `fused` does the
+    SiTU backward in the GEMM's epilogue instead; on the H200 that GEMM ran at 286 TFLOP/s against 474 for the
+    plain one (pass 1 sweep), so the default stores dH (bf16, as an unfused dgrad would) and runs an elementwise
+    pass; both give the same bits."""
     P, L = dy.shape
     I = w2.shape[2]
     dgu = torch.empty(P, 2 * I, device=dy.device, dtype=gu.dtype)
     if P == 0:
         return dgu
-    cfg = configs(dy.device)["mm"]
+    cfg = configs(dy.device, dy.dtype)["mm"]
     tiles, n_m, grid = _grid(plan, cfg, I)
+    dh = dgu if fused else torch.empty(P, I, device=dy.device, dtype=gu.dtype)
     # B_e[n = i, k = l] = W2[e, l, i]
-    _segment_mm_kernel[grid](dy, dy, w2, w2, w2, dgu, gu, tiles, n_m, I, L, dy.stride(0), L * I, 1, I, 2 * I,
-                             float(beta), float(linear_beta), TWO_B=False, FP8=False, SITU_BWD=True,
+    _segment_mm_kernel[grid](dy, dy, w2, w2, w2, dh, gu, tiles, n_m, I, L, dy.stride(0), L * I, 1, I, I,
+                             float(beta), float(linear_beta), TWO_B=False, FP8=False, SITU_BWD=fused,
                              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                              QB=QUANT_BLOCK, PREC=_prec(dy.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if not fused:
+        BM, BI = 4, 512
+        _situ_bwd_kernel[(cdiv(P, BM), cdiv(I, BI))](dh, gu, dgu, P, I, float(beta), float(linear_beta),
+                                                     BLOCK_M=BM, BLOCK_I=BI, num_warps=4)
     return dgu
 
 
@@ -309,7 +341,7 @@ def gate_up_dgrad(dgu: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan: R
     dx = torch.empty(P, L, device=dgu.device, dtype=dgu.dtype)
     if P == 0:
         return dx
-    cfg = configs(dgu.device)["mm"]
+    cfg = configs(dgu.device, dgu.dtype)["mm"]
     tiles, n_m, grid = _grid(plan, cfg, L)
     # B_e[n = l, k = i] = W1[e, i, l]
     _segment_mm_kernel[grid](dgu, dgu, w1, w3, w1, dx, dx, tiles, n_m, L, I, dgu.stride(0), I * L, 1, L, L,
@@ -328,7 +360,7 @@ def wgrad(d: torch.Tensor, x: torch.Tensor, plan: RoutingPlan, out_dtype: torch.
     out = torch.empty(E, Nd, Kd, device=x.device, dtype=out_dtype)
     if d.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError("d, x: the last dimension must be contiguous")
-    cfg = configs(x.device)["wgrad"]
+    cfg = configs(x.device, x.dtype)["wgrad"]
     grid = (cdiv(Nd, cfg.block_n) * cdiv(Kd, cfg.block_k), E)
     _wgrad_kernel[grid](d, x, out, plan.offsets, Nd, Kd, d.stride(0), x.stride(0), BLOCK_R=cfg.block_m,
                         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREC=_prec(x.dtype), num_warps=cfg.num_warps,

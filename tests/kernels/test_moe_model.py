@@ -83,8 +83,8 @@ def test_fused_layer_matches_torch_path(layer, monkeypatch):
 
 def test_project_override_keeps_the_loop(layer, monkeypatch):
     moe, x = layer
-    moe = copy.deepcopy(moe)
-    monkeypatch.setattr(ops, "MOE_KERNELS_ON_CPU", True)
+    dev = _fused(monkeypatch)
+    moe, x = copy.deepcopy(moe).to(dev), x.to(dev)
     calls = []
 
     def project(which, expert, tok, h, weight):
