@@ -245,8 +245,8 @@ def test_failed_verify_harms_no_later_call(model, plain, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prefix_cache", [False, True])
-def test_gpu_chain_matches_plain_decoding(prefix_cache):
+@pytest.mark.parametrize("prefix_cache, spec", [(False, "ngram:3"), (True, "ngram:3"), (True, "ngram:2x3")])
+def test_gpu_chain_and_tree_match_plain_decoding(prefix_cache, spec):
     """On the GPU (decode through the Triton decode kernel, commits through the Triton replay kernel, itself bitwise
     the decode kernel's state: tests/kernels/test_replay_ssm.py): with one row per decode forward the outputs are
     bitwise plain decoding's. With several rows they are compared within rounding: on CUDA plain decoding itself is
@@ -260,11 +260,12 @@ def test_gpu_chain_matches_plain_decoding(prefix_cache):
     one = dict(decode_batch=1)
     out = Engine(model, prefix_cache=False, **{**SMALL, **one}).generate(_prompts(), GREEDY)
     refs = [list(c.prompt) + c.token_ids for c in out]
-    eng = _spec_engine(model, refs, prefix_cache=prefix_cache, **one)
+    eng = _spec_engine(model, refs, prefix_cache=prefix_cache, spec=spec, **one)
     assert same(eng.generate(_prompts(), GREEDY), out)
     assert eng.stats["spec_accepted_tokens"] > 0
     out = _turns(Engine(model, prefix_cache=False, **SMALL))
-    got = _turns(_spec_engine(model, [list(c.prompt) + c.token_ids for c in out], prefix_cache=prefix_cache))
+    got = _turns(_spec_engine(model, [list(c.prompt) + c.token_ids for c in out], prefix_cache=prefix_cache,
+                              spec=spec))
     for a, b in zip(got, out):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
