@@ -58,7 +58,7 @@ class RolloutSection:
     checkpoint_every: int = 64   # KDA state checkpoint interval in tokens (a multiple of the engine's chunk, 64)
     state_slots: int = 512       # KDA state slots (device tier; as many again on the host tier)
     kv_pages: int = 8192         # MLA latent pages of 16 tokens (device tier; as many again on the host tier)
-    speculative: str = "off"     # speculative decoding: "off" or "METHOD[:DRAFT_LEN[:VERIFY[:ACCEPTANCE]]]", "ngram:3"
+    speculative: str = "off"     # speculative decoding: "off" or "METHOD[:DRAFT[:VERIFY[:ACCEPTANCE]]]", "ngram:3", "ngram:2x3"
     backend: str = "embedded"    # who rolls out: "embedded" (k3.rollout.Engine) or "vllm" (k3_vllm, pip install .[vllm])
 
 
@@ -165,9 +165,10 @@ _RULES: dict[str, Rule] = {
     "rollout.kv_pages": _at_least(1),
     "rollout.backend": ((lambda v: v in _rollout_backends()), "must be a rollout backend of k3.rollout.backend.BACKENDS "
                         "('embedded', 'vllm')"),
-    "rollout.speculative": ((lambda v: _speculative_ok(v)), "must be 'off' or 'METHOD[:DRAFT_LEN[:VERIFY[:ACCEPTANCE]]]'"
-                            " with METHOD ngram or drafter, DRAFT_LEN in [1, 15], VERIFY exact or batched, ACCEPTANCE"
-                            " rejection or match (k3.rollout.spec)"),
+    "rollout.speculative": ((lambda v: _speculative_ok(v)), "must be 'off' or 'METHOD[:DRAFT[:VERIFY[:ACCEPTANCE]]]'"
+                            " with METHOD ngram or drafter, DRAFT a chain length in [1, 15] or a tree BRANCHxDEPTH"
+                            " (at most 15 nodes), VERIFY exact or batched, ACCEPTANCE rejection or match"
+                            " (k3.rollout.spec)"),
     "rl.mode": ((lambda v: v in ("lora", "full")), "must be 'lora' or 'full'"),
     "rl.lr": _positive(),
     "rl.lora_rank": _at_least(1),
