@@ -168,8 +168,11 @@ class CacheDriver:
             self.versions[extra_key] = self.versions.get(extra_key, 0) + 1
         if hasattr(self.cache, "bump_policy_version"):
             self.cache.bump_policy_version(extra_key, all_scopes=all_scopes)
-        elif sglang_flush:
+        elif sglang_flush:       # what the scheduler's flush_cache does (no request is running here)
             self.cache.reset()
+            self.pool.clear()
+            self.allocator.clear()
+            self.pool.reset_aux_cache_allocator()
 
     @property
     def grid(self) -> int:
