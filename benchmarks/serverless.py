@@ -129,14 +129,21 @@ def scenario(url: str, seeds: list[int], updates: int, concurrent: bool, rank: i
             "_weights": {s: v["weights"] for s, v in out.items()}}
 
 
+# `--server-moe torch`: the server's MoE on k3.model.moe's torch loop instead of k3_kernels.moe (an A/B knob;
+# k3.model.ops reads ops.fused_moe at call time)
+TORCH_MOE = ("import sys, k3.model.ops as ops; ops.fused_moe = lambda x: False; from k3.cli import main; "
+             "sys.exit(main(sys.argv[1:]))")
+
+
 @contextlib.contextmanager
-def served(config: Path, port: int, log: Path):
+def served(config: Path, port: int, log: Path, moe: str = "fused"):
     """`k3 serve --config config` in a subprocess until the block ends (its output in `log`)."""
     env = {**os.environ, "K3_CPU_THREADS": os.environ.get("K3_CPU_THREADS", "1")}
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     out = open(log, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "k3.cli", "serve", "--config", str(config)], env=env,
+    launcher = ["-m", "k3.cli"] if moe == "fused" else ["-c", TORCH_MOE]
+    proc = subprocess.Popen([sys.executable, *launcher, "serve", "--config", str(config)], env=env,
                             stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -181,6 +188,8 @@ def main() -> None:
     ap.add_argument("--server-log", default=None, help="where the server's output goes (default: a temp file)")
     ap.add_argument("--wait-file", default=None, help="after the warm-up, wait (up to 120 s) until this file exists "
                     "(another job sharing the GPU, e.g. a test run, signals its end), so it overlaps no measurement")
+    ap.add_argument("--server-moe", default="fused", choices=("fused", "torch"),
+                    help="the server's MoE: ops' choice (k3_kernels.moe on CUDA) or the torch loop")
     ap.add_argument("--out", default="serverless")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("K3_CPU_THREADS", "1")))
@@ -193,7 +202,7 @@ def main() -> None:
                 "forward_backward",
               "workload": {"tasks_per_update": 2, "group_size": 4, "max_turn_tokens": 8, "lora_rank": args.lora_rank,
                            "loss": "gspo", "preset": args.preset, "max_batch_rows": args.max_batch_rows,
-                           "batch_wait_ms": args.batch_wait_ms, "device": args.device,
+                           "batch_wait_ms": args.batch_wait_ms, "device": args.device, "server_moe": args.server_moe,
                            "server": "k3 serve subprocess" + (", 1 torch thread" if args.device == "cpu" else "")}}
     with tempfile.TemporaryDirectory() as tmp:
         import socket
@@ -207,7 +216,7 @@ def main() -> None:
             f'device = "{args.device}"\npreset = "{args.preset}"\nbatch_wait_ms = {args.batch_wait_ms}\n'
             f'keep_samplers = 2\n')
         log = Path(args.server_log) if args.server_log else Path(tmp) / "server.log"
-        with served(Path(tmp) / "serve.toml", port, log) as url:
+        with served(Path(tmp) / "serve.toml", port, log, args.server_moe) as url:
             t0 = time.perf_counter()
             scenario(url, [98, 99], 1, concurrent=True, rank=args.lora_rank)   # warm-up (allocations, JIT)
             result["warmup_s"] = time.perf_counter() - t0
