@@ -116,7 +116,8 @@ def check_expert_args(z: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w1: t
         raise ValueError(f"precision: expected a Precision, got {precision!r}")
     if precision is Precision.FP8 and (L % QUANT_BLOCK or I % QUANT_BLOCK):
         raise ValueError(f"w1: FP8 needs latent and intermediate sizes divisible by {QUANT_BLOCK}, got {L}, {I}")
-    if ids.numel() and not z.is_cuda and (int(ids.min()) < 0 or int(ids.max()) >= E):
+    # (on CUDA one host sync: an id out of range would send the kernels outside the weights)
+    if ids.numel() and bool(((ids < 0) | (ids >= E)).any()):
         raise ValueError(f"ids: expert ids must lie in [0, {E}), got [{int(ids.min())}, {int(ids.max())}]")
 
 

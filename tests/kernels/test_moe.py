@@ -125,7 +125,10 @@ def test_plan_and_permute_into_buffer():
         permute_rows(x, plan, out=buf[:4])
     y = torch.randn(N * k, D, device=DEV)
     w = torch.rand(N, k, device=DEV)
-    assert torch.equal(combine(y, plan, w), naive.naive_combine(y, pos, w))
+    if DEV == "cpu":
+        assert torch.equal(combine(y, plan, w), naive.naive_combine(y, pos, w))
+    else:  # the GPU contracts w * y + acc into one FMA (one rounding; torch rounds twice)
+        torch.testing.assert_close(combine(y, plan, w), naive.naive_combine(y, pos, w), rtol=1e-6, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------------ experts
@@ -206,7 +209,11 @@ def test_experts_fp8():
     assert all(v < 0.1 for v in err.values()), err
     q, s = quantize_weight_fp8(case[3])
     q_r, s_r = naive.naive_quant_weight(case[3])
-    assert torch.equal(q.view(torch.uint8), q_r.view(torch.uint8)) and torch.equal(s, s_r)
+    assert torch.equal(q.view(torch.uint8), q_r.view(torch.uint8))
+    if DEV == "cpu":
+        assert torch.equal(s, s_r)
+    else:  # torch's CUDA division by a scalar multiplies by its reciprocal; ours is IEEE division
+        torch.testing.assert_close(s, s_r, rtol=2e-7, atol=0)
 
 
 def test_mxfp4_dequant():
