@@ -1,9 +1,9 @@
 """Combine: expert outputs back to their source ranks (the reverse all_to_all of the dispatch) and the top-k
 weighted sum in slot order in fp32, rounded once (no atomics, no scatter-add): the spec's naive_combine on CPU, the
 moe kernels' `combine` on CUDA. Its backward (`combine_grads`) gives the returned rows' gradients (sent to the
-experts by the dispatch's exchange) and the gate weights' gradients, computed exactly as autograd differentiates
-naive_combine, and `sum_row_grads` the tokens' gradients from their pairs' rows in sorted-row order (the order
-autograd's index backward accumulates the spec's permutation in)."""
+experts by the dispatch's exchange) and the gate weights' gradients (on CPU exactly as autograd differentiates
+naive_combine; on CUDA the moe kernels' combine_backward), and `sum_row_grads` the tokens' gradients from their
+pairs' rows, in the single-device layer's order."""
 from __future__ import annotations
 
 import torch
@@ -48,12 +48,13 @@ def combine_grads(dout: torch.Tensor, y: torch.Tensor, route: Route, w: torch.Te
 
 
 def sum_row_grads(dxp: torch.Tensor, route: Route, out_dtype: torch.dtype) -> torch.Tensor:
-    """dz[t] = sum of t's pairs' row gradients in ascending sorted-row order (0 + a + b + ...)."""
+    """dz[t] = the sum of t's pairs' row gradients, in the order of the single-device layer on this device: on CUDA
+    the moe layer's (combine in slot order, fp32, rounded once), elsewhere autograd's through the spec (the index
+    backward of the permutation: ascending sorted row, accumulated in out_dtype: 0 + a + b + ...)."""
     if dxp.is_cuda:
         from k3_kernels.moe.permute import RoutingPlan, combine
 
-        pos = route.pos.sort(1).values.contiguous()
-        plan = RoutingPlan(route.order, pos, torch.empty(0), torch.empty(0), 0, pos.shape[1])
+        plan = RoutingPlan(route.order, route.pos, torch.empty(0), torch.empty(0), 0, route.pos.shape[1])
         return combine(dxp, plan, None, out_dtype)
     pos = route.pos.sort(1).values
     acc = torch.zeros(pos.shape[0], dxp.shape[1], dtype=out_dtype, device=dxp.device)
