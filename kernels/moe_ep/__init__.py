@@ -2,7 +2,7 @@
 spec (naive.py: the single-device layer over all experts on the ranks' tokens in rank order) and its config."""
 from .naive import naive_ep_layer, naive_local_experts, naive_local_experts_fp8
 from .pipeline import ep_moe_experts, ep_moe_layer
-from .plan import EPConfig, Step, micro_batch_bounds, schedule
+from .plan import Compute, EPConfig, Step, micro_batch_bounds, schedule
 
-__all__ = ["EPConfig", "Step", "ep_moe_experts", "ep_moe_layer", "micro_batch_bounds", "naive_ep_layer",
+__all__ = ["Compute", "EPConfig", "Step", "ep_moe_experts", "ep_moe_layer", "micro_batch_bounds", "naive_ep_layer",
            "naive_local_experts", "naive_local_experts_fp8", "schedule"]

@@ -1,8 +1,8 @@
 """Combine: expert outputs back to their source ranks (the reverse all_to_all of the dispatch) and the top-k
-weighted sum in slot order in fp32, rounded once (no atomics, no scatter-add): the spec's naive_combine on CPU, the
-moe kernels' `combine` on CUDA. Its backward (`combine_grads`) gives the returned rows' gradients (sent to the
-experts by the dispatch's exchange) and the gate weights' gradients (on CPU exactly as autograd differentiates
-naive_combine; on CUDA the moe kernels' combine_backward), and `sum_row_grads` the tokens' gradients from their
+weighted sum in slot order in fp32, rounded once (no atomics, no scatter-add): the spec's naive_combine, or the
+moe kernels' `combine`. Its backward (`combine_grads`) gives the returned rows' gradients (sent to the
+experts by the dispatch's exchange) and the gate weights' gradients (exactly as autograd differentiates naive_combine,
+or the moe kernels' combine_backward), and `sum_row_grads` the tokens' gradients from their
 pairs' rows, in the single-device layer's order."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def return_rows(y_source_major: torch.Tensor, route: Route, group) -> torch.Tens
 
 
 def weighted_sum(y: torch.Tensor, route: Route, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    if y.is_cuda:
+    if route.kernels:
         from k3_kernels.moe.permute import RoutingPlan, combine
 
         plan = RoutingPlan(route.order, route.pos, torch.empty(0), torch.empty(0), 0, route.pos.shape[1])
@@ -32,7 +32,7 @@ def weighted_sum(y: torch.Tensor, route: Route, w: torch.Tensor, out_dtype: torc
 def combine_grads(dout: torch.Tensor, y: torch.Tensor, route: Route, w: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dy [P, L] in y's dtype: dy[pos[t, j]] = w[t, j] dout[t]; dw [n, k] fp32: <dout[t], y[pos[t, j]]>)."""
-    if y.is_cuda:
+    if route.kernels:
         from k3_kernels.moe.permute import RoutingPlan, combine_backward
 
         plan = RoutingPlan(route.order, route.pos, torch.empty(0), torch.empty(0), 0, route.pos.shape[1])
@@ -48,10 +48,10 @@ def combine_grads(dout: torch.Tensor, y: torch.Tensor, route: Route, w: torch.Te
 
 
 def sum_row_grads(dxp: torch.Tensor, route: Route, out_dtype: torch.dtype) -> torch.Tensor:
-    """dz[t] = the sum of t's pairs' row gradients, in the order of the single-device layer on this device: on CUDA
-    the moe layer's (combine in slot order, fp32, rounded once), elsewhere autograd's through the spec (the index
+    """dz[t] = the sum of t's pairs' row gradients, in the order of the single-device layer on this device: with the
+    kernels the moe layer's (combine in slot order, fp32, rounded once), else autograd's through the spec (the index
     backward of the permutation: ascending sorted row, accumulated in out_dtype: 0 + a + b + ...)."""
-    if dxp.is_cuda:
+    if route.kernels:
         from k3_kernels.moe.permute import RoutingPlan, combine
 
         plan = RoutingPlan(route.order, route.pos, torch.empty(0), torch.empty(0), 0, route.pos.shape[1])

@@ -36,6 +36,7 @@ class Route:
     em: torch.Tensor             # [R] expert-major order: received row (source-major) of each expert-major row
     local_ids: torch.Tensor      # [R] local expert of each expert-major row (ascending)
     local_offsets: torch.Tensor  # [E_local + 1]
+    kernels: bool                # the moe Triton kernels run the local work (else the spec)
 
     @property
     def sent(self) -> int:
@@ -48,7 +49,9 @@ class Route:
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """[R, D] -> [R, D * itemsize] uint8 (same storage)."""
-    return t.view(torch.uint8).view(t.shape[0], -1) if t.dtype != torch.uint8 else t
+    if t.dtype == torch.uint8:
+        return t
+    return t.view(torch.uint8).view(t.shape[0], t.shape[1] * t.element_size())
 
 
 def exchange(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> None:
@@ -84,10 +87,10 @@ class RingBuffer:
         return self._get(self.recv, slot, rows)
 
 
-def sort_pairs(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(order, pos, counts [E]) of the stable sort by expert (the spec's naive_permutation; on CUDA the moe
-    kernels' plan_routing, the same sort)."""
-    if ids.is_cuda:
+def sort_pairs(ids: torch.Tensor, n_experts: int, kernels: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order, pos, counts [E]) of the stable sort by expert (the spec's naive_permutation, or the moe kernels'
+    plan_routing: the same sort)."""
+    if kernels:
         from k3_kernels.moe.permute import plan_routing
 
         plan = plan_routing(ids, n_experts)
@@ -96,11 +99,12 @@ def sort_pairs(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.T
     return order, pos, offsets[1:] - offsets[:-1]
 
 
-def plan_micro_batch(ids: torch.Tensor, lo: int, hi: int, n_experts: int, world: int, group) -> Route:
+def plan_micro_batch(ids: torch.Tensor, lo: int, hi: int, n_experts: int, world: int, group, kernels: bool
+                     ) -> Route:
     """Sort the micro-batch's pairs, exchange the per-expert counts (one all_to_all of W x E/W int64), and derive
     both sides' splits and the expert-major order of what this rank will receive."""
     per = n_experts // world
-    order, pos, counts = sort_pairs(ids[lo:hi], n_experts)
+    order, pos, counts = sort_pairs(ids[lo:hi], n_experts, kernels)
     send_counts = counts.to(torch.int64).contiguous()
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)  # [W src, E/W] after the view below
@@ -121,16 +125,16 @@ def plan_micro_batch(ids: torch.Tensor, lo: int, hi: int, n_experts: int, world:
     local_ids = torch.repeat_interleave(block_expert, cnt_em)
     local_offsets = torch.zeros(per + 1, dtype=torch.int64, device=dev)
     local_offsets[1:] = torch.cumsum(recv_counts.sum(0), 0)
-    return Route(lo, hi, order, pos, send_splits, recv_splits, em, local_ids, local_offsets)
+    return Route(lo, hi, order, pos, send_splits, recv_splits, em, local_ids, local_offsets, kernels)
 
 
 def stage(x: torch.Tensor, route: Route, top_k: int, slot: dict[str, torch.Tensor], fp8: bool
           ) -> dict[str, torch.Tensor]:
-    """Write the micro-batch's sorted rows into the send slot (FP8: quantised in the same pass on CUDA, the moe
-    kernels' permute_rows writing e4m3 rows and scales straight into the buffers) -> views of the written rows."""
+    """Write the micro-batch's sorted rows into the send slot (FP8: with the kernels quantised in the same pass,
+    permute_rows writing e4m3 rows and scales straight into the buffers) -> views of the written rows."""
     P = route.sent
     xm = x[route.lo:route.hi]
-    if x.is_cuda:
+    if route.kernels:
         from k3_kernels.moe.permute import RoutingPlan, permute_rows
 
         plan = RoutingPlan(route.order, route.pos, torch.empty(0), torch.empty(0), 0, top_k)

@@ -88,7 +88,7 @@ class _Streams:
 
 
 def _local_experts(rows: torch.Tensor, route: Route, w1, w3, w2, call: _Call) -> torch.Tensor:
-    if rows.is_cuda:
+    if route.kernels:
         from k3_kernels.moe.layer import Precision, moe_experts
 
         ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
@@ -98,7 +98,7 @@ def _local_experts(rows: torch.Tensor, route: Route, w1, w3, w2, call: _Call) ->
 
 
 def _local_experts_fp8(q, s, route: Route, w1, w3, w2, call: _Call, out_dtype) -> torch.Tensor:
-    if q.is_cuda:
+    if route.kernels:
         from k3_kernels.moe import grouped_gemm as gg
         from k3_kernels.moe.layer import fp8_weight
         from k3_kernels.moe.permute import plan_routing
@@ -127,12 +127,13 @@ class _EPExpertsFn(torch.autograd.Function):
         streams = _Streams(x.device)
         leaves = [t.detach().requires_grad_(call.training) for t in (w1, w3, w2)]
         mbs = [_MicroBatch() for _ in bounds]
+        kernels = cfg.kernels(x.is_cuda)
         out = torch.empty(N, L, dtype=x.dtype, device=x.device)
 
         def dispatch(i):
             lo, hi = bounds[i]
             mb = mbs[i]
-            mb.route = plan_micro_batch(ids, lo, hi, call.n_experts, call.world, group)
+            mb.route = plan_micro_batch(ids, lo, hi, call.n_experts, call.world, group, kernels)
             slot = slot_of(i, cfg)
             staged = stage(x, mb.route, k, ring.send_slot(slot, (hi - lo) * k), cfg.fp8)
             mb.received = send_rows(staged, mb.route, ring.recv_slot(slot, mb.route.received), group)
@@ -280,7 +281,7 @@ def ep_moe_layer(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torc
         dummy = torch.zeros(x.shape[0] if x.dim() else 0, max(top_k, 1), dtype=torch.int64, device=x.device)
         checks.check_inputs(x, dummy, dummy.float(), w1, w3, w2, n_experts, top_k, group, world, config.fp8,
                             config.micro_batches, config.ring_slots, config.check_across_ranks, problem)
-    if x.is_cuda:
+    if config.kernels(x.is_cuda):
         from k3_kernels.moe.router import fused_router
 
         ids, w = fused_router(x.contiguous(), router_weight, router_bias, top_k, forced=forced)

@@ -8,10 +8,17 @@ staging lives in a ring buffer of `ring_slots` slots: micro-batch i is staged in
 staging memory is bounded by the slot count, not the micro-batch count."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 # the pipeline has three stages in flight: a slot is refilled only after the micro-batch two steps earlier left it
 MIN_RING_SLOTS = 2
+
+
+class Compute(enum.Enum):
+    """What runs the sort, staging, local experts and combine (the exchanges are the group's either way)."""
+    SPEC = "spec"          # plain torch (k3_kernels.moe.naive): bitwise the spec on CPU
+    KERNELS = "kernels"    # the moe Triton kernels (on CPU under TRITON_INTERPRET=1: the GPU path's math)
 
 
 @dataclass(frozen=True)
@@ -20,12 +27,14 @@ class EPConfig:
     ring_slots: dispatch staging slots (>= 2: micro-batch i + 1 is received while i is in the experts).
     fp8: dispatch e4m3 rows with 1 x 128 fp32 scales, quantised while staging (forward only: no autograd).
     check_across_ranks: before any exchange, all-gather every rank's shapes / dtypes / verdict so that bad input
-        raises the same error on every rank (one small all-gather per call; trusted hot loops may turn it off)."""
+        raises the same error on every rank (one small all-gather per call; trusted hot loops may turn it off).
+    compute: Compute, or None: the kernels on CUDA tensors, the spec elsewhere."""
 
     micro_batches: int = 2
     ring_slots: int = 2
     fp8: bool = False
     check_across_ranks: bool = True
+    compute: Compute | None = None
 
     def __post_init__(self):
         if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
@@ -34,6 +43,11 @@ class EPConfig:
             raise ValueError(f"EPConfig.ring_slots must be an int >= {MIN_RING_SLOTS}, got {self.ring_slots!r}")
         if not isinstance(self.fp8, bool):
             raise TypeError(f"EPConfig.fp8 must be a bool, got {self.fp8!r}")
+        if self.compute is not None and not isinstance(self.compute, Compute):
+            raise TypeError(f"EPConfig.compute must be a Compute or None, got {self.compute!r}")
+
+    def kernels(self, on_cuda: bool) -> bool:
+        return self.compute is Compute.KERNELS or (self.compute is None and on_cuda)
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,13 @@ def bad_inputs(rank, world, group):
     # micro-batch count differs on rank 3
     cfg = EPConfig(micro_batches=3 if rank == 3 else 2)
     out["config_mismatch"] = _catch(lambda: ep_moe_layer(x, rw, rb, *loc, K, group, cfg))
+    # FP8 dispatch under autograd (forward-only), on every rank
+    xg = x.clone().requires_grad_()
+    out["fp8_training"] = _catch(lambda: ep_moe_layer(xg, rw, rb, *loc, K, group, EPConfig(fp8=True)))
+    # more micro-batches than tokens on rank 0 (empty micro-batches): still the layer
+    few = x[:2] if rank == 0 else x
+    with torch.no_grad():
+        out["few_tokens"] = ep_moe_layer(few, rw, rb, *loc, K, group, EPConfig(micro_batches=4))[0]
     # then a good call still works
     with torch.no_grad():
         out["after"] = ep_moe_layer(x, rw, rb, *loc, K, group)[0]
@@ -136,7 +143,7 @@ def bad_inputs(rank, world, group):
 
 
 def _run(rank: int, world: int, store_dir: str) -> dict:
-    from k3_kernels.moe_ep import EPConfig, ep_moe_experts
+    from k3_kernels.moe_ep import Compute, EPConfig, ep_moe_experts
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=world)
@@ -151,6 +158,10 @@ def _run(rank: int, world: int, store_dir: str) -> dict:
             out[(gname, f"experts_m{m}")] = experts_fwd_bwd(gr, members, group, cfg)
             out[(gname, f"layer_m{m}")] = layer_fwd_bwd(gr, len(members), group, cfg)
         out[(gname, "experts_m3_again")] = experts_fwd_bwd(gr, members, group, EPConfig(micro_batches=3))
+        if gname == "pair":  # the GPU path's math: the moe Triton kernels, here in the interpreter
+            for m in (1, 3):
+                cfg = EPConfig(micro_batches=m, compute=Compute.KERNELS)
+                out[(gname, f"kernels_m{m}")] = experts_fwd_bwd(gr, members, group, cfg)
     group, members = groups["world"], GROUPS["world"]
     out["bf16"] = experts_fwd_bwd(rank, members, group, EPConfig(micro_batches=1), dtype=torch.bfloat16)
     out["replay"] = layer_fwd_bwd(rank, world, group, EPConfig(micro_batches=2), forced=forced_ids(rank))
@@ -160,6 +171,12 @@ def _run(rank: int, world: int, store_dir: str) -> dict:
     with torch.no_grad():
         out["fp8"] = ep_moe_experts(x8, ids8, wt8, *[shard(t, rank, world) for t in (w18, w38, w28)], E, group,
                                     EPConfig(micro_batches=1, fp8=True))
+    if rank < 2:  # the kernels' FP8 dispatch (permute_rows quantising into the slot) on the pair group
+        pair, members2 = groups["pair"], GROUPS["pair"]
+        ids2, wt2 = global_routing(members2, L8)[rank]
+        with torch.no_grad():
+            out["fp8_kernels"] = ep_moe_experts(x8, ids2, wt2, *[shard(t, rank, 2) for t in (w18, w38, w28)], E, pair,
+                                                EPConfig(micro_batches=2, fp8=True, compute=Compute.KERNELS))
     out["errors"] = bad_inputs(rank, world, group)
     dist.barrier()
     dist.destroy_process_group()

@@ -118,6 +118,38 @@ def test_layer_with_the_router_on_each_rank(ranks, gname, m):
     torch.testing.assert_close(total, drw, **TOL)
 
 
+def spec_kernels(members):
+    """The single-device moe layer (Triton kernels, in the interpreter here) on the members' tokens."""
+    from k3_kernels.moe import moe_experts
+
+    _, _, w1, w3, w2 = params()
+    w1, w3, w2 = (t.clone().requires_grad_() for t in (w1, w3, w2))
+    xs, gs = zip(*(inputs(i) for i in range(len(members))))
+    routing = global_routing(members)
+    xs = [x.clone().requires_grad_() for x in xs]
+    ws = [w.clone().requires_grad_() for _, w in routing]
+    y = moe_experts(torch.cat(xs), torch.cat([i for i, _ in routing]), torch.cat(ws), w1, w3, w2)
+    (y * torch.cat(gs)).sum().backward()
+    return y.detach().split([x.shape[0] for x in xs]), [x.grad for x in xs], [w.grad for w in ws], \
+        (w1.grad, w3.grad, w2.grad)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_kernel_path_matches_the_single_device_kernels(ranks, m):
+    """Compute.KERNELS (the GPU path: plan_routing, permute_rows into the ring slot, moe_experts, the combine
+    kernels) in Triton's interpreter on 2 ranks: y, dx and the gate gradients are the single-device moe layer's
+    bits with 1 and with 3 micro-batches (its kernels use one tile configuration for any row count); expert
+    weights bitwise with 1, within fp32 rounding with 3."""
+    members = GROUPS["pair"]
+    ys, dxs, dws, dW = spec_kernels(members)
+    for i, r in enumerate(members):
+        got = ranks[r][("pair", f"kernels_m{m}")]
+        for key, want in (("y", ys[i]), ("dx", dxs[i]), ("dw", dws[i])):
+            check(got[key], want, True, (m, r, key))
+        for key, full in zip(("dw1", "dw3", "dw2"), dW):
+            check(got[key], full[i * 4:(i + 1) * 4], m == 1, (m, r, key))
+
+
 def test_repeat_runs_give_the_same_bits(ranks):
     for gname, members in GROUPS.items():
         for r in members:
@@ -154,6 +186,22 @@ def test_fp8_dispatch_matches_the_fp8_spec(ranks):
         assert not torch.equal(y, exact[r])
 
 
+def test_fp8_kernel_dispatch_matches_the_single_device_fp8_layer(ranks):
+    """The kernels' FP8 path (e4m3 rows + scales written by permute_rows into the ring slot, exchanged, the FP8
+    grouped GEMMs on them; interpreter, 2 ranks, 2 micro-batches) == moe_experts(precision=FP8) on one device."""
+    from k3_kernels.moe import Precision, moe_experts
+
+    _, _, w1, w3, w2 = params(L8, I8)
+    members = GROUPS["pair"]
+    x = torch.cat([inputs(r, L8)[0] for r in members])
+    routing = global_routing(members, L8)
+    with torch.no_grad():
+        y = moe_experts(x, torch.cat([i for i, _ in routing]), torch.cat([w for _, w in routing]), w1, w3, w2,
+                        precision=Precision.FP8)
+    for r, want in zip(members, y.split([i.shape[0] for i, _ in routing])):
+        assert same_bits(ranks[r]["fp8_kernels"], want), r
+
+
 def test_router_replay_flows_through(ranks):
     """Forced rows get exactly the forced ids, free rows the router's (the spec's with the same forced ids)."""
     rw, rb, w1, w3, w2 = params()
@@ -172,7 +220,8 @@ def test_router_replay_flows_through(ranks):
 @pytest.mark.parametrize("case,needle", [("not_divisible", "not divisible by the 4 ranks"),
                                          ("dtype_mismatch", "dtype differs across ranks"),
                                          ("bad_shape_one_rank", "bad input on rank(s) [2]"),
-                                         ("config_mismatch", "micro_batches differs across ranks")])
+                                         ("config_mismatch", "micro_batches differs across ranks"),
+                                         ("fp8_training", "FP8 dispatch is forward-only")])
 def test_bad_input_raises_on_every_rank(ranks, case, needle):
     for r in range(WORLD):
         msg = ranks[r]["errors"][case]
@@ -186,6 +235,16 @@ def test_group_still_works_after_bad_input(ranks):
     spec = naive_ep_layer([inputs(r)[0] for r in range(WORLD)], rw, rb, w1, w3, w2, K)
     for r in range(WORLD):
         torch.testing.assert_close(ranks[r]["errors"]["after"], spec[r][0], **TOL)
+
+
+def test_empty_micro_batches(ranks):
+    """Rank 0 with 2 tokens and 4 micro-batches (two of them empty on that rank) still gives the layer."""
+    rw, rb, w1, w3, w2 = params()
+    xs = [inputs(r)[0] for r in range(WORLD)]
+    xs[0] = xs[0][:2]
+    spec = naive_ep_layer(xs, rw, rb, w1, w3, w2, K)
+    for r in range(WORLD):
+        torch.testing.assert_close(ranks[r]["errors"]["few_tokens"], spec[r][0], **TOL)
 
 
 def test_schedule_overlaps_three_stages():
