@@ -59,13 +59,18 @@ class _Streams:
     """CUDA: one stream per stage, events between them; elsewhere the stages run inline."""
 
     def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+        self.cuda, self.device = device.type == "cuda", device
         if self.cuda:
-            main = torch.cuda.current_stream(device)
-            self.main = main
             self.streams = {name: torch.cuda.Stream(device) for name in _STAGES}
+
+    def begin(self) -> "_Streams":
+        """The side streams wait for the caller's (also before the backward, which reuses the forward's streams:
+        autograd runs an op's backward on its forward's stream)."""
+        if self.cuda:
+            self.main = torch.cuda.current_stream(self.device)
             for s in self.streams.values():
-                s.wait_stream(main)
+                s.wait_stream(self.main)
+        return self
 
     def run(self, stage_name: str, waits, fn):
         if not self.cuda:
@@ -124,7 +129,7 @@ class _EPExpertsFn(torch.autograd.Function):
         N, L = x.shape
         bounds = micro_batch_bounds(N, cfg.micro_batches)
         ring = RingBuffer(cfg, L, x.dtype, x.device)
-        streams = _Streams(x.device)
+        streams = _Streams(x.device).begin()
         leaves = [t.detach().requires_grad_(call.training) for t in (w1, w3, w2)]
         mbs = [_MicroBatch() for _ in bounds]
         kernels = cfg.kernels(x.is_cuda)
@@ -176,7 +181,7 @@ class _EPExpertsFn(torch.autograd.Function):
         if call.training:
             for mb in mbs:
                 mb.received, mb.events = {}, {}
-            ctx.mbs, ctx.bounds, ctx.leaves, ctx.call = mbs, bounds, leaves, call
+            ctx.mbs, ctx.bounds, ctx.leaves, ctx.call, ctx.streams = mbs, bounds, leaves, call, streams
             ctx.save_for_backward(w)
         return out
 
@@ -192,7 +197,7 @@ class _EPExpertsFn(torch.autograd.Function):
         dx = torch.empty(N, L, dtype=dtype, device=dout.device)
         dw = torch.empty(w.shape, dtype=torch.float32, device=dout.device)
         dweights: list[torch.Tensor | None] = [None, None, None]
-        streams = _Streams(dout.device)
+        streams = ctx.streams.begin()
         want_w = [ctx.needs_input_grad[2], ctx.needs_input_grad[3], ctx.needs_input_grad[4]]
 
         def grads_out(i):  # the combine's backward on the source rank, the rows' gradients to the experts

@@ -258,7 +258,24 @@ def test_schedule_overlaps_three_stages():
     assert micro_batch_bounds(1, 3) == [(0, 1), (1, 1), (1, 1)]
 
 
-@pytest.mark.parametrize("kwargs", [{"micro_batches": 0}, {"ring_slots": 1}, {"fp8": 1}])
+def test_ring_buffer_bounds_and_reuses_its_slots():
+    """Micro-batch i is staged in slot i % ring_slots: the same storage again two micro-batches later (grown only
+    for a larger micro-batch); FP8 slots hold e4m3 rows and fp32 1 x 128 scales."""
+    from k3_kernels.moe_ep.dispatch import RingBuffer
+    from k3_kernels.moe_ep.plan import slot_of
+
+    cfg = EPConfig(micro_batches=5, ring_slots=2)
+    ring = RingBuffer(cfg, 16, torch.float32, torch.device("cpu"))
+    ptrs = [ring.send_slot(slot_of(i, cfg), 10)["rows"].data_ptr() for i in range(5)]
+    assert ptrs[0] == ptrs[2] == ptrs[4] and ptrs[1] == ptrs[3] and ptrs[0] != ptrs[1]
+    assert ring.send_slot(0, 4)["rows"].data_ptr() == ptrs[0]          # smaller: reused
+    assert ring.send_slot(0, 40)["rows"].shape[0] == 40               # larger: grown
+    assert len(ring.send) == len(ring.recv) == 2
+    fp8 = RingBuffer(EPConfig(fp8=True), 256, torch.bfloat16, torch.device("cpu")).send_slot(1, 3)
+    assert fp8["rows"].dtype == torch.float8_e4m3fn and fp8["scales"].shape == (3, 2)
+
+
+@pytest.mark.parametrize("kwargs", [{"micro_batches": 0}, {"ring_slots": 1}, {"fp8": 1}, {"compute": "kernels"}])
 def test_config_refuses_bad_values(kwargs):
     with pytest.raises((ValueError, TypeError), match=next(iter(kwargs))):
         EPConfig(**kwargs)
