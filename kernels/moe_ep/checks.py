@@ -69,19 +69,23 @@ def local_problem(x: torch.Tensor, ids: torch.Tensor | None, weights: torch.Tens
     return None
 
 
-def _meta(problem: str | None, x, top_k: int, w1, fp8: bool, micro_batches: int, ring_slots: int) -> list[int]:
+def _meta(problem: str | None, x, top_k: int, w1, fp8: bool, micro_batches: int, ring_slots: int,
+          training: bool) -> list[int]:
     if problem is not None:
-        return [1] + [0] * 8
+        return [1] + [0] * len(_FIELDS)
     code = _DTYPES.index(x.dtype)
-    return [0, x.shape[1], top_k, w1.shape[0], w1.shape[1], code, int(fp8), micro_batches, ring_slots]
+    return [0, x.shape[1], top_k, w1.shape[0], w1.shape[1], code, int(fp8), micro_batches, ring_slots,
+            int(training)]
 
 
+# "autograd": a rank that records the graph will run the backward's exchanges; every rank must.
 _FIELDS = ("latent width L", "top_k", "local experts", "intermediate I", "dtype", "fp8", "micro_batches",
-           "ring_slots")
+           "ring_slots", "autograd (grad enabled with a tensor requiring grad)")
 
 
 def check_inputs(x, ids, weights, w1, w3, w2, n_experts: int, top_k: int, group, world: int, fp8: bool,
-                 micro_batches: int, ring_slots: int, across_ranks: bool, problem: str | None = None) -> None:
+                 micro_batches: int, ring_slots: int, across_ranks: bool, problem: str | None = None,
+                 training: bool = False) -> None:
     """Raise ValueError (on every rank with across_ranks) before any exchange; `problem`: one found earlier
     (the router's inputs, autograd with FP8)."""
     problem = problem or local_problem(x, ids, weights, w1, w3, w2, n_experts, world)
@@ -89,7 +93,7 @@ def check_inputs(x, ids, weights, w1, w3, w2, n_experts: int, top_k: int, group,
         if problem:
             raise ValueError(f"moe_ep: {problem}")
         return
-    mine = torch.tensor(_meta(problem, x, top_k, w1, fp8, micro_batches, ring_slots), dtype=torch.int64,
+    mine = torch.tensor(_meta(problem, x, top_k, w1, fp8, micro_batches, ring_slots, training), dtype=torch.int64,
                         device=x.device)
     rows = all_gather_rows(mine, group).cpu().tolist()
     bad = [r for r, row in enumerate(rows) if row[0]]

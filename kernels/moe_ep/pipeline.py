@@ -265,7 +265,8 @@ def ep_moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     if problem is None and config.fp8 and x.dim() == 2 and x.shape[1] % 128:
         problem = f"x: FP8 dispatch needs a width divisible by 128, got {x.shape[1]}"
     checks.check_inputs(x, ids, weights, w1, w3, w2, n_experts, ids.shape[-1] if ids.dim() else 0, group, world,
-                        config.fp8, config.micro_batches, config.ring_slots, config.check_across_ranks, problem)
+                        config.fp8, config.micro_batches, config.ring_slots, config.check_across_ranks, problem,
+                        training)
     call = _Call(group, world, n_experts, config, float(beta), float(linear_beta), training)
     return _EPExpertsFn.apply(x.contiguous(), weights.float(), w1.contiguous(), w3.contiguous(), w2.contiguous(),
                               ids.long().contiguous(), call)

@@ -132,6 +132,9 @@ def bad_inputs(rank, world, group):
     # FP8 dispatch under autograd (forward-only), on every rank
     xg = x.clone().requires_grad_()
     out["fp8_training"] = _catch(lambda: ep_moe_layer(xg, rw, rb, *loc, K, group, EPConfig(fp8=True)))
+    # only rank 1 records the graph (its backward's exchanges would wait for peers that never run one)
+    xa = x.clone().requires_grad_(rank == 1)
+    out["autograd_mismatch"] = _catch(lambda: ep_moe_layer(xa, rw, rb, *loc, K, group))
     # more micro-batches than tokens on rank 0 (empty micro-batches): still the layer
     few = x[:2] if rank == 0 else x
     with torch.no_grad():

@@ -221,7 +221,8 @@ def test_router_replay_flows_through(ranks):
                                          ("dtype_mismatch", "dtype differs across ranks"),
                                          ("bad_shape_one_rank", "bad input on rank(s) [2]"),
                                          ("config_mismatch", "micro_batches differs across ranks"),
-                                         ("fp8_training", "FP8 dispatch is forward-only")])
+                                         ("fp8_training", "FP8 dispatch is forward-only"),
+                                         ("autograd_mismatch", "autograd (grad enabled")])
 def test_bad_input_raises_on_every_rank(ranks, case, needle):
     for r in range(WORLD):
         msg = ranks[r]["errors"][case]
