@@ -30,7 +30,12 @@ def _git(*args: str, cwd: Path = ROOT) -> str | None:
 
 
 def git_state(cwd: Path = ROOT) -> dict:
-    """{"commit", "dirty", "dirty_paths"}: HEAD and the tracked files that differ from it (untracked ones ignored)."""
+    """{"commit", "dirty", "dirty_paths"}: HEAD and the tracked files that differ from it (untracked ones ignored).
+    On the device machine the tree is a copy whose .git lags the working tree, so a call names the commit it
+    measures in K3_SOURCE_COMMIT (set here, before the call: see benchmarks/device_env.sh)."""
+    given = os.environ.get("K3_SOURCE_COMMIT")
+    if given:
+        return {"commit": given, "dirty": None, "dirty_paths": [], "commit_source": "K3_SOURCE_COMMIT"}
     changed = _git("status", "--porcelain", "--untracked-files=no", cwd=cwd)
     paths = [line[3:] for line in changed.splitlines() if line.strip()] if changed else []
     head = _git("rev-parse", "HEAD", cwd=cwd)

@@ -3,6 +3,8 @@
 # wheels in .whl/ (ignored by git; name it in the device call's `carry`), fetched here once with
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 -d .whl fla-core==0.6.0 einops
+# The device's copy of the tree carries a stale .git: start the call with `export K3_SOURCE_COMMIT=<git rev-parse
+# HEAD, taken here>` so the results name the commit measured (benchmarks/_results.py).
 # It installs them into /tmp/site, makes kernels/ importable as k3_kernels, and keeps the Triton cache under $OUT
 # when K3_KEEP_TRITON_CACHE=1 (it then comes back with the call's files: carry it next time to skip cold builds).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
