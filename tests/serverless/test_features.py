@@ -233,3 +233,12 @@ def test_the_job_puts_each_tokens_routing_at_the_position_that_produced_it():
     free = [[-1, -1]] * N_MOE
     assert d.loss_fn_inputs["routed_experts"] == [free, free, routing(0), routing(2), free, routing(4)]
     assert d.loss_fn_inputs["weights"] == [0.0, 0.0, 1.0, 1.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("field,value", [("device", "tpu"), ("batch_wait_ms", -1), ("batch_wait_ms", 5000),
+                                         ("keep_samplers", 0)])
+def test_new_settings_are_checked_naming_the_field(field, value):
+    from k3.serverless.config import ServeConfig
+
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        dataclasses.replace(ServeConfig(), **{field: value}).validate()
