@@ -242,3 +242,12 @@ def test_new_settings_are_checked_naming_the_field(field, value):
 
     with pytest.raises(ValueError, match=f"^{field}:"):
         dataclasses.replace(ServeConfig(), **{field: value}).validate()
+
+
+def test_return_routed_experts_must_be_a_bool(server):
+    client, service = server
+    tc = client.create_lora_training_client("k3-tiny", rank=4, seed=26)
+    sampler = tc.save_weights_for_sampler("rb")
+    s = service.authorize_sampler(sampler, tc.api_key)
+    _refused(lambda: service.sample(sampler, s, [1, 2], 1, {"max_tokens": 2}, return_routed_experts="yes"), 400,
+             "return_routed_experts")
