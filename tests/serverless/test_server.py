@@ -99,6 +99,7 @@ def test_a_key_reaches_only_its_own_session(server, client):
     sid = a.session_id
     datum = rand_datum(2).to_json()
     calls = [("GET", f"/v1/sessions/{sid}", None), ("GET", f"/v1/sessions/{sid}/weights", None),
+             ("GET", f"/v1/sessions/{sid}/merged_weights", None),
              ("POST", f"/v1/sessions/{sid}/forward_backward", {"data": [datum], "loss_fn": "cross_entropy"}),
              ("POST", f"/v1/sessions/{sid}/forward", {"data": [datum], "loss_fn": "cross_entropy"}),
              ("POST", f"/v1/sessions/{sid}/optim_step", {"adam_params": {}}),
