@@ -4,8 +4,6 @@ the errors it caught) for the parent process to compare with the spec. Inputs co
 parent calls too, so nothing is exchanged except through the library under test."""
 from __future__ import annotations
 
-import os
-import traceback
 import zlib
 
 import torch
@@ -34,7 +32,7 @@ def algorithms():
     return {"auto": None, "one_shot": Algorithm.ONE_SHOT, "two_shot": Algorithm.TWO_SHOT}
 
 
-def _run(rank: int, world: int, store_dir: str, device: str, backend: str) -> dict:
+def run_battery(rank: int, world: int, store_dir: str, device: str = "cpu", backend: str = "gloo") -> dict:
     from k3_kernels.comm import AllReduceConfig, all_reduce
 
     torch.set_num_threads(1)
@@ -95,20 +93,10 @@ def _bad_inputs(rank: int, group, all_reduce, AllReduceConfig) -> dict:
     return {**errors, "after": after}
 
 
-def worker(rank: int, world: int, store_dir: str, device: str = "cpu", backend: str = "gloo") -> None:
-    """torch.multiprocessing entry: run the battery, save rank<r>.pt (or rank<r>.err with the traceback)."""
-    try:
-        torch.save(_run(rank, world, store_dir, device, backend), os.path.join(store_dir, f"rank{rank}.pt"))
-    except BaseException:
-        with open(os.path.join(store_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-
-
 GPU_NUMELS = (1, 7, 1001, 4096, (1 << 16) + 3, 1 << 20, (3 << 21) + 5)  # up to 25 MB in fp32: regrows the buffer
 
 
-def _gpu_run(rank: int, world: int, store_dir: str) -> dict:
+def run_gpu_battery(rank: int, world: int, store_dir: str) -> dict:
     """On CUDA over NCCL + symmetric memory: every size, dtype, algorithm and sync mode, three calls back to back
     with different inputs (the double-buffered slots reused without a host sync), each compared here with the
     spec computed from every rank's inputs (make_input is deterministic), plus the process-group path."""
@@ -135,15 +123,6 @@ def _gpu_run(rank: int, world: int, store_dir: str) -> dict:
     dist.barrier()
     dist.destroy_process_group()
     return {"ok": ok}
-
-
-def gpu_worker(rank: int, world: int, store_dir: str) -> None:
-    try:
-        torch.save(_gpu_run(rank, world, store_dir), os.path.join(store_dir, f"rank{rank}.pt"))
-    except BaseException:
-        with open(os.path.join(store_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
 
 
 def ptx_summary() -> dict:

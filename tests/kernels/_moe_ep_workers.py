@@ -5,8 +5,6 @@ what it got for the parent to compare with the single-device spec. Nothing is ex
 under test."""
 from __future__ import annotations
 
-import os
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -145,7 +143,7 @@ def bad_inputs(rank, world, group):
     return out
 
 
-def _run(rank: int, world: int, store_dir: str) -> dict:
+def run_battery(rank: int, world: int, store_dir: str) -> dict:
     from k3_kernels.moe_ep import Compute, EPConfig, ep_moe_experts
 
     torch.set_num_threads(1)
@@ -184,12 +182,3 @@ def _run(rank: int, world: int, store_dir: str) -> dict:
     dist.barrier()
     dist.destroy_process_group()
     return out
-
-
-def worker(rank: int, world: int, store_dir: str) -> None:
-    try:
-        torch.save(_run(rank, world, store_dir), os.path.join(store_dir, f"rank{rank}.pt"))
-    except BaseException:
-        with open(os.path.join(store_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise

@@ -11,10 +11,10 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _comm_workers import DTYPES, GROUPS, SHAPES, algorithms, make_input, worker  # noqa: E402
+from _comm_workers import DTYPES, GROUPS, SHAPES, algorithms, make_input, run_battery  # noqa: E402
+from _spawned_ranks import spawn_ranks  # noqa: E402
 
 from k3_kernels.comm import (Algorithm, AllReduceConfig, choose_algorithm, naive_all_reduce,  # noqa: E402
                              ordered_sum, shard_bounds)
@@ -35,12 +35,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def ranks(tmp_path_factory):
     """What every rank of one 3-rank gloo world returned (spawned once for the module: ~10 s of imports)."""
     d = tmp_path_factory.mktemp("comm")
-    try:
-        mp.start_processes(worker, args=(WORLD, str(d)), nprocs=WORLD, join=True, start_method="spawn")
-    except Exception:
-        errs = [p.read_text() for p in sorted(d.glob("rank*.err"))]
-        raise AssertionError("a rank failed:\n" + "\n".join(errs))
-    return [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(run_battery, WORLD, d)
 
 
 def members(gname: str) -> tuple:

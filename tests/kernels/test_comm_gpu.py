@@ -10,10 +10,10 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _comm_workers import DTYPES, GPU_NUMELS, algorithms, gpu_worker  # noqa: E402
+from _comm_workers import DTYPES, GPU_NUMELS, algorithms, run_gpu_battery  # noqa: E402
+from _spawned_ranks import spawn_ranks  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason=(
     "needs >= 2 GPUs (a collective over symmetric memory; the CPU counterpart is tests/kernels/test_comm.py)"))]
@@ -23,11 +23,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2,
 def ranks(tmp_path_factory):
     world = min(torch.cuda.device_count(), 8)
     d = tmp_path_factory.mktemp("comm_gpu")
-    try:
-        mp.start_processes(gpu_worker, args=(world, str(d)), nprocs=world, join=True, start_method="spawn")
-    except Exception:
-        raise AssertionError("a rank failed:\n" + "\n".join(p.read_text() for p in sorted(d.glob("rank*.err"))))
-    return [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return spawn_ranks(run_gpu_battery, world, d)
 
 
 @pytest.mark.parametrize("path", ["in_kernel", "host_barrier", "process_group"])

@@ -20,7 +20,6 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _moe_ep_workers import E, GROUPS, I8, K, L8, forced_ids, global_routing, inputs, params  # noqa: E402
@@ -40,16 +39,12 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """What every rank of one 4-rank gloo world returned (spawned once for the module)."""
-    from _moe_ep_workers import worker
+    from _moe_ep_workers import run_battery
+    from _spawned_ranks import spawn_ranks
 
     torch.set_num_threads(1)
     d = tmp_path_factory.mktemp("moe_ep")
-    try:
-        mp.start_processes(worker, args=(WORLD, str(d)), nprocs=WORLD, join=True, start_method="spawn")
-    except Exception:
-        errs = [p.read_text() for p in sorted(d.glob("rank*.err"))]
-        raise AssertionError("a rank failed:\n" + "\n".join(errs))
-    return [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(run_battery, WORLD, d)
 
 
 def spec_experts(members, dtype=torch.float32):
