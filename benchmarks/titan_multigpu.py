@@ -15,7 +15,7 @@ contiguous shards). The reference (rank 0, one device, no parallelize) runs the 
 
 Settings are degree tokens: fsdp<N> (data-parallel shard degree, default: world / cp), ep<N>, cp<N>, e.g. `cp2ep2`.
 Reported per setting: both runs' losses and grad norms, max |d loss|, max |d grad norm|, tokens/s (global tokens /
-median step time after the warm-up steps) and peak memory per device (max over ranks). Rank 0 writes the JSON.
+median step time after the warm-up steps) and peak memory per device (each rank's and the max). Rank 0 writes the JSON.
 """
 from __future__ import annotations
 
@@ -192,9 +192,11 @@ def parallel_run(rc: RunConfig, setting: Setting, seed: dict, batches, device) -
         return dist_utils.clip_grad_norm_(ps, 1.0, foreach=True, pp_mesh=None, ep_enabled=dims.ep_enabled)
 
     row = _steps(model, rc, device, batches, slicer, grad_norm, loss_sum)
-    peak = torch.tensor([row["peak_memory_gib"] or 0.0], device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    row["peak_memory_gib"] = float(peak) if device.type == "cuda" else None
+    peaks = [torch.zeros(1, device=device) for _ in range(world)]
+    dist.all_gather(peaks, torch.tensor([row["peak_memory_gib"] or 0.0], device=device))
+    if device.type == "cuda":
+        row["peak_memory_gib_per_rank"] = [float(x) for x in peaks]
+        row["peak_memory_gib"] = max(row["peak_memory_gib_per_rank"])
     row["dims"] = {"dp_shard": dims.dp_shard, "ep": dims.ep, "cp": dims.cp, "world": world}
     del model
     return row
