@@ -54,6 +54,21 @@ def parse_setting(name: str) -> Setting:
     return Setting(name, dp_shard=degrees.get("fsdp", -1), ep=degrees.get("ep", 1), cp=degrees.get("cp", 1))
 
 
+def check_setting(s: Setting, *, world: int, seq_len: int, num_experts: int) -> None:
+    """What the setting needs of the world size and the model, checked for every setting before any run starts."""
+    dp = s.dp_shard if s.dp_shard > 0 else world // s.cp
+    if dp < 1 or dp * s.cp != world:
+        raise ValueError(f"--settings: {s.name!r} needs data-parallel shard {dp} x cp {s.cp} = the world size "
+                         f"({world} ranks from torchrun)")
+    if (dp * s.cp) % s.ep:
+        raise ValueError(f"--settings: {s.name!r}: ep {s.ep} must divide fsdp x cp = {dp * s.cp} (TorchTitan "
+                         "takes the expert-parallel ranks from them)")
+    if num_experts % s.ep:
+        raise ValueError(f"--settings: {s.name!r}: ep {s.ep} does not divide the model's {num_experts} experts")
+    if seq_len % (2 * s.cp):
+        raise ValueError(f"--seq-len: {seq_len} is not divisible by 2 x cp ({2 * s.cp}) of setting {s.name!r}")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     flavor: str = "k3_small"
@@ -215,10 +230,13 @@ def run(rc: RunConfig, settings: list[Setting], out: str | None) -> dict | None:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    seed = seed_state_dict(rc)
     from k3_torchtitan import model_config
 
-    vocab = model_config(rc.flavor).k3.vocab_size
+    k3 = model_config(rc.flavor).k3
+    for s in settings:
+        check_setting(s, world=world, seq_len=rc.seq_len, num_experts=k3.num_experts)
+    seed = seed_state_dict(rc)
+    vocab = k3.vocab_size
     result = {**run_header("titan_multigpu", device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                            packages=("torchtitan", "triton")),
               "settings": asdict(rc), "world": world, "rows": {}}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.titan_multigpu import Setting, parse_setting
+from benchmarks.titan_multigpu import Setting, check_setting, parse_setting
 from k3_torchtitan.launch import StepMetrics, TrainerRunError, max_diff
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -68,3 +68,19 @@ def test_setting_names_parse_to_degrees_and_bad_ones_are_named():
     for bad in ("tp2", "cp2x", "ep0", "cp2cp2", ""):
         with pytest.raises(ValueError, match="--settings"):
             parse_setting(bad)
+
+
+def test_settings_the_world_or_model_cannot_run_are_refused_naming_them():
+    ok = dict(world=2, seq_len=32, num_experts=8)
+    for s in ("fsdp2", "ep2", "cp2", "cp2ep2"):
+        check_setting(parse_setting(s), **ok)
+    with pytest.raises(ValueError, match=r"'cp4'.*world size \(2"):
+        check_setting(parse_setting("cp4"), **ok)
+    with pytest.raises(ValueError, match=r"'fsdp4'.*world size"):
+        check_setting(parse_setting("fsdp4"), **ok)
+    with pytest.raises(ValueError, match=r"'ep4'.*ep 4 must divide"):
+        check_setting(parse_setting("ep4"), **ok)
+    with pytest.raises(ValueError, match=r"'ep2'.*3 experts"):
+        check_setting(parse_setting("ep2"), world=2, seq_len=32, num_experts=3)
+    with pytest.raises(ValueError, match=r"--seq-len: 30 .*'cp2'"):
+        check_setting(parse_setting("cp2"), world=2, seq_len=30, num_experts=8)
