@@ -22,7 +22,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 # import name -> source directory (setup.py's package_dir); what the wheel must hold
 PACKAGE_DIRS = {"k3": "k3", "k3_kernels": "kernels", "k3_verl": "plugins/verl_k3", "k3_vllm": "plugins/vllm_k3",
-                "k3_torchtitan": "plugins/torchtitan_k3"}
+                "k3_torchtitan": "plugins/torchtitan_k3", "k3_sglang": "plugins/sglang_k3"}
 BUILD_FILES = ("pyproject.toml", "setup.py")
 
 
@@ -52,7 +52,7 @@ names = sorted(n[:-3].replace("/", ".").removesuffix(".__init__") for n in zipfi
                if n.endswith(".py"))
 assert not any("editable" in repr(f) for f in sys.meta_path), sys.meta_path
 # each plugin imports its framework, which only that framework's venv has (its files are checked in the wheel)
-FRAMEWORKS = {"k3_verl": "verl", "k3_vllm": "vllm", "k3_torchtitan": "torchtitan"}
+FRAMEWORKS = {"k3_verl": "verl", "k3_vllm": "vllm", "k3_torchtitan": "torchtitan", "k3_sglang": "sglang"}
 missing = {p for p, fw in FRAMEWORKS.items() if importlib.util.find_spec(fw) is None}
 imported = 0
 for name in names:

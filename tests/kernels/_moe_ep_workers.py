@@ -5,7 +5,7 @@ what it got for the parent to compare with the single-device spec. Nothing is ex
 under test."""
 from __future__ import annotations
 
-
+import _moe_interp  # noqa: F401  (the FP8 conversions in the interpreter, in the parent and in every rank alike)
 import torch
 import torch.distributed as dist
 
