@@ -99,3 +99,37 @@ def load_k3_plugins():
     import k3_sglang
 
     return k3_sglang
+
+
+class ContextOverride:
+    """A kit's `get_context()` with our fields winning over what the kit publishes (e.g. `linear_attn_backend="k3"`
+    where the kit sets "triton": the same field `--linear-attn-backend` sets)."""
+
+    def __init__(self, context, **fields):
+        self._context, self._fields = context, fields
+
+    def override_server_args(self, **fields):
+        return self._context.override_server_args(**{**fields, **self._fields})
+
+    def __getattr__(self, name):
+        return getattr(self._context, name)
+
+
+def run_kda_verify(case, topk: int):
+    """One TARGET_VERIFY forward of SGLang's KDA kit on CPU (fp32) for `case` with a `topk` eagle tree:
+    (fixture, inputs, the SSM pool before the forward, the output)."""
+    import torch
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+    from sglang.test.kits.attention_unittest.attention_methods import kda_attention as kit
+    from sglang.test.kits.attention_unittest.runner_modes import speculative_target_verify_runner as verify_kit
+
+    fixture = kit.build_kda_attention_fixture(kit_testcase(), case, dtype=torch.float32, device="cpu")
+    verify_kit._prepare_target_verify_batch(fixture.forward_batch, case, "cpu")
+    fixture.forward_batch.spec_info = verify_kit._make_spec_verify_input(
+        case, fixture.forward_batch, topk=topk, device="cpu", spec_kind="eagle")
+    inputs = kit.kda_fixture_inputs(fixture)
+    pool_before = kit._ssm_states(fixture).clone()
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=fixture.backend)):
+        fixture.backend.init_forward_metadata(fixture.forward_batch)
+        out = kit.run_kda_forward(fixture, fixture.forward_batch, inputs)
+    return fixture, inputs, pool_before, out

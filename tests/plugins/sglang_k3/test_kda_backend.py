@@ -9,7 +9,7 @@ device is CUDA, so it is given device="cpu".
 import pytest
 import torch
 
-from _sglang_helpers import kit_testcase, load_k3_plugins, rebind_triton_aliases
+from _sglang_helpers import ContextOverride, kit_testcase, load_k3_plugins, rebind_triton_aliases, run_kda_verify
 
 load_k3_plugins()
 
@@ -22,23 +22,9 @@ from k3_sglang.kda_backend import K3KDAKernel  # noqa: E402
 rebind_triton_aliases()
 
 
-class _ContextWithBackend:
-    """The kit publishes `linear_attn_backend="triton"`; this forwards its override with our backend's name
-    instead (the same field `--linear-attn-backend` sets)."""
-
-    def __init__(self, context, **fields):
-        self._context, self._fields = context, fields
-
-    def override_server_args(self, **fields):
-        return self._context.override_server_args(**{**fields, **self._fields})
-
-    def __getattr__(self, name):
-        return getattr(self._context, name)
-
-
 def _select(monkeypatch, **fields):
     real = kit.get_context
-    monkeypatch.setattr(kit, "get_context", lambda: _ContextWithBackend(real(), linear_attn_backend="k3", **fields))
+    monkeypatch.setattr(kit, "get_context", lambda: ContextOverride(real(), linear_attn_backend="k3", **fields))
 
 
 @pytest.fixture
@@ -67,7 +53,6 @@ def test_sglang_kda_kit_case_on_k3_kernels(case, k3_backend_selected):
 
 # --- target_verify (speculative verification) -------------------------------------------------------------------
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
-from sglang.srt.model_executor.forward_context import ForwardContext, forward_context  # noqa: E402
 from sglang.test.kits.attention_unittest.runner_modes import (  # noqa: E402
     speculative_target_verify_runner as verify_kit)
 
@@ -119,15 +104,7 @@ def test_sglang_kda_verify_kit_case_on_k3_kernels(verify_topk):
 def test_k3_verify_is_exact_writes_every_draft_state_and_leaves_the_pool(verify_topk):
     topk = verify_topk
     case = _verify_case(topk)
-    fixture = kit.build_kda_attention_fixture(kit_testcase(), case, dtype=torch.float32, device="cpu")
-    verify_kit._prepare_target_verify_batch(fixture.forward_batch, case, "cpu")
-    fixture.forward_batch.spec_info = verify_kit._make_spec_verify_input(
-        case, fixture.forward_batch, topk=topk, device="cpu", spec_kind="eagle")
-    inputs = kit.kda_fixture_inputs(fixture)
-    pool_before = kit._ssm_states(fixture).clone()
-    with torch.no_grad(), forward_context(ForwardContext(attn_backend=fixture.backend)):
-        fixture.backend.init_forward_metadata(fixture.forward_batch)
-        actual = kit.run_kda_forward(fixture, fixture.forward_batch, inputs)
+    fixture, inputs, pool_before, actual = run_kda_verify(case, topk)
     # identity conv weights + the backend's silu: the reference's inputs are silu(mixed_qkv)
     qkv_act = torch.nn.functional.silu(inputs["mixed_qkv"].float())
     expected = kit.expected_kda_verify_output_from_inputs(

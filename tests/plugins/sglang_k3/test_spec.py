@@ -12,33 +12,19 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from _sglang_helpers import kit_testcase, load_k3_plugins, rebind_triton_aliases
+from _sglang_helpers import ContextOverride, load_k3_plugins, rebind_triton_aliases, run_kda_verify
 
 load_k3_plugins()
 
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
-from sglang.srt.model_executor.forward_context import ForwardContext, forward_context  # noqa: E402
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 from sglang.srt.speculative.spec_utils import commit_mamba_states_after_verify  # noqa: E402
 from sglang.test.kits.attention_unittest.attention_methods import kda_attention as kit  # noqa: E402
-from sglang.test.kits.attention_unittest.runner_modes import (  # noqa: E402
-    speculative_target_verify_runner as verify_kit)
 
 from k3_sglang import spec  # noqa: E402
 
 rebind_triton_aliases()
 D = 3  # draft tokens per request (position 0: the pending token)
-
-
-class _Context:
-    def __init__(self, context, **fields):
-        self._context, self._fields = context, fields
-
-    def override_server_args(self, **fields):
-        return self._context.override_server_args(**{**fields, **self._fields})
-
-    def __getattr__(self, name):
-        return getattr(self._context, name)
 
 
 def _scatter_on_cpu(dst, src, dst_indices_raw, step_indices_raw, src_indices_raw=None):
@@ -64,19 +50,11 @@ def _verified_fixture(monkeypatch, topk: int, algorithm: str | None):
     fields = dict(linear_attn_backend="k3", speculative_eagle_topk=topk)
     if algorithm:
         fields["speculative_algorithm"] = algorithm
-    monkeypatch.setattr(kit, "get_context", lambda: _Context(real(), **fields))
+    monkeypatch.setattr(kit, "get_context", lambda: ContextOverride(real(), **fields))
     case = kit.KDAAttentionCase(name=f"replay_topk{topk}", backend="torch_native",
                                 forward_mode=ForwardMode.TARGET_VERIFY, num_k_heads=2, num_v_heads=2, page_size=1,
                                 prefix_lens=(4, 7), extend_lens=(D, D))
-    fixture = kit.build_kda_attention_fixture(kit_testcase(), case, dtype=torch.float32, device="cpu")
-    verify_kit._prepare_target_verify_batch(fixture.forward_batch, case, "cpu")
-    fixture.forward_batch.spec_info = verify_kit._make_spec_verify_input(
-        case, fixture.forward_batch, topk=topk, device="cpu", spec_kind="eagle")
-    inputs = kit.kda_fixture_inputs(fixture)
-    pool_before = kit._ssm_states(fixture).clone()
-    with torch.no_grad(), forward_context(ForwardContext(attn_backend=fixture.backend)):
-        fixture.backend.init_forward_metadata(fixture.forward_batch)
-        out = kit.run_kda_forward(fixture, fixture.forward_batch, inputs)
+    fixture, inputs, pool_before, out = run_kda_verify(case, topk)
     return fixture, case, inputs, pool_before, out
 
 
