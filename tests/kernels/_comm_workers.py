@@ -8,6 +8,7 @@ import zlib
 
 import torch
 import torch.distributed as dist
+from _spawned_ranks import error_text
 
 SHAPES = ((1,), (7,), (1001,), (5, 13), (0,))
 DTYPES = (torch.float32, torch.bfloat16)
@@ -64,14 +65,6 @@ def run_battery(rank: int, world: int, store_dir: str, device: str = "cpu", back
     return out
 
 
-def _catch(fn) -> str:
-    try:
-        fn()
-    except (TypeError, ValueError) as e:
-        return f"{type(e).__name__}: {e}"
-    return "no error"
-
-
 def _bad_inputs(rank: int, group, all_reduce, AllReduceConfig) -> dict:
     """Bad calls on the world group (3 ranks), then a good one: every rank must raise the same error for a bad
     tensor on any one rank, and the group must still work after."""
@@ -81,12 +74,12 @@ def _bad_inputs(rank: int, group, all_reduce, AllReduceConfig) -> dict:
     base = make_input(rank, (4, 6), f32)
     non_contiguous = base.t().contiguous().t() if rank == 0 else base  # rank 0: a (4, 6) view with stride (1, 4)
     errors = {
-        "shape": _catch(lambda: all_reduce(shape_mismatch, group, name="grad")),
-        "dtype": _catch(lambda: all_reduce(dtype_mismatch, group, name="grad")),
-        "non_contiguous": _catch(lambda: all_reduce(non_contiguous, group, name="grad")),
-        "int_dtype": _catch(lambda: all_reduce(torch.arange(5, dtype=torch.int32), group, name="grad")),
-        "not_tensor": _catch(lambda: all_reduce([1.0, 2.0], group, name="grad")),
-        "local_only": _catch(lambda: all_reduce(base.t(), group, AllReduceConfig(check_across_ranks=False),
+        "shape": error_text(lambda: all_reduce(shape_mismatch, group, name="grad")),
+        "dtype": error_text(lambda: all_reduce(dtype_mismatch, group, name="grad")),
+        "non_contiguous": error_text(lambda: all_reduce(non_contiguous, group, name="grad")),
+        "int_dtype": error_text(lambda: all_reduce(torch.arange(5, dtype=torch.int32), group, name="grad")),
+        "not_tensor": error_text(lambda: all_reduce([1.0, 2.0], group, name="grad")),
+        "local_only": error_text(lambda: all_reduce(base.t(), group, AllReduceConfig(check_across_ranks=False),
                                                 name="grad")),
     }
     after = all_reduce(make_input(rank, (7,), f32, salt=1), group)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import _moe_interp  # noqa: F401  (the FP8 conversions in the interpreter, in the parent and in every rank alike)
 import torch
 import torch.distributed as dist
+from _spawned_ranks import error_text
 
 E, K, L, I = 8, 3, 32, 48        # fp32 / bf16 cases
 L8, I8 = 128, 128                # the FP8 case (1 x 128 / 128 x 128 blocks)
@@ -97,14 +98,6 @@ def layer_fwd_bwd(rank_in_group, world, group, config, dtype=torch.float32, forc
             "dw2": w2.grad}
 
 
-def _catch(fn) -> str:
-    try:
-        fn()
-    except (TypeError, ValueError) as e:
-        return f"{type(e).__name__}: {e}"
-    return "no error"
-
-
 def bad_inputs(rank, world, group):
     from k3_kernels.moe_ep import EPConfig, ep_moe_layer
 
@@ -114,25 +107,25 @@ def bad_inputs(rank, world, group):
     out = {}
     # 6 experts over 4 ranks
     rw6, rb6, w16, w36, w26 = params(n_experts=6)
-    out["not_divisible"] = _catch(lambda: ep_moe_layer(x, rw6, rb6, w16[:1], w36[:1], w26[:1], K, group))
+    out["not_divisible"] = error_text(lambda: ep_moe_layer(x, rw6, rb6, w16[:1], w36[:1], w26[:1], K, group))
     # rank 1 passes bf16 tokens (and bf16 weights: locally consistent), the others fp32
     if rank == 1:
-        out["dtype_mismatch"] = _catch(lambda: ep_moe_layer(x.bfloat16(), rw.bfloat16(), rb,
+        out["dtype_mismatch"] = error_text(lambda: ep_moe_layer(x.bfloat16(), rw.bfloat16(), rb,
                                                             *[t.bfloat16() for t in loc], K, group))
     else:
-        out["dtype_mismatch"] = _catch(lambda: ep_moe_layer(x, rw, rb, *loc, K, group))
+        out["dtype_mismatch"] = error_text(lambda: ep_moe_layer(x, rw, rb, *loc, K, group))
     # rank 2's w1 shard has the wrong intermediate size
     bad = [loc[0][:, :-1].contiguous(), *loc[1:]] if rank == 2 else loc
-    out["bad_shape_one_rank"] = _catch(lambda: ep_moe_layer(x, rw, rb, *bad, K, group))
+    out["bad_shape_one_rank"] = error_text(lambda: ep_moe_layer(x, rw, rb, *bad, K, group))
     # micro-batch count differs on rank 3
     cfg = EPConfig(micro_batches=3 if rank == 3 else 2)
-    out["config_mismatch"] = _catch(lambda: ep_moe_layer(x, rw, rb, *loc, K, group, cfg))
+    out["config_mismatch"] = error_text(lambda: ep_moe_layer(x, rw, rb, *loc, K, group, cfg))
     # FP8 dispatch under autograd (forward-only), on every rank
     xg = x.clone().requires_grad_()
-    out["fp8_training"] = _catch(lambda: ep_moe_layer(xg, rw, rb, *loc, K, group, EPConfig(fp8=True)))
+    out["fp8_training"] = error_text(lambda: ep_moe_layer(xg, rw, rb, *loc, K, group, EPConfig(fp8=True)))
     # only rank 1 records the graph (its backward's exchanges would wait for peers that never run one)
     xa = x.clone().requires_grad_(rank == 1)
-    out["autograd_mismatch"] = _catch(lambda: ep_moe_layer(xa, rw, rb, *loc, K, group))
+    out["autograd_mismatch"] = error_text(lambda: ep_moe_layer(xa, rw, rb, *loc, K, group))
     # more micro-batches than tokens on rank 0 (empty micro-batches): still the layer
     few = x[:2] if rank == 0 else x
     with torch.no_grad():

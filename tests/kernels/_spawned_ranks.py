@@ -11,6 +11,15 @@ import torch
 import torch.multiprocessing as mp
 
 
+def error_text(fn) -> str:
+    """What a rank's bad-input call raised ("ValueError: ..."), or "no error": the parent compares them."""
+    try:
+        fn()
+    except (TypeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 def _rank_entry(rank: int, run, world: int, store_dir: str, *args) -> None:
     try:
         torch.save(run(rank, world, store_dir, *args), os.path.join(store_dir, f"rank{rank}.pt"))
