@@ -6,6 +6,12 @@ kimi_k3 checkpoint layout (`...block_sparse_moe.experts.{e}.w{1,2,3}.weight`), s
 K3 checkpoint stores each KDA layer's `A_log` as F32[128] for its 96 heads (shared/reference/k3-architecture.md
 §1.1; the first 96 values are the heads'). Any other `A_log` length is a shape mismatch, never a silent truncation.
 
+Routed experts may be stored as the published checkpoint stores them, MXFP4 in compressed-tensors'
+`mxfp4-pack-quantized` layout: `<name>.weight_packed` (uint8 [out, in / 2]) beside `<name>.weight_scale` (E8M0
+[out, in / 32], uint8 or float8_e8m0fnu); `from_hf` dequantises each pair to `<name>.weight` in bf16 (exact) before
+mapping, so the model, the vLLM plugin and TorchTitan's adapter all read them (shared/reference/k3-architecture.md
+§5.4). A packed tensor without its scales, or scales that do not fit it, is a CheckpointError naming both.
+
 Loading is all-or-nothing: every file is read and every tensor checked before a model exists, and each failure
 (missing or unreadable config.json, a truncated or corrupt safetensors file, a tensor stored twice, a mismatch) is
 a ConfigError or CheckpointError naming the file or tensor.
@@ -20,10 +26,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from k3.config import K3Config
+from k3.model import ops
 
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.weight$")
 _STACKED = re.compile(r"^(.*\.experts)\.(w[123])$")
 WEIGHTS_FILE = "model.safetensors"
+MXFP4_PACKED, MXFP4_SCALE = ".weight_packed", ".weight_scale"
 #: The published K3 checkpoint's A_log quirk as {heads in the model: values stored}; see the module docstring.
 A_LOG_STORED_LENGTHS = {96: 128}
 
@@ -62,7 +70,7 @@ def from_hf(hf: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> d
     mis-shaped tensors. `expected` is the model's own state dict (for names and shapes)."""
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     mapped: dict[str, torch.Tensor] = {}
-    for raw, t in hf.items():
+    for raw, t in dequantize_mxfp4_tensors(hf).items():
         name = _normalise_name(raw)
         if name is None:
             continue
@@ -106,6 +114,39 @@ def from_hf(hf: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> d
     if problems:
         raise CheckpointError("checkpoint does not match the model:\n  " + "\n  ".join(problems))
     return mapped
+
+
+def dequantize_mxfp4_tensors(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """hf with every MXFP4 pair (`X.weight_packed`, `X.weight_scale`) replaced by `X.weight` in bf16; every pair
+    is checked before any is expanded (a CheckpointError lists each broken one)."""
+    packed = {n[: -len(MXFP4_PACKED)] for n in hf if n.endswith(MXFP4_PACKED)}
+    scaled = {n[: -len(MXFP4_SCALE)] for n in hf if n.endswith(MXFP4_SCALE)}
+    if not packed and not scaled:
+        return hf
+    problems = [f"{b}{MXFP4_PACKED}: MXFP4 weight without its scales {b}{MXFP4_SCALE}" for b in sorted(packed - scaled)]
+    problems += [f"{b}{MXFP4_SCALE}: MXFP4 scales without a packed weight {b}{MXFP4_PACKED}"
+                 for b in sorted(scaled - packed)]
+    pairs = {}
+    for base in sorted(packed & scaled):
+        p, s = hf[base + MXFP4_PACKED], hf[base + MXFP4_SCALE]
+        if s.dtype == getattr(torch, "float8_e8m0fnu", None):
+            s = s.view(torch.uint8)   # the same E8M0 exponent bits
+        if base + ".weight" in hf:
+            problems.append(f"{base}.weight: stored both as bf16 and as MXFP4 ({base}{MXFP4_PACKED})")
+        elif p.dtype != torch.uint8 or s.dtype != torch.uint8:
+            problems.append(f"{base}{MXFP4_PACKED}, {base}{MXFP4_SCALE}: MXFP4 expects uint8 codes and E8M0 scales, "
+                            f"got {p.dtype}, {s.dtype}")
+        elif p.dim() != 2 or (2 * p.shape[1]) % 32 or tuple(s.shape) != (p.shape[0], 2 * p.shape[1] // 32):
+            problems.append(f"{base}{MXFP4_SCALE}: shape {tuple(s.shape)} does not fit {base}{MXFP4_PACKED} "
+                            f"{tuple(p.shape)} (expected [out, in / 32] for packed [out, in / 2], in a multiple of 32)")
+        else:
+            pairs[base] = (p, s)
+    if problems:
+        raise CheckpointError("checkpoint's MXFP4 tensors:\n  " + "\n  ".join(problems))
+    out = {n: t for n, t in hf.items() if not n.endswith((MXFP4_PACKED, MXFP4_SCALE))}
+    for base, (p, s) in pairs.items():
+        out[base + ".weight"] = ops.dequantize_mxfp4(p, s, torch.bfloat16)
+    return out
 
 
 _A_LOG_HINT = (" (A_log must hold one value per KDA head, as [H] or [1, 1, H, 1]; the only other length accepted is"

@@ -11,6 +11,7 @@ from torch import nn
 from k3_kernels.attnres import naive_block_attnres
 from k3_kernels.kda import naive_chunk_kda, naive_recurrent_kda
 from k3_kernels.lora import naive_multi_lora
+from k3_kernels.moe import naive_dequant_mxfp4
 from k3_kernels.norm import naive_gated_rms_norm, naive_rms_norm
 from k3_kernels.situ import naive_situ_and_mul
 
@@ -217,3 +218,13 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch.T
     """sum_j w[t, j] E_{idx[t, j]}(z[t]) on the grouped-GEMM kernels (bf16; forward and backward)."""
     from k3_kernels.moe.layer import moe_experts as fused_moe_experts
     return fused_moe_experts(z, idx, w, w1, w3, w2, beta, linear_beta)
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+                     ) -> torch.Tensor:
+    """MXFP4 (compressed-tensors `mxfp4-pack-quantized`: packed uint8 [out, in / 2], E8M0 scales [out, in / 32])
+    -> dtype [out, in], exact; the checkpoint loader's path for routed experts. CUDA: the Triton kernel."""
+    if _on_cuda(packed):
+        from k3_kernels.moe.quant import dequantize_mxfp4 as triton_dequantize_mxfp4
+        return triton_dequantize_mxfp4(packed, scales, dtype)
+    return naive_dequant_mxfp4(packed, scales, dtype)

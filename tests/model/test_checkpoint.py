@@ -1,5 +1,6 @@
 """Checkpoint loading fails loudly and by name: bad files name the file, bad tensors name the tensor and both shapes,
-and K3's one A_log quirk (128 values stored for 96 KDA heads) is the only A_log length accepted beyond the model's."""
+and K3's one A_log quirk (128 values stored for 96 KDA heads) is the only A_log length accepted beyond the model's.
+Routed experts stored as MXFP4 (the published checkpoint's format) load as the exact bf16 values they encode."""
 import json
 import re
 
@@ -138,3 +139,73 @@ def test_no_weights_is_an_error_naming_the_directory(saved, tmp_path):
     (tmp_path / "config.json").write_bytes((saved / "config.json").read_bytes())
     with pytest.raises(CheckpointError, match=re.escape(f"no *.safetensors files in {tmp_path}")):
         load_pretrained(tmp_path)
+
+
+def _mxfp4_checkpoint(tiny, tmp_path, seed: int = 3):
+    """tiny's checkpoint with every routed expert stored as the published one stores them: MXFP4 codes + E8M0
+    scales (random, so every code and several exponents occur); returns the path and the bf16 values they mean."""
+    from k3_kernels.moe import naive_dequant_mxfp4
+    gen = torch.Generator().manual_seed(seed)
+    hf = {}
+    meant = {}
+    tiny.save_pretrained(tmp_path)
+    for name, t in load_file(str(tmp_path / WEIGHTS_FILE)).items():
+        if ".experts." in name and name.endswith(".weight"):
+            out_f, in_f = t.shape
+            packed = torch.randint(0, 256, (out_f, in_f // 2), generator=gen, dtype=torch.uint8)
+            scales = torch.randint(120, 130, (out_f, in_f // 32), generator=gen, dtype=torch.uint8)
+            base = name[: -len(".weight")]
+            hf[base + ".weight_packed"], hf[base + ".weight_scale"] = packed, scales
+            meant[name] = naive_dequant_mxfp4(packed, scales)
+        else:
+            hf[name] = t
+    save_file(hf, str(tmp_path / WEIGHTS_FILE), metadata={"format": "pt"})
+    return tmp_path, meant
+
+
+def test_mxfp4_routed_experts_load_as_their_exact_bf16_values(tiny, tmp_path):
+    """The published checkpoint's routed experts are MXFP4 (compressed-tensors pack format); loading expands each
+    to the bf16 values it encodes, exactly, and every other tensor loads unchanged."""
+    from k3.model.adapter import to_hf
+    path, meant = _mxfp4_checkpoint(tiny, tmp_path)
+    loaded = to_hf(load_pretrained(path).state_dict())
+    assert meant and set(meant) <= set(loaded)
+    for name, want in meant.items():
+        assert torch.equal(loaded[name], want.float()), name
+    for name, t in to_hf(tiny.state_dict()).items():
+        if name not in meant:
+            assert torch.equal(loaded[name], t), name
+
+
+def test_mxfp4_scales_as_float8_e8m0_load_the_same(tiny, tmp_path):
+    if not hasattr(torch, "float8_e8m0fnu"):
+        pytest.skip("this torch has no float8_e8m0fnu")
+    path, meant = _mxfp4_checkpoint(tiny, tmp_path)
+    hf = load_file(str(path / WEIGHTS_FILE))
+    hf = {n: (t.view(torch.float8_e8m0fnu) if n.endswith(".weight_scale") else t) for n, t in hf.items()}
+    save_file(hf, str(path / WEIGHTS_FILE))
+    from k3.model.adapter import to_hf
+    name = next(iter(meant))
+    assert torch.equal(to_hf(load_pretrained(path).state_dict())[name], meant[name].float())
+
+
+EXPERT = "model.layers.1.block_sparse_moe.experts.0.w1"
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda hf: hf.pop(EXPERT + ".weight_scale"), f"{EXPERT}.weight_packed: MXFP4 weight without its scales"),
+    (lambda hf: hf.pop(EXPERT + ".weight_packed"), f"{EXPERT}.weight_scale: MXFP4 scales without a packed weight"),
+    (lambda hf: hf.__setitem__(EXPERT + ".weight_scale", hf[EXPERT + ".weight_scale"][:, :1].contiguous()),
+     f"{EXPERT}.weight_scale: shape (64, 1) does not fit {EXPERT}.weight_packed (64, 32)"),
+    (lambda hf: hf.__setitem__(EXPERT + ".weight_packed", hf[EXPERT + ".weight_packed"].to(torch.int16)),
+     "MXFP4 expects uint8 codes and E8M0 scales, got torch.int16"),
+    (lambda hf: hf.__setitem__(EXPERT + ".weight", torch.zeros(64, 64)),
+     f"{EXPERT}.weight: stored both as bf16 and as MXFP4"),
+])
+def test_broken_mxfp4_tensors_are_named_before_anything_loads(tiny, tmp_path, damage, message):
+    path, _ = _mxfp4_checkpoint(tiny, tmp_path)
+    hf = load_file(str(path / WEIGHTS_FILE))
+    damage(hf)
+    save_file(hf, str(path / WEIGHTS_FILE))
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        load_pretrained(path)
