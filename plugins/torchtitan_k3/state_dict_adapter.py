@@ -8,18 +8,25 @@ TorchTitan's `--checkpoint.initial_load_in_hf` path reads the file with DCP into
 have the model's shapes; `A_log` is stored in other layouts that k3.model.adapter accepts (Kimi Linear's
 [1, 1, H, 1], the published K3 checkpoint's F32[128] for its 96 heads). `get_hf_storage_reader` (the adapter's
 extension point, as TorchTitan's quantized readers use it) returns `K3HFStorageReader`, which presents those
-`A_log` entries to DCP in the model's [H] shape and reads them as k3.model.adapter does (the first H values)."""
+`A_log` entries to DCP in the model's [H] shape and reads them as k3.model.adapter does (the first H values).
+
+The published checkpoint's routed experts are MXFP4 (compressed-tensors `weight_packed` + `weight_scale`):
+`--checkpoint.initial_load_in_hf_quantized` gives `K3MXFP4StorageReader`, which shows DCP each pair as the bf16
+`...weight` the model asks for and reads it dequantised (k3.model.ops.dequantize_mxfp4, the same values as
+`k3.model.adapter.load_pretrained`); any shard of it is a slice of the dequantised tensor."""
 from __future__ import annotations
 
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import HuggingFaceStorageReader
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint._hf_utils import _HFStorageInfo
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
+                                                   TensorStorageMetadata)
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
-from k3.model import K3ForCausalLM
-from k3.model.adapter import A_LOG_STORED_LENGTHS
+from k3.model import K3ForCausalLM, ops
+from k3.model.adapter import A_LOG_STORED_LENGTHS, MXFP4_PACKED, MXFP4_SCALE, CheckpointError
 from k3.model.adapter import from_hf as k3_from_hf
 from k3.model.adapter import to_hf as k3_to_hf
 
@@ -47,10 +54,8 @@ class K3StateDictAdapter(StateDictAdapter):
         return state
 
     def get_hf_storage_reader(self, path: str, from_quantized: bool = False) -> HuggingFaceStorageReader:
-        if from_quantized:
-            raise ValueError("checkpoint.initial_load_in_hf_quantized: K3 has no quantized checkpoint reader")
         heads = {name: t.shape[0] for name, t in self._expected.items() if name.endswith(".A_log")}
-        return K3HFStorageReader(path, heads)
+        return K3MXFP4StorageReader(path, heads) if from_quantized else K3HFStorageReader(path, heads)
 
 
 def _a_log_layout_ok(stored: tuple[int, ...], heads: int) -> bool:
@@ -63,7 +68,8 @@ def _a_log_layout_ok(stored: tuple[int, ...], heads: int) -> bool:
 class K3HFStorageReader(HuggingFaceStorageReader):
     """HuggingFaceStorageReader (torch.distributed.checkpoint.hf_storage, torch 2.13) that shows DCP each `A_log`
     stored in an accepted non-[H] layout as [H] and reads its first H values. Any other layout is left as stored,
-    so DCP's own size check names the tensor."""
+    so DCP's own size check names the tensor. A checkpoint with MXFP4 weights is refused with the flag that reads
+    it (K3MXFP4StorageReader)."""
 
     def __init__(self, path: str, a_log_heads: dict[str, int]) -> None:
         super().__init__(path)
@@ -82,6 +88,13 @@ class K3HFStorageReader(HuggingFaceStorageReader):
             meta.chunks = [ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([heads]))]
             info = metadata.storage_data.pop(MetadataIndex(fqn=fqn, offset=[0] * len(stored)))
             metadata.storage_data[MetadataIndex(fqn=fqn, offset=[0])] = info
+        return self._map_mxfp4(metadata)
+
+    def _map_mxfp4(self, metadata):
+        packed = sorted(n for n in metadata.state_dict_metadata if n.endswith(MXFP4_PACKED))
+        if packed:
+            raise CheckpointError(f"{packed[0]} (and {len(packed) - 1} more): the checkpoint stores MXFP4 weights; "
+                                  "load it with --checkpoint.initial_load_in_hf_quantized")
         return metadata
 
     def _process_read_request(self, f, req, planner) -> None:
@@ -93,4 +106,52 @@ class K3HFStorageReader(HuggingFaceStorageReader):
         values = f.get_tensor(fqn).reshape(-1)[:self.a_log_heads[fqn]]
         target = planner.resolve_tensor(req).detach()
         target.copy_(values[req.storage_offsets[0]:req.storage_offsets[0] + req.lengths[0]])
+        planner.commit_tensor(req, target)
+
+
+class K3MXFP4StorageReader(K3HFStorageReader):
+    """K3HFStorageReader for checkpoints whose routed experts are MXFP4 (`X.weight_packed` uint8 [out, in / 2] +
+    `X.weight_scale` E8M0 [out, in / 32], in one file): DCP sees `X.weight` as bf16 [out, in] and reads the slice
+    it asks for from the dequantised tensor. A packed weight without its scales, or in another file than them, is
+    a CheckpointError naming both, raised while reading the metadata (before any tensor is read)."""
+
+    def _map_mxfp4(self, metadata):
+        tensors, storage = metadata.state_dict_metadata, metadata.storage_data
+        packed = {n[: -len(MXFP4_PACKED)] for n in tensors if n.endswith(MXFP4_PACKED)}
+        problems = []
+        for base in sorted(packed):
+            p_meta, s_meta = tensors.get(base + MXFP4_PACKED), tensors.get(base + MXFP4_SCALE)
+            if s_meta is None:
+                problems.append(f"{base}{MXFP4_PACKED}: MXFP4 weight without its scales {base}{MXFP4_SCALE}")
+                continue
+            p_info = storage.pop(MetadataIndex(fqn=base + MXFP4_PACKED, offset=[0, 0]), None)
+            s_info = storage.pop(MetadataIndex(fqn=base + MXFP4_SCALE, offset=[0, 0]), None)
+            if p_info is None or s_info is None or p_info.relative_path != s_info.relative_path:
+                problems.append(f"{base}{MXFP4_PACKED}, {base}{MXFP4_SCALE}: each pair must be stored whole, in one "
+                                "file")
+                continue
+            del tensors[base + MXFP4_PACKED], tensors[base + MXFP4_SCALE]
+            shape = torch.Size([p_meta.size[0], 2 * p_meta.size[1]])
+            tensors[base + ".weight"] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=torch.bfloat16), size=shape,
+                chunks=[ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=shape)])
+            storage[MetadataIndex(fqn=base + ".weight", offset=[0, 0])] = _HFStorageInfo(
+                relative_path=p_info.relative_path, shape=shape, dtype=torch.bfloat16)
+        if problems:
+            raise CheckpointError("checkpoint's MXFP4 tensors:\n  " + "\n  ".join(problems))
+        return metadata
+
+    def _process_read_request(self, f, req, planner) -> None:
+        # decided from the file (only the coordinator reads metadata under a process group)
+        fqn = req.storage_index.fqn
+        base = fqn[: -len(".weight")] if fqn.endswith(".weight") else None
+        if base is None or fqn in f.keys() or base + MXFP4_PACKED not in f.keys():
+            return super()._process_read_request(f, req, planner)
+        scales = f.get_tensor(base + MXFP4_SCALE)
+        if scales.dtype == getattr(torch, "float8_e8m0fnu", None):
+            scales = scales.view(torch.uint8)
+        full = ops.dequantize_mxfp4(f.get_tensor(base + MXFP4_PACKED), scales, torch.bfloat16)
+        piece = full[tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths))]
+        target = planner.resolve_tensor(req).detach()
+        target.copy_(piece)
         planner.commit_tensor(req, target)
