@@ -1,6 +1,9 @@
 """Warm start (`k3 sft`): train the tiny K3 on synthetic calculator demonstrations that contain deliberate mistakes,
 to a base policy that knows how to use the tool but rarely decides to (held-out reward around 0.3). The result is
-cached under `cache_dir/sft-<key>/` (config.json + model.safetensors + meta.json) and reused by later runs."""
+cached under `cache_dir/sft-<key>/` (config.json + model.safetensors + meta.json) and reused by later runs. The key
+covers the config and the code that trains the base (`sft_code_digest`): the same config trained by other code is
+another base (a checkout's `.cache/k3` once kept a base from an earlier commit whose weights differed from the one
+the current code trains, so its main job started from another policy than a fresh clone's)."""
 from __future__ import annotations
 
 import hashlib
@@ -54,9 +57,30 @@ def demonstration_row(env: CalculatorEnv, tasks: list[Task], rng: random.Random,
     return ep
 
 
+# What the SFT base's bits depend on beyond the config: the model and its ops (k3.model -> k3_kernels' references),
+# the demonstrations (k3.envs), this loop and the config classes (k3.jobs, k3.config).
+_SFT_CODE = (("k3", ("model", "envs", "jobs", "config.py")), ("k3_kernels", ("",)))
+
+
+def sft_code_digest() -> str:
+    """sha256 over the bytes (and package-relative paths) of the sources in `_SFT_CODE`."""
+    import importlib
+
+    digest = hashlib.sha256()
+    for package, parts in _SFT_CODE:
+        root = Path(importlib.import_module(package).__file__).parent
+        for part in parts:
+            path = root / part
+            for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+                digest.update(f"{package}/{f.relative_to(root).as_posix()}\0".encode())
+                digest.update(f.read_bytes())
+    return digest.hexdigest()
+
+
 def sft_key(cfg: JobConfig) -> str:
     blob = json.dumps({"model": asdict(cfg.model), "sft": {k: v for k, v in asdict(cfg.sft).items()
-                                                            if k != "cache_dir"}}, sort_keys=True)
+                                                            if k != "cache_dir"}, "code": sft_code_digest()},
+                      sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
