@@ -12,6 +12,8 @@ from k3.config import ConfigError, K3Config
 from k3.model import K3ForCausalLM
 from k3.model.adapter import A_LOG_STORED_LENGTHS, WEIGHTS_FILE, CheckpointError, from_hf, load_pretrained
 
+from _mxfp4_checkpoints import store_experts_as_mxfp4
+
 A_LOG = "model.layers.0.self_attn.A_log"  # layer 1 (1-based) is KDA in every preset
 
 
@@ -141,26 +143,11 @@ def test_no_weights_is_an_error_naming_the_directory(saved, tmp_path):
         load_pretrained(tmp_path)
 
 
-def _mxfp4_checkpoint(tiny, tmp_path, seed: int = 3):
-    """tiny's checkpoint with every routed expert stored as the published one stores them: MXFP4 codes + E8M0
-    scales (random, so every code and several exponents occur); returns the path and the bf16 values they mean."""
-    from k3_kernels.moe import naive_dequant_mxfp4
-    gen = torch.Generator().manual_seed(seed)
-    hf = {}
-    meant = {}
+def _mxfp4_checkpoint(tiny, tmp_path):
+    """tiny's checkpoint with every routed expert stored as the published one stores them (MXFP4 codes + E8M0
+    scales, random, up to 2^3 so large exponents occur too); returns the path and the bf16 values they mean."""
     tiny.save_pretrained(tmp_path)
-    for name, t in load_file(str(tmp_path / WEIGHTS_FILE)).items():
-        if ".experts." in name and name.endswith(".weight"):
-            out_f, in_f = t.shape
-            packed = torch.randint(0, 256, (out_f, in_f // 2), generator=gen, dtype=torch.uint8)
-            scales = torch.randint(120, 130, (out_f, in_f // 32), generator=gen, dtype=torch.uint8)
-            base = name[: -len(".weight")]
-            hf[base + ".weight_packed"], hf[base + ".weight_scale"] = packed, scales
-            meant[name] = naive_dequant_mxfp4(packed, scales)
-        else:
-            hf[name] = t
-    save_file(hf, str(tmp_path / WEIGHTS_FILE), metadata={"format": "pt"})
-    return tmp_path, meant
+    return tmp_path, store_experts_as_mxfp4(tmp_path, exponents=(120, 130))
 
 
 def test_mxfp4_routed_experts_load_as_their_exact_bf16_values(tiny, tmp_path):

@@ -16,6 +16,8 @@ from k3_torchtitan import K3StateDictAdapter, K3TitanModel
 from k3_torchtitan.data import ArithmeticDataLoader, ByteTokenizer
 from k3_torchtitan.launch import model_from_dcp, parallel_args, run_trainer
 
+from _mxfp4_checkpoints import store_experts_as_mxfp4
+
 
 def test_initial_load_in_hf_gives_k3_model_logits(titan_root):
     torch.manual_seed(3)
@@ -45,24 +47,6 @@ def test_initial_load_in_hf_gives_k3_model_logits(titan_root):
     assert abs(steps[0].loss - ce) <= 1.5e-5, (steps, ce)
 
 
-def _store_experts_as_mxfp4(hf_dir, seed: int = 5) -> None:
-    """Rewrite a saved checkpoint's routed experts as the published one stores them: compressed-tensors MXFP4
-    (random codes and E8M0 scales, so every code and several exponents occur); everything else stays bf16/fp32."""
-    from safetensors.torch import load_file, save_file
-    gen = torch.Generator().manual_seed(seed)
-    hf = {}
-    for name, t in load_file(str(hf_dir / WEIGHTS_FILE)).items():
-        if ".experts." in name and name.endswith(".weight"):
-            base = name[: -len(".weight")]
-            hf[base + ".weight_packed"] = torch.randint(0, 256, (t.shape[0], t.shape[1] // 2), generator=gen,
-                                                        dtype=torch.uint8)
-            hf[base + ".weight_scale"] = torch.randint(120, 130, (t.shape[0], t.shape[1] // 32), generator=gen,
-                                                       dtype=torch.uint8)
-        else:
-            hf[name] = t
-    save_file(hf, str(hf_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-
-
 def _load_through_titan_reader(hf_dir, from_quantized: bool):
     """TorchTitan's initial_load_in_hf steps in process: to_hf -> DCP load with the adapter's reader -> from_hf."""
     import torch.distributed.checkpoint as dcp
@@ -81,7 +65,7 @@ def test_mxfp4_experts_load_through_the_quantized_reader(tmp_path):
     (DCP wraps every reader error in its CheckpointException, a BaseException, with the text inside)."""
     torch.manual_seed(4)
     K3ForCausalLM(K3Config.preset("tiny")).save_pretrained(tmp_path)
-    _store_experts_as_mxfp4(tmp_path)
+    store_experts_as_mxfp4(tmp_path, seed=5)
     reference = load_pretrained(tmp_path)
     model = _load_through_titan_reader(tmp_path, from_quantized=True)
     state = model.state_dict()
@@ -93,7 +77,7 @@ def test_mxfp4_experts_load_through_the_quantized_reader(tmp_path):
 def test_mxfp4_weight_without_scales_is_named_before_any_read(tmp_path):
     from safetensors.torch import load_file, save_file
     K3ForCausalLM(K3Config.preset("tiny")).save_pretrained(tmp_path)
-    _store_experts_as_mxfp4(tmp_path)
+    store_experts_as_mxfp4(tmp_path, seed=5)
     hf = load_file(str(tmp_path / WEIGHTS_FILE))
     gone = "model.layers.2.block_sparse_moe.experts.3.w2.weight_scale"
     del hf[gone]
@@ -110,7 +94,7 @@ def test_mxfp4_checkpoint_through_the_trainer_on_two_fsdp_ranks(titan_root):
     torch.manual_seed(6)
     hf_dir = titan_root / "hf_mxfp4_checkpoint"
     K3ForCausalLM(K3Config.preset("tiny")).save_pretrained(hf_dir)
-    _store_experts_as_mxfp4(hf_dir)
+    store_experts_as_mxfp4(hf_dir, seed=5)
     root = titan_root / "hf_mxfp4_load"
     run_trainer(root, "--checkpoint.enable", "--checkpoint.initial_load_path", str(hf_dir),
                 "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_in_hf_quantized",
@@ -129,7 +113,7 @@ def test_mxfp4_reader_serves_any_slice_of_a_dequantised_expert(tmp_path):
     from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
     K3ForCausalLM(K3Config.preset("tiny")).save_pretrained(tmp_path)
-    _store_experts_as_mxfp4(tmp_path)
+    store_experts_as_mxfp4(tmp_path, seed=5)
     name = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
     full = load_pretrained(tmp_path).state_dict()["model.layers.1.block_sparse_moe.experts.w3"][2]
     adapter = K3StateDictAdapter(K3TitanModel.Config(k3=K3Config.preset("tiny")), None)
