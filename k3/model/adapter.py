@@ -116,6 +116,27 @@ def from_hf(hf: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> d
     return mapped
 
 
+def dequantize_mxfp4_pair(base: str, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`base.weight` in bf16 from its MXFP4 pair (`base.weight_packed` uint8 [out, in / 2], `base.weight_scale` E8M0
+    [out, in / 32] as uint8 or float8_e8m0fnu), exact; a pair that does not fit is a CheckpointError naming both.
+    The one decoding of the format: `from_hf` and TorchTitan's MXFP4 storage reader both call it."""
+    return ops.dequantize_mxfp4(packed, _checked_mxfp4_scales(base, packed, scales), torch.bfloat16)
+
+
+def _checked_mxfp4_scales(base: str, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    if scales.dtype == getattr(torch, "float8_e8m0fnu", None):
+        scales = scales.view(torch.uint8)   # the same E8M0 exponent bits
+    if packed.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise CheckpointError(f"{base}{MXFP4_PACKED}, {base}{MXFP4_SCALE}: MXFP4 expects uint8 codes and E8M0 "
+                              f"scales, got {packed.dtype}, {scales.dtype}")
+    if packed.dim() != 2 or (2 * packed.shape[1]) % 32 or tuple(scales.shape) != (packed.shape[0],
+                                                                                    2 * packed.shape[1] // 32):
+        raise CheckpointError(f"{base}{MXFP4_SCALE}: shape {tuple(scales.shape)} does not fit {base}{MXFP4_PACKED} "
+                              f"{tuple(packed.shape)} (expected [out, in / 32] for packed [out, in / 2], in a multiple "
+                              "of 32)")
+    return scales
+
+
 def dequantize_mxfp4_tensors(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """hf with every MXFP4 pair (`X.weight_packed`, `X.weight_scale`) replaced by `X.weight` in bf16; every pair
     is checked before any is expanded (a CheckpointError lists each broken one)."""
@@ -128,19 +149,14 @@ def dequantize_mxfp4_tensors(hf: dict[str, torch.Tensor]) -> dict[str, torch.Ten
                  for b in sorted(scaled - packed)]
     pairs = {}
     for base in sorted(packed & scaled):
-        p, s = hf[base + MXFP4_PACKED], hf[base + MXFP4_SCALE]
-        if s.dtype == getattr(torch, "float8_e8m0fnu", None):
-            s = s.view(torch.uint8)   # the same E8M0 exponent bits
         if base + ".weight" in hf:
             problems.append(f"{base}.weight: stored both as bf16 and as MXFP4 ({base}{MXFP4_PACKED})")
-        elif p.dtype != torch.uint8 or s.dtype != torch.uint8:
-            problems.append(f"{base}{MXFP4_PACKED}, {base}{MXFP4_SCALE}: MXFP4 expects uint8 codes and E8M0 scales, "
-                            f"got {p.dtype}, {s.dtype}")
-        elif p.dim() != 2 or (2 * p.shape[1]) % 32 or tuple(s.shape) != (p.shape[0], 2 * p.shape[1] // 32):
-            problems.append(f"{base}{MXFP4_SCALE}: shape {tuple(s.shape)} does not fit {base}{MXFP4_PACKED} "
-                            f"{tuple(p.shape)} (expected [out, in / 32] for packed [out, in / 2], in a multiple of 32)")
-        else:
-            pairs[base] = (p, s)
+            continue
+        try:
+            pairs[base] = (hf[base + MXFP4_PACKED], _checked_mxfp4_scales(base, hf[base + MXFP4_PACKED],
+                                                                           hf[base + MXFP4_SCALE]))
+        except CheckpointError as e:
+            problems.append(str(e))
     if problems:
         raise CheckpointError("checkpoint's MXFP4 tensors:\n  " + "\n  ".join(problems))
     out = {n: t for n, t in hf.items() if not n.endswith((MXFP4_PACKED, MXFP4_SCALE))}

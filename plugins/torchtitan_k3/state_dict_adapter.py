@@ -12,7 +12,7 @@ extension point, as TorchTitan's quantized readers use it) returns `K3HFStorageR
 
 The published checkpoint's routed experts are MXFP4 (compressed-tensors `weight_packed` + `weight_scale`):
 `--checkpoint.initial_load_in_hf_quantized` gives `K3MXFP4StorageReader`, which shows DCP each pair as the bf16
-`...weight` the model asks for and reads it dequantised (k3.model.ops.dequantize_mxfp4, the same values as
+`...weight` the model asks for and reads it dequantised (k3.model.adapter.dequantize_mxfp4_pair, the same values as
 `k3.model.adapter.load_pretrained`); any shard of it is a slice of the dequantised tensor."""
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorStorageMetadata)
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
-from k3.model import K3ForCausalLM, ops
-from k3.model.adapter import A_LOG_STORED_LENGTHS, MXFP4_PACKED, MXFP4_SCALE, CheckpointError
+from k3.model import K3ForCausalLM
+from k3.model.adapter import A_LOG_STORED_LENGTHS, MXFP4_PACKED, MXFP4_SCALE, CheckpointError, dequantize_mxfp4_pair
 from k3.model.adapter import from_hf as k3_from_hf
 from k3.model.adapter import to_hf as k3_to_hf
 
@@ -147,10 +147,7 @@ class K3MXFP4StorageReader(K3HFStorageReader):
         base = fqn[: -len(".weight")] if fqn.endswith(".weight") else None
         if base is None or fqn in f.keys() or base + MXFP4_PACKED not in f.keys():
             return super()._process_read_request(f, req, planner)
-        scales = f.get_tensor(base + MXFP4_SCALE)
-        if scales.dtype == getattr(torch, "float8_e8m0fnu", None):
-            scales = scales.view(torch.uint8)
-        full = ops.dequantize_mxfp4(f.get_tensor(base + MXFP4_PACKED), scales, torch.bfloat16)
+        full = dequantize_mxfp4_pair(base, f.get_tensor(base + MXFP4_PACKED), f.get_tensor(base + MXFP4_SCALE))
         piece = full[tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths))]
         target = planner.resolve_tensor(req).detach()
         target.copy_(piece)
