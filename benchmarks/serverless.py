@@ -184,6 +184,8 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=8)
     ap.add_argument("--batch-wait-ms", type=int, default=0, help="ServeConfig.batch_wait_ms of the server")
     ap.add_argument("--max-batch-rows", type=int, default=32)
+    ap.add_argument("--decode-batch", type=int, default=0,
+                    help="the server engine's EngineConfig.decode_batch (0: ServeConfig's default)")
     ap.add_argument("--budget-s", type=float, default=0.0, help="skip sweep points starting after this (0: none)")
     ap.add_argument("--server-log", default=None, help="where the server's output goes (default: a temp file)")
     ap.add_argument("--wait-file", default=None, help="after the warm-up, wait (up to 120 s) until this file exists "
@@ -202,7 +204,7 @@ def main() -> None:
                 "forward_backward",
               "workload": {"tasks_per_update": 2, "group_size": 4, "max_turn_tokens": 8, "lora_rank": args.lora_rank,
                            "loss": "gspo", "preset": args.preset, "max_batch_rows": args.max_batch_rows,
-                           "batch_wait_ms": args.batch_wait_ms, "device": args.device, "server_moe": args.server_moe,
+                           "batch_wait_ms": args.batch_wait_ms, "decode_batch": args.decode_batch or None, "device": args.device, "server_moe": args.server_moe,
                            "server": "k3 serve subprocess" + (", 1 torch thread" if args.device == "cpu" else "")}}
     with tempfile.TemporaryDirectory() as tmp:
         import socket
@@ -214,7 +216,7 @@ def main() -> None:
         (Path(tmp) / "serve.toml").write_text(
             f'port = {port}\ndata_dir = "{tmp}/data"\nmax_sessions = 64\nmax_batch_rows = {args.max_batch_rows}\n'
             f'device = "{args.device}"\npreset = "{args.preset}"\nbatch_wait_ms = {args.batch_wait_ms}\n'
-            f'keep_samplers = 2\n')
+            f'keep_samplers = 2\n' + (f'[engine]\ndecode_batch = {args.decode_batch}\n' if args.decode_batch else ''))
         log = Path(args.server_log) if args.server_log else Path(tmp) / "server.log"
         with served(Path(tmp) / "serve.toml", port, log, args.server_moe) as url:
             t0 = time.perf_counter()

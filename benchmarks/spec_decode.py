@@ -101,17 +101,20 @@ class Oracle:
         return []
 
 
-def _run(model, prompts, sp, spec, batch, oracle_refs=None, repeats=1, drive=None) -> dict:
-    """`drive(engine) -> completions` (default: one generate of `prompts` with `sp`)."""
+def _run(model, prompts, sp, spec, batch, oracle_refs=None, repeats=1, drive=None, warmup=0) -> dict:
+    """`drive(engine) -> completions` (default: one generate of `prompts` with `sp`). The first `warmup` runs are
+    not timed (on the GPU a batch size's first run compiles its kernels: it was 2-4x the second in spec_decode.json
+    of 2026-12-02)."""
     times, out, stats = [], None, None
-    for _ in range(repeats):
+    for i in range(warmup + repeats):
         eng = Engine(model, prefix_cache=drive is not None, speculative=spec, decode_batch=batch,
                      max_running=max(32, batch), device_states=max(256, 2 * batch + 2), device_pages=8192)
         if oracle_refs is not None:
             eng.spec.drafter = Oracle(oracle_refs, model.config.vocab_size)
         timer = _DecodeTimer(eng)
         out = drive(eng) if drive is not None else eng.generate(prompts, sp)
-        times.append(timer.seconds)
+        if i >= warmup:
+            times.append(timer.seconds)
         stats = eng.stats
     tokens = stats["spec_emitted_tokens"] if spec is not None else timer.tokens
     med = statistics.median(times)
@@ -254,13 +257,13 @@ def gpu_section(repeats: int, budget_s: float) -> dict:
             rows.append({"batch": batch, "skipped": f"time budget {budget_s} s reached"})
             continue
         prompts = prompts_all[:batch]
-        plain, ref = _run(model, prompts, sp, None, batch, repeats=repeats)
+        plain, ref = _run(model, prompts, sp, None, batch, repeats=repeats, warmup=1)
         refs = [p + c.token_ids for p, c in zip(prompts, ref)]
         row = {"batch": batch, "plain": plain}
         for name, spec, oracle in (("oracle_exact", "ngram:3", refs), ("oracle_batched", "ngram:3:batched", refs),
                                    ("ngram_batched", "ngram:3:batched", None),
                                    ("ngram_tree_2x3_batched", "ngram:2x3:batched", None)):
-            r, out = _run(model, prompts, sp, spec, batch, oracle_refs=oracle, repeats=repeats)
+            r, out = _run(model, prompts, sp, spec, batch, oracle_refs=oracle, repeats=repeats, warmup=1)
             r["bitwise_equal_to_plain"] = _same(out, ref)
             r["speedup_vs_plain"] = (r["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
                                      if plain["decode_tokens_per_s"] else None)
