@@ -33,7 +33,19 @@ $(VENV_VERL)/.installed: pyproject.toml setup.py
 demo: $(VENV)/.installed
 	$(VENV)/bin/k3 rl --config examples/calculator_gspo.toml --out runs/demo
 
-test: test-core test-verl test-vllm test-titan test-sglang
+# Two lanes on CI's 2 cores: the core tests (one torch thread) run while the framework venvs build one after
+# another (mostly download and unpack); each framework's tests start once its venv is there. `--output-sync` prints
+# each target's output whole when it finishes. CHAIN_VENVS orders the venv builds (each dedupes against those before
+# it, so none may be half-built when the next one links to it).
+test:
+	$(MAKE) -j2 --output-sync=target CHAIN_VENVS=1 test-core test-verl test-vllm test-titan test-sglang
+
+ifdef CHAIN_VENVS
+$(VENV_VERL)/.installed: | $(VENV)/.installed
+$(VENV_VLLM)/.installed: | $(VENV_VERL)/.installed
+$(VENV_TITAN)/.installed: | $(VENV_VLLM)/.installed
+$(VENV_SGLANG)/.installed: | $(VENV_TITAN)/.installed
+endif
 
 # Each framework's plugin tests run in that framework's own environment (tests/plugins/<stack>/).
 test-core: $(VENV)/.installed

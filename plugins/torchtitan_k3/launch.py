@@ -11,8 +11,12 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
 
 CPU_CONFIG = "k3_tiny_cpu"
 _STEP = re.compile(r"step:\s+(\d+)\s+loss:\s+([-\d.naninf]+)\s+grad_norm:\s+([-\d.naninf]+)")
@@ -36,6 +40,15 @@ def trainer_command(dump: Path, *args: str, nproc: int = 1, config: str = CPU_CO
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
             "-m", "torchtitan.train", "--module", "k3_torchtitan", "--config", config, "--dump_folder", str(dump),
             "--metrics.disable_color_printing", *args]
+
+
+def run_side_by_side(workers: int = 2, **launches: Callable[[], T]) -> dict[str, T]:
+    """Runs independent one-rank launches `workers` at a time and returns each one's result by name. A launch is
+    mostly single-threaded imports (TorchTitan's entry point imports for ~16 s on CI's cores), so one-rank runs
+    one after another leave a core idle; a failed launch raises when its result is read, the others finish."""
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {name: pool.submit(fn) for name, fn in launches.items()}
+        return {name: f.result() for name, f in futures.items()}
 
 
 def run_trainer(dump: Path, *args: str, nproc: int = 1, config: str = CPU_CONFIG, timeout: int = 300

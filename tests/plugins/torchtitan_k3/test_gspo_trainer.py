@@ -11,7 +11,7 @@ import torch
 from k3.model import K3ForCausalLM
 from k3.rl import gspo_loss
 from k3_torchtitan.config_registry import k3_tiny_gspo_cpu
-from k3_torchtitan.launch import max_diff, model_from_dcp, parallel_args, run_trainer
+from k3_torchtitan.launch import max_diff, model_from_dcp, parallel_args, run_side_by_side, run_trainer
 from k3_torchtitan.rl_data import RLBatchDataLoader, example_rl_batch, label_logp, write_rl_batch
 
 CONFIG = "k3_tiny_gspo_cpu"
@@ -37,13 +37,14 @@ def gspo(titan_root, seed):
     path = write_rl_batch(root / "batch.safetensors", **batch)
     data = ["--dataloader.path", str(path)]
     out = {"batch": batch, "seed_model": seed_model, "root": root}
-    # one rank, R3 on; saves step 1 (the weights step 2 starts from)
-    out["one_rank"] = run_trainer(root / "one", *seed[:-1], "--checkpoint.interval", "1", *data,
-                                  *parallel_args(batch=BATCH, steps=2), config=CONFIG)
+    # one rank, R3 on, saving step 1 (the weights step 2 starts from), beside one rank with R3 off (free routing)
+    out.update(run_side_by_side(
+        one_rank=lambda: run_trainer(root / "one", *seed[:-1], "--checkpoint.interval", "1", *data,
+                                     *parallel_args(batch=BATCH, steps=2), config=CONFIG),
+        free=lambda: run_trainer(root / "free", *seed, *data, "--dataloader.no-router-replay",
+                                 *parallel_args(batch=BATCH, steps=1), config=CONFIG)))
     out["cp2"] = run_trainer(root / "cp2", *seed, *data, *parallel_args(batch=BATCH, cp=2, steps=2), nproc=2,
                              config=CONFIG)
-    out["cp2_free"] = run_trainer(root / "cp2_free", *seed, *data, "--dataloader.no-router-replay",
-                                  *parallel_args(batch=BATCH, cp=2, steps=1), nproc=2, config=CONFIG)
     return out
 
 
@@ -64,7 +65,7 @@ def test_context_parallel_gspo_matches_one_rank(gspo):
 
 def test_router_replay_changes_only_the_routing(gspo):
     batch, model = gspo["batch"], gspo["seed_model"]
-    free = gspo["cp2_free"][0]
+    free = gspo["free"][0]
     assert abs(free.loss - _reference(model, batch, [0, 1], routed=False)) <= LOGGED
     assert abs(free.loss - gspo["one_rank"][0].loss) > 10 * LOGGED  # the recorded routing is not the live one
     assert abs(free.grad_norm - gspo["one_rank"][0].grad_norm) > 1e-3

@@ -16,7 +16,8 @@ from k3.lora import LoRAConfig
 from k3_torchtitan import model_registry
 from k3_torchtitan.lora import export_adapter
 
-from k3_torchtitan.launch import PARITY_SETTINGS, StepMetrics, max_diff, parallel_args, run_trainer
+from k3_torchtitan.launch import (PARITY_SETTINGS, StepMetrics, max_diff, parallel_args, run_side_by_side,
+                                  run_trainer)
 
 LOSS_TOL, GRAD_NORM_TOL = 1e-4, 1e-3
 PARITY = {s.name: s for s in PARITY_SETTINGS}
@@ -26,8 +27,13 @@ PARITY = {s.name: s for s in PARITY_SETTINGS}
 def runs(titan_root, seed):
     root = titan_root / "trainer"
     out = {"root": root, "seed": seed}
-    out["one_rank_b2"] = run_trainer(root / "one_b2", *seed, *parallel_args(batch=2, steps=5))
-    out["one_rank_b4"] = run_trainer(root / "one_b4", *seed, *parallel_args(batch=4))
+    # the one-rank runs two at a time (each keeps one core busy)
+    out.update(run_side_by_side(
+        one_rank_b2=lambda: run_trainer(root / "one_b2", *seed, *parallel_args(batch=2, steps=5)),
+        one_rank_b4=lambda: run_trainer(root / "one_b4", *seed, *parallel_args(batch=4)),
+        r3=lambda: run_trainer(root / "r3", *seed, *parallel_args(batch=2, steps=3), config="k3_tiny_r3_cpu"),
+        lora=lambda: run_trainer(root / "lora", "--checkpoint.enable", "--checkpoint.interval", "1",
+                                 "--training.steps", "3", config="k3_tiny_lora_cpu")))
     # the FSDP run also writes a sharded DCP checkpoint after step 2 (the resume test starts a new job from it)
     fsdp = PARITY["fsdp2_full_ac"]
     out["fsdp2_full_ac"] = run_trainer(root / "fsdp2_full_ac", *seed[:-1], "--checkpoint.interval", "2",
@@ -76,7 +82,7 @@ def test_router_replay_through_the_trainer(runs):
     """Batches carrying a recorded routing: the trainer replays it (a different loss from free routing at the
     same weights from step 1 on), and still trains (the router learns through the replayed gate weights)."""
     free = runs["one_rank_b2"]
-    replay = run_trainer(runs["root"] / "r3", *runs["seed"], *parallel_args(batch=2, steps=3), config="k3_tiny_r3_cpu")
+    replay = runs["r3"]   # k3_tiny_r3_cpu, 3 steps at batch 2 from the seed (the fixture's launch)
     assert abs(replay[0].loss - free[0].loss) > 5e-5   # logged with 5 decimals; the init's experts are small
     assert replay[-1].loss < replay[0].loss
     assert all(isinstance(s, StepMetrics) for s in replay)
@@ -86,8 +92,7 @@ def test_lora_through_the_trainer_trains_only_the_adapter(runs, tmp_path):
     """k3_tiny_lora_cpu: the base stays bitwise frozen across steps, every adapter tensor trains, the loss falls,
     and an adapter-only file is exported from the run's DCP checkpoint."""
     folder = runs["root"] / "lora"
-    steps = run_trainer(folder, "--checkpoint.enable", "--checkpoint.interval", "1", "--training.steps", "3",
-                        config="k3_tiny_lora_cpu")
+    steps = runs["lora"]   # k3_tiny_lora_cpu, 3 steps, a DCP checkpoint after each (the fixture's launch)
     assert steps[-1].loss < steps[0].loss
     saved = {}
     for step in (1, 3):
