@@ -34,17 +34,19 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/k3 rl --config examples/calculator_gspo.toml --out runs/demo
 
 # Two lanes on CI's 2 cores: the core tests (one torch thread) run while the framework venvs build one after
-# another (mostly download and unpack); each framework's tests start once its venv is there. `--output-sync` prints
-# each target's output whole when it finishes. CHAIN_VENVS orders the venv builds (each dedupes against those before
-# it, so none may be half-built when the next one links to it).
+# another (mostly download and unpack); each framework's tests start once its venv is there and a lane is free.
+# Make starts ready goals in the order listed, so the venvs come before the framework tests, TorchTitan's (the
+# longest suite) first. CHAIN_VENVS orders the venv builds (each dedupes against those built before it, so none may
+# be half-built when the next one links to it). `--output-sync` prints each target's output whole when it ends.
 test:
-	$(MAKE) -j2 --output-sync=target CHAIN_VENVS=1 test-core test-verl test-vllm test-titan test-sglang
+	$(MAKE) -j2 --output-sync=target CHAIN_VENVS=1 test-core $(VENV_TITAN)/.installed $(VENV_VLLM)/.installed \
+		$(VENV_VERL)/.installed $(VENV_SGLANG)/.installed test-titan test-vllm test-verl test-sglang
 
 ifdef CHAIN_VENVS
-$(VENV_VERL)/.installed: | $(VENV)/.installed
-$(VENV_VLLM)/.installed: | $(VENV_VERL)/.installed
-$(VENV_TITAN)/.installed: | $(VENV_VLLM)/.installed
-$(VENV_SGLANG)/.installed: | $(VENV_TITAN)/.installed
+$(VENV_TITAN)/.installed: | $(VENV)/.installed
+$(VENV_VLLM)/.installed: | $(VENV_TITAN)/.installed
+$(VENV_VERL)/.installed: | $(VENV_VLLM)/.installed
+$(VENV_SGLANG)/.installed: | $(VENV_VERL)/.installed
 endif
 
 # Each framework's plugin tests run in that framework's own environment (tests/plugins/<stack>/).
