@@ -204,7 +204,8 @@ def main() -> None:
                 "forward_backward",
               "workload": {"tasks_per_update": 2, "group_size": 4, "max_turn_tokens": 8, "lora_rank": args.lora_rank,
                            "loss": "gspo", "preset": args.preset, "max_batch_rows": args.max_batch_rows,
-                           "batch_wait_ms": args.batch_wait_ms, "decode_batch": args.decode_batch or None, "device": args.device, "server_moe": args.server_moe,
+                           "batch_wait_ms": args.batch_wait_ms, "decode_batch": args.decode_batch or None,
+                           "device": args.device, "server_moe": args.server_moe,
                            "server": "k3 serve subprocess" + (", 1 torch thread" if args.device == "cpu" else "")}}
     with tempfile.TemporaryDirectory() as tmp:
         import socket

@@ -103,8 +103,7 @@ class Oracle:
 
 def _run(model, prompts, sp, spec, batch, oracle_refs=None, repeats=1, drive=None, warmup=0) -> dict:
     """`drive(engine) -> completions` (default: one generate of `prompts` with `sp`). The first `warmup` runs are
-    not timed (on the GPU a batch size's first run compiles its kernels: it was 2-4x the second in spec_decode.json
-    of 2026-12-02)."""
+    not timed (on the GPU a batch size's first run compiles its kernels)."""
     times, out, stats = [], None, None
     for i in range(warmup + repeats):
         eng = Engine(model, prefix_cache=drive is not None, speculative=spec, decode_batch=batch,
