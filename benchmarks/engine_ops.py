@@ -12,6 +12,7 @@ One decode step = the difference between `generate(max_tokens=2)` and `generate(
 
     python -m benchmarks.engine_ops --preset tiny                 # CPU -> engine_ops_cpu.json
     python -m benchmarks.engine_ops --preset small --device cuda  # H200 -> engine_ops_h200.json
+    ... --rows 4,32,64 --decode-batch 64                          # also how the step grows with its rows
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import argparse
 import collections
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -151,17 +152,30 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default=OpsConfig.preset)
     ap.add_argument("--device", default=OpsConfig.device, choices=("cpu", "cuda"))
-    ap.add_argument("--rows", type=int, default=OpsConfig.rows)
+    ap.add_argument("--rows", default=str(OpsConfig.rows),
+                    help="prompts decoded together; a comma list also records each count's step (by_rows)")
     ap.add_argument("--decode-batch", type=int, default=OpsConfig.decode_batch)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    cfg = OpsConfig(preset=a.preset, device=a.device, rows=a.rows, decode_batch=a.decode_batch)
+    rows = [int(r) for r in a.rows.split(",")]
+    if max(rows) > a.decode_batch:
+        ap.error(f"--rows {max(rows)} is over --decode-batch {a.decode_batch} (one decode wave per step)")
+    cfg = OpsConfig(preset=a.preset, device=a.device, rows=rows[0], decode_batch=a.decode_batch)
     torch.manual_seed(0)
     model = K3ForCausalLM(K3Config.preset(cfg.preset)).to(cfg.device).eval()
     if cfg.device == "cuda":
         model = model.bfloat16()
     res = {**run_header("engine_ops", torch.cuda.get_device_name() if cfg.device == "cuda" else "cpu"),
            "config": cfg.__dict__, "decode_step": decode_step_ops(model, cfg)}
+    if len(rows) > 1:   # the same step at other row counts: what grows with the rows is per-row host work
+        keep = ("aten_ops", "aten_ops_not_views", "host_sync_ops", "device_to_host_copies", "kernel_launches",
+                "decode_step_s_median")
+        res["by_rows"] = {}
+        for n in rows:
+            one = res["decode_step"] if n == rows[0] else decode_step_ops(model, replace(cfg, rows=n))
+            res["by_rows"][str(n)] = {k: one[k] for k in keep if k in one} | {
+                "engine_ops_not_views": one["ops_by_module_not_views"].get("engine (outside the model)", 0)}
+            print(f"rows {n}: {res['by_rows'][str(n)]}")
     step = res["decode_step"]
     print(f"one decode step ({cfg.preset}, {cfg.device}, {cfg.rows} rows, decode_batch {cfg.decode_batch}): "
           f"{step['aten_ops']} aten ops ({step['aten_ops_not_views']} not views), host syncs "

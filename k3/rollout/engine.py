@@ -476,15 +476,19 @@ class Engine:
         with self._adapters_for(rows):
             out = self.model(ids, view, return_routed_experts=True)
         self.stats["forwards"] += 1
+        # the last position's logits and routed experts of every row in one device-to-host copy each: sampling
+        # and the recorded routing read them on the host, row by row (one copy and sync per row made a decode
+        # step's host time grow with its rows on CUDA); the values are the device's (fp32 of the logits' dtype)
+        logits = out.logits[:, -1].detach().float().cpu()
         routed = out.routed_experts
+        routing = (routed[:, -1].to(torch.int32).cpu() if routed is not None
+                   else torch.zeros(len(rows), 0, 0, dtype=torch.int32))
         for b, s in enumerate(rows):
             if s is None:
                 continue
             s.pos += T
             self.stats["computed_tokens"] += T
-            logits = out.logits[b, -1]
-            routing = routed[b, -1] if routed is not None else torch.zeros(0, 0, dtype=torch.long)
-            self._after_segment(s, logits, routing)
+            self._after_segment(s, logits[b], routing[b])
 
     def _adapters_for(self, rows: list[_Seq | None]):
         """Each row's own adapter (dummy seats: the base) for one forward; the base alone when no row has one."""
