@@ -98,11 +98,25 @@ def run_client(url: str, seed: int, updates: int, lat: dict, lock: threading.Loc
     client.close()
 
 
+def server_counters(url: str) -> dict:
+    """The server's cumulative counters (`GET /v1/stats`): scheduler rounds per kind, engine work, sample time."""
+    return httpx.get(url + "/v1/stats", timeout=30).json()
+
+
+def counter_diff(after, before):
+    """after - before for every number of two nested counter dicts (kinds absent before count from 0)."""
+    if isinstance(after, dict):
+        return {k: counter_diff(v, before.get(k, {} if isinstance(v, dict) else 0)) for k, v in after.items()
+                if isinstance(v, (dict, int, float)) and not isinstance(v, bool)}
+    return after - before
+
+
 def scenario(url: str, seeds: list[int], updates: int, concurrent: bool, rank: int = 8) -> dict:
     lat: dict[str, list[float]] = {}
     lock = threading.Lock()
     out: dict = {}
     load_before = os.getloadavg()[0]
+    counters_before = server_counters(url)
     t0 = time.perf_counter()
     if concurrent:
         threads = [threading.Thread(target=run_client, args=(url, s, updates, lat, lock, out, rank)) for s in seeds]
@@ -114,6 +128,7 @@ def scenario(url: str, seeds: list[int], updates: int, concurrent: bool, rank: i
         for s in seeds:
             run_client(url, s, updates, lat, lock, out, rank)
     wall = time.perf_counter() - t0
+    server = counter_diff(server_counters(url), counters_before)
     if len(out) != len(seeds):
         raise RuntimeError(f"{len(seeds) - len(out)} clients failed")
     samples = sum(v["samples"] for v in out.values())
@@ -126,6 +141,10 @@ def scenario(url: str, seeds: list[int], updates: int, concurrent: bool, rank: i
             "jain_fairness": sum(rates) ** 2 / (len(rates) * sum(r * r for r in rates)),
             "latency_s": {k: {"calls": len(v), "p50": statistics.median(v),
                               "p99": sorted(v)[min(len(v) - 1, int(0.99 * len(v)))]} for k, v in sorted(lat.items())},
+            # where the server's time went: rounds per kind (sessions and rows they held, worker seconds), the
+            # engine's forwards and tokens, a sample round's adapter loading vs generation
+            "server": {k: server[k] for k in ("rounds_by_kind", "engine", "sample_load_s", "sample_generate_s")
+                       if k in server},
             "_weights": {s: v["weights"] for s, v in out.items()}}
 
 
@@ -221,7 +240,9 @@ def main() -> None:
         log = Path(args.server_log) if args.server_log else Path(tmp) / "server.log"
         with served(Path(tmp) / "serve.toml", port, log, args.server_moe) as url:
             t0 = time.perf_counter()
-            scenario(url, [98, 99], 1, concurrent=True, rank=args.lora_rank)   # warm-up (allocations, JIT)
+            # warm-up (allocations, JIT compiles) in both shapes the phases below run: one session alone, then two
+            scenario(url, [97], 1, concurrent=False, rank=args.lora_rank)
+            scenario(url, [98, 99], 1, concurrent=True, rank=args.lora_rank)
             result["warmup_s"] = time.perf_counter() - t0
             if args.wait_file:
                 t0 = time.perf_counter()

@@ -20,14 +20,15 @@ def _on_cuda(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
-# A CPU GEMM picks its code path by shape (and by CPU: MKL's AVX-512/AMX kernels differ from its AVX2 ones): a
-# token's result would depend on how many tokens share the call (decode vs prefill, expert group sizes), and on
-# some CPUs even a padded single call is not enough (one row of 8 and the same row among 304 differ for narrow
-# outputs). So the CPU forward cuts the rows into blocks of a fixed size and multiplies every block with the same
-# batched GEMM of one shape: each row's result depends only on its own values (tests/model/test_ops.py checks it
-# over shapes, offsets and counts). That costs time, so it is the inference path (rollout, log-prob scoring);
-# a forward that autograd records (training: SFT, the learner) takes one plain GEMM, which is deterministic for
-# the same shapes but does not promise batch invariance.
+# A CPU GEMM picks its code path by shape (and by CPU: MKL's AVX-512/AMX kernels differ from its AVX2 ones, AMD's
+# Zen 4 from Intel's): a token's result would depend on how many tokens share the call (decode vs prefill, expert
+# group sizes, packed multi-session training), and on some CPUs even a padded single call is not enough (one row of 8
+# and the same row among 304 differ for narrow outputs). So on CPU every linear cuts the rows into blocks of a fixed
+# size and multiplies every block with the same batched GEMM of one shape: each row's result depends only on its own
+# values (tests/model/test_ops.py checks it over shapes, offsets and counts). Training forwards take the same path,
+# so the learner's log-probs are the rollout's bits (tests/rl/test_learner.py); their backward gives the input
+# gradient the same way (a packed multi-session step gives each session its bits alone, k3.serverless.compute)
+# and the weight gradient as one plain GEMM over the rows (deterministic for the same shapes).
 _ROW_BLOCK = 16
 
 
@@ -39,6 +40,8 @@ def _recorded(*xs: torch.Tensor) -> bool:
 def _row_block_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """rows [m, in] @ weight.T, every block of _ROW_BLOCK rows through one batched GEMM of the same shape."""
     m = rows.shape[0]
+    if not m:
+        return rows.new_zeros(0, weight.shape[0])
     pad = (-m) % _ROW_BLOCK
     if pad:
         rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
@@ -47,12 +50,28 @@ def _row_block_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out.reshape(-1, weight.shape[0])[:m]
 
 
+class _RowBlockLinear(torch.autograd.Function):
+    """rows @ weight.T by row blocks (forward and input gradient); the weight gradient as one GEMM."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(rows, weight)
+        return _row_block_linear(rows, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        rows, weight = ctx.saved_tensors
+        grad_rows = _row_block_linear(grad_out, weight.t()) if ctx.needs_input_grad[0] else None
+        grad_weight = grad_out.t() @ rows if ctx.needs_input_grad[1] else None
+        return grad_rows, grad_weight
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Batch-invariant x @ weight.T (+ bias) on CPU; plain F.linear on CUDA."""
-    if x.is_cuda or _recorded(x, weight):
+    """Batch-invariant x @ weight.T (+ bias) on CPU (training too); plain F.linear on CUDA."""
+    if x.is_cuda:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
-    out = _row_block_linear(rows, weight) if rows.shape[0] else F.linear(rows, weight)
+    out = _RowBlockLinear.apply(rows, weight) if _recorded(rows, weight) else _row_block_linear(rows, weight)
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -84,8 +103,8 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor
 
     On CPU each row is computed alone over exactly its own keys: the batched contractions' CPU GEMMs pick their
     code path by batch count and key length, so a row's result would depend on its companions (decode batches).
-    Training forwards (autograd recording) take the batched path, as `linear` does."""
-    if _on_cuda(q_nope) or _recorded(q_nope, k_nope, v):
+    Training forwards take the same path, as `linear` does: the learner's log-probs are the rollout's bits."""
+    if _on_cuda(q_nope):
         return _mla_scores_and_mix(q_nope, q_pe, k_nope, k_pe, v, past, scale)
     T = q_nope.shape[1]
     rows = []

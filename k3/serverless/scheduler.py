@@ -1,6 +1,7 @@
 """The service's scheduler: one worker thread runs every model computation; requests queue per session.
 
-Each round takes the kind (forward_backward, forward, optim_step, sample, ...) of the oldest waiting request and
+Each round takes the kind (forward_backward, forward, optim_step, sample, ...) of the oldest waiting request (a
+one-a-round kind may go before an older batched one for a bounded number of rounds, `_lead`) and
 batches the head requests of that kind of as many sessions as fit (`max_batch_rows` rows), one request per
 session (a session's own requests run in order), except for the read-only kinds (sample, logprobs), where a
 session's consecutive queued requests of the kind join the round too. Who goes first in a full round trades adapter locality against
@@ -10,9 +11,10 @@ order, which keeps Jain's fairness index near 1 under equal demand). Sessions no
 rounds have their optimizer state offloaded to host memory; a queued request for an offloaded session starts its
 asynchronous staging back at once, so the copy overlaps the rounds before it runs.
 
-With `batch_wait_s` > 0 a batched round whose oldest request is younger than that waits for more sessions' requests
-of its kind, but only while some other session has been served recently (`RECENT_S`): sessions in a closed loop of
-calls (sample turn, answer, next turn) then meet in one round instead of taking turns; a lone session never waits."""
+With `batch_wait_s` > 0 a batched round waits up to that long (from its oldest request or the end of the round
+before, whichever is later) for more sessions' requests of its kind, but only while some other session has been served recently (`RECENT_S`) and has nothing queued (a
+session queued on another kind cannot send this one before that runs): sessions in a closed loop of calls (sample
+turn, answer, next turn) then meet in one round instead of taking turns; a lone session never waits."""
 from __future__ import annotations
 
 import itertools
@@ -56,7 +58,11 @@ class Scheduler:
         self.last_round: dict[str, int] = {}
         self.round = 0
         self.batches: list[tuple[str, int, int]] = []   # (kind, sessions, rows) per round, for tests and benchmarks
+        # per kind: rounds, sessions and rows served, seconds the worker spent on them (the service's /stats)
+        self.by_kind: dict[str, dict[str, float]] = {}
         self._seq = itertools.count()
+        self._free_since = 0.0   # when the worker finished its last round
+        self._singles_ahead = 0  # one-a-round rounds run in a row ahead of an older batched request (_lead)
         self._cv = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="k3-serverless-scheduler", daemon=True)
@@ -85,14 +91,28 @@ class Scheduler:
         self._thread.join(timeout=30)
 
     # ------------------------------------------------------------------ policy
+    def _lead(self, heads: list[Request]) -> Request:
+        """The request whose kind the next round takes: the oldest head, except that a one-a-round head (optim_step,
+        save_sampler, ...) goes before an older batched one, for at most as many rounds in a row as there are
+        waiting sessions plus `max_skips`. A session behind the others in a closed loop of calls then catches up
+        on its cheap calls and joins the batched round, instead of staying one round behind for good."""
+        oldest = min(heads, key=lambda r: r.seq)
+        if oldest.kind in BATCHED and self._singles_ahead < len(heads) + self.max_skips:
+            singles = [r for r in heads if r.kind not in BATCHED]
+            if singles:
+                return min(singles, key=lambda r: r.seq)
+        return oldest
+
     def pick(self) -> tuple[str, list[Request]]:
         """The next round's kind and requests (called with the lock held, at least one request queued)."""
         heads = [q[0] for q in self.queues.values() if q]
         oldest = min(heads, key=lambda r: r.seq)
-        kind = oldest.kind
+        lead = self._lead(heads)
+        self._singles_ahead = self._singles_ahead + 1 if lead is not oldest else 0
+        kind = lead.kind
         cands = [r for r in heads if r.kind == kind]
         if kind not in BATCHED:
-            cands = [oldest]
+            cands = [lead]
 
         def order(r: Request):
             starving = self.skips.get(r.session, 0) >= self.max_skips
@@ -124,14 +144,24 @@ class Scheduler:
         """Wait (lock held, releasing it while waiting) for more requests of the next round's kind; see module doc."""
         while not self._stop:
             heads = [q[0] for q in self.queues.values() if q]
-            oldest = min(heads, key=lambda r: r.seq)
-            if oldest.kind not in BATCHED:
+            lead = self._lead(heads)
+            if lead.kind not in BATCHED:
                 return
-            have = {r.session for r in heads if r.kind == oldest.kind}
+            oldest = min((r for r in heads if r.kind == lead.kind), key=lambda r: r.seq)
             now = time.perf_counter()
-            if not any(s not in have and now - t < RECENT_S for s, t in self.last_done.items()):
+            recent = {s for s, t in self.last_done.items() if now - t < RECENT_S}
+            # who may still send a request for this round: a recent session with nothing queued (one queued on
+            # another kind cannot before that runs) and, for read-only kinds with other sessions about, one whose
+            # queued calls are this kind (its next call of the turn, e.g. a second task's sample, joins it)
+            here = {r.session for r in heads if r.kind == lead.kind}
+            expected = {s for s in recent if not self.queues.get(s)}
+            if lead.kind in READ_ONLY and len(recent | here) > 1:
+                expected |= {s for s in recent & here if all(r.kind == lead.kind for r in self.queues[s])}
+            if not expected:
                 return
-            left = oldest.submitted + self.batch_wait_s - now
+            # from when the worker could start the round: sessions that come out of a run of one-a-round calls
+            # (optim_step, save_sampler) one after another send their next batched call only as their turn ends
+            left = max(oldest.submitted, self._free_since) + self.batch_wait_s - now
             if left <= 0:
                 return
             self._cv.wait(left)
@@ -152,6 +182,7 @@ class Scheduler:
                 idle = [s for s, r in self.last_round.items()
                         if self.round - r > self.offload_after and not self.queues.get(s)]
             self.batches.append((kind, len(batch), sum(r.rows for r in batch)))
+            started = time.perf_counter()
             try:
                 self.execute(kind, batch)
             except BaseException as e:  # execute sets per-request results; anything left gets the error
@@ -165,6 +196,12 @@ class Scheduler:
             with self._cv:
                 for r in batch:
                     self.last_done[r.session] = done
+                tally = self.by_kind.setdefault(kind, {"rounds": 0, "sessions": 0, "rows": 0, "seconds": 0.0})
+                tally["rounds"] += 1
+                tally["sessions"] += len({r.session for r in batch})
+                tally["rows"] += sum(r.rows for r in batch)
+                tally["seconds"] += done - started
+                self._free_since = done
             for s in idle:
                 if self.is_resident(s):
                     self.offload(s)

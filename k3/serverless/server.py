@@ -59,8 +59,12 @@ def build_app(service: Service) -> FastAPI:
 
     @app.get(f"{API}/stats")
     async def stats():
-        return {**service.stats, "sessions": len(service.sessions),
-                "served_rows": dict(service.scheduler.served_rows), "rounds": service.scheduler.round}
+        sched = service.scheduler
+        with sched._cv:   # the worker thread updates these under the scheduler's lock
+            by_kind = {k: dict(v) for k, v in sched.by_kind.items()}
+            served = dict(sched.served_rows)
+        return {**service.stats, "sessions": len(service.sessions), "served_rows": served, "rounds": sched.round,
+                "rounds_by_kind": by_kind, "engine": dict(service.engine.stats)}
 
     # calls that wait for the scheduler run in the thread pool (`_threaded`), never on the event loop
     @app.post(f"{API}/sessions")

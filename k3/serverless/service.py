@@ -62,7 +62,8 @@ class Service:
         self._retired: set[str] = set()          # sampler ids removed by the retention rule since this start
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-adapter-load")
         self._lock = threading.Lock()
-        self.stats = {"trained_rows": 0, "trained_tokens": 0, "sampled_tokens": 0, "replayed_rows": 0}
+        self.stats = {"trained_rows": 0, "trained_tokens": 0, "sampled_tokens": 0, "replayed_rows": 0,
+                      "sample_load_s": 0.0, "sample_generate_s": 0.0}   # a sample round: adapters in, engine
         self._restore()
         self.scheduler = Scheduler(self._execute, max_batch_rows=config.max_batch_rows,
                                    offload_after=config.offload_after, max_skips=config.max_skips,
@@ -300,9 +301,13 @@ class Service:
                 batch = self._drop_retired(batch, kind)
                 if not batch:
                     return
+                t0 = time.perf_counter()
                 self._ensure_loaded([r.payload[1].adapter_id if kind == "sample" else r.payload[0] for r in batch])
                 if kind == "sample":
+                    t1 = time.perf_counter()
                     self._run_sample(batch)
+                    self.stats["sample_load_s"] += t1 - t0
+                    self.stats["sample_generate_s"] += time.perf_counter() - t1
                 else:
                     for r, lp in zip(batch, prompt_logprobs(self.model, self.manager, [r.payload for r in batch],
                                                             bucket=self.config.length_bucket)):

@@ -109,3 +109,34 @@ def test_a_sessions_consecutive_sample_calls_share_a_round():
     s.close()
     rounds = [(k, [x[1] for x in b]) for k, b in rec.rounds[1:]]
     assert rounds == [("sample", [0, 1, 2, 5]), ("forward_backward", [3]), ("sample", [4])]
+
+
+def test_sessions_in_a_closed_loop_stay_in_step():
+    """Clients cycling forward_backward -> optim_step -> save_sampler -> sample (the load test's loop), with jitter
+    between their calls shorter than batch_wait: the batched kinds must meet in about one round per cycle (the
+    load test's throughput over one-after-another comes from these merged rounds)."""
+    import random
+
+    def execute(kind, batch):
+        time.sleep(0.004 * (3 if kind in ("forward_backward", "sample") else 1))
+        for r in batch:
+            r.future.set_result(None)
+
+    s = Scheduler(execute, max_batch_rows=100, offload_after=1000, max_skips=2, batch_wait_s=0.02)
+
+    def client(name, seed):
+        rng = random.Random(seed)
+        for _ in range(6):
+            for kind in ("forward_backward", "optim_step", "save_sampler", "sample"):
+                time.sleep(rng.uniform(0, 0.003))    # the client's own work between calls
+                s.submit(kind, name, None).result(timeout=30)
+
+    threads = [threading.Thread(target=client, args=(f"c{i}", i)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    s.close()
+    for kind in ("forward_backward", "sample"):
+        rounds = [n for k, n, _ in s.batches if k == kind]
+        assert sum(rounds) == 24 and len(rounds) <= 9, (kind, rounds)   # 6 cycles x 4 sessions in ~6 rounds

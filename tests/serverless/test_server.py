@@ -237,3 +237,24 @@ def test_deleted_session_is_gone(client):
     tc.delete()
     _refused(lambda: tc.get_info(), 404, "session_id")
     _refused(lambda: sc.sample(ModelInput.from_ints([1]), 1), 404, "sampler_id")
+
+
+def test_stats_account_for_the_rounds_and_the_engine_work(server, client):
+    """The load test reads where the server's time went from /v1/stats (benchmarks/serverless.py): the counters must
+    move with the calls made, by kind, or its per-phase breakdown says nothing."""
+    url, _ = server
+    before = httpx.get(url + "/v1/stats").json()
+    tc = client.create_lora_training_client(base_model="k3-tiny", rank=4, seed=3)
+    tc.forward_backward([rand_datum(7)], "cross_entropy")
+    sc = tc.save_weights_and_get_sampling_client("stats")
+    sc.sample(ModelInput.from_ints([5, 6, 7]), num_samples=2, sampling_params=SamplingParams(max_tokens=3, seed=1))
+    after = httpx.get(url + "/v1/stats").json()
+    kinds_before, kinds = before.get("rounds_by_kind", {}), after["rounds_by_kind"]
+    for kind in ("forward_backward", "sample"):
+        was = kinds_before.get(kind, {"rounds": 0, "rows": 0, "seconds": 0.0})
+        assert kinds[kind]["rounds"] >= was["rounds"] + 1 and kinds[kind]["seconds"] > was["seconds"], kind
+    assert kinds["sample"]["rows"] >= kinds_before.get("sample", {"rows": 0})["rows"] + 2   # rows = samples
+    assert after["engine"]["forwards"] > before["engine"]["forwards"]
+    assert after["engine"]["generated_tokens"] == before["engine"]["generated_tokens"] + 2 * 3   # no stop tokens
+    assert after["sample_generate_s"] > before["sample_generate_s"]
+    tc.delete()
