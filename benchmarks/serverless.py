@@ -187,6 +187,13 @@ def served(config: Path, port: int, log: Path, moe: str = "fused"):
         out.close()
 
 
+def engine_table(args) -> str:
+    """The serve config's [engine] table for the engine settings given on the command line (none: defaults)."""
+    given = {k: v for k, v in (("decode_batch", args.decode_batch), ("prefill_batch", args.prefill_batch),
+                               ("max_step_tokens", args.max_step_tokens)) if v}
+    return "[engine]\n" + "".join(f"{k} = {v}\n" for k, v in given.items()) if given else ""
+
+
 def weight_diff(a: dict, b: dict) -> float:
     """Largest absolute difference between two adapters' tensors (0.0: bitwise equal)."""
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
@@ -205,6 +212,10 @@ def main() -> None:
     ap.add_argument("--max-batch-rows", type=int, default=32)
     ap.add_argument("--decode-batch", type=int, default=0,
                     help="the server engine's EngineConfig.decode_batch (0: ServeConfig's default)")
+    ap.add_argument("--prefill-batch", type=int, default=0,
+                    help="the server engine's EngineConfig.prefill_batch (0: ServeConfig's default)")
+    ap.add_argument("--max-step-tokens", type=int, default=0,
+                    help="the server engine's EngineConfig.max_step_tokens (0: ServeConfig's default)")
     ap.add_argument("--budget-s", type=float, default=0.0, help="skip sweep points starting after this (0: none)")
     ap.add_argument("--server-log", default=None, help="where the server's output goes (default: a temp file)")
     ap.add_argument("--wait-file", default=None, help="after the warm-up, wait (up to 120 s) until this file exists "
@@ -224,6 +235,7 @@ def main() -> None:
               "workload": {"tasks_per_update": 2, "group_size": 4, "max_turn_tokens": 8, "lora_rank": args.lora_rank,
                            "loss": "gspo", "preset": args.preset, "max_batch_rows": args.max_batch_rows,
                            "batch_wait_ms": args.batch_wait_ms, "decode_batch": args.decode_batch or None,
+                           "prefill_batch": args.prefill_batch or None, "max_step_tokens": args.max_step_tokens or None,
                            "device": args.device, "server_moe": args.server_moe,
                            "server": "k3 serve subprocess" + (", 1 torch thread" if args.device == "cpu" else "")}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -236,7 +248,7 @@ def main() -> None:
         (Path(tmp) / "serve.toml").write_text(
             f'port = {port}\ndata_dir = "{tmp}/data"\nmax_sessions = 64\nmax_batch_rows = {args.max_batch_rows}\n'
             f'device = "{args.device}"\npreset = "{args.preset}"\nbatch_wait_ms = {args.batch_wait_ms}\n'
-            f'keep_samplers = 2\n' + (f'[engine]\ndecode_batch = {args.decode_batch}\n' if args.decode_batch else ''))
+            f'keep_samplers = 2\n' + engine_table(args))
         log = Path(args.server_log) if args.server_log else Path(tmp) / "server.log"
         with served(Path(tmp) / "serve.toml", port, log, args.server_moe) as url:
             t0 = time.perf_counter()

@@ -31,6 +31,7 @@ class EngineConfig:
     chunk_size: int = 64           # prefill chunk (absolute alignment)
     checkpoint_interval: int = 256  # KDA checkpoint every this many tokens (multiple of chunk_size)
     decode_batch: int = 8          # fixed decode batch size (dummy rows fill it)
+    prefill_batch: int = 1         # prefill segments at one (position, length) per forward (dummy rows fill it)
     max_step_tokens: int = 256     # tokens per engine step (decode rows first, then prefill chunks)
     max_running: int = 32          # running samples
     device_pages: int = 4096
@@ -58,7 +59,7 @@ class EngineConfig:
                 continue
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ValueError(f"{f.name}: expected an integer, got {type(v).__name__} ({v!r})")
-        for name in ("page_size", "chunk_size", "checkpoint_interval", "decode_batch", "max_step_tokens",
+        for name in ("page_size", "chunk_size", "checkpoint_interval", "decode_batch", "prefill_batch", "max_step_tokens",
                      "max_running", "device_pages", "device_states"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")

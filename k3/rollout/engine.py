@@ -5,8 +5,9 @@ Bitwise reproducibility (cache on == cache off, any batch composition) rests on 
 1. Canonical segments: a sequence is always computed in the same pieces. Prefill spans are cut at absolute
    multiples of `chunk_size` and at the span's end; every decode token is fed alone. The sequence key records
    the span structure, so equal keys mean equal computations, and the cache stores states only at segment ends.
-2. Prefill chunks run one row per forward ([1, T]); the attention length is padded to a page multiple that
-   depends only on the row.
+2. Prefill chunks run one row per forward ([1, T]), or with `prefill_batch` > 1 in forwards of that many rows
+   (dummy rows fill it) that hold only segments at the same position and length; the attention length is padded
+   to a page multiple that depends only on the row. Either way a segment's shapes are its own.
 3. Decode steps run with a fixed batch size (`decode_batch`, dummy rows fill empty seats): at a fixed batch size
    a row's result does not depend on its companions or on the padded attention length (on CPU the model's
    linears multiply fixed-size row blocks and MLA attends row by row, k3.model.ops), while elementwise kernels
@@ -144,8 +145,7 @@ class Engine:
         try:
             with torch.inference_mode():
                 while waiting or self.running:
-                    while waiting and self._can_admit(waiting[0]) and not self._wait_for_shared_prefix(waiting[0]):
-                        self._admit(waiting.pop(0))
+                    self._admit_waiting(waiting)
                     if not self.running:
                         raise RuntimeError("engine: cannot admit the next request within the pool budgets")
                     self._step()
@@ -302,6 +302,17 @@ class Engine:
             raise ValueError(f"{where}: n={sp.n} samples need {sp.n + 1} KDA state slots, device_states is "
                              f"{self.cfg.device_states}")
 
+    def _admit_waiting(self, waiting: list[_Request]) -> None:
+        """Admit waiting requests in order while they fit; one held back for a shared prefix that a running
+        sequence is computing is passed over, not waited behind (the requests after it, other sessions' calls
+        say, start now and prefill beside it)."""
+        i = 0
+        while i < len(waiting) and self._can_admit(waiting[i]):
+            if self._wait_for_shared_prefix(waiting[i]):
+                i += 1
+            else:
+                self._admit(waiting.pop(i))
+
     def _can_admit(self, req: _Request) -> bool:
         """Room for all n samples at full length beside the running ones (one spare slot for checkpoint copies);
         a request that fits the budgets alone is always admitted into an idle engine."""
@@ -447,8 +458,20 @@ class Engine:
                 self.spec.step(group)
             else:
                 self._forward(group + [None] * (B - len(group)), 1)
+        P = self.cfg.prefill_batch
+        if P == 1:
+            for s, t in prefill:
+                self._forward([s], t)
+            return
+        # segments at the same (position, length) share forwards of P rows: the attention length and the KDA
+        # state's presence follow from the position, so each row's shapes are those it would have alone
+        same_place: dict[tuple[int, int], list[_Seq]] = {}
         for s, t in prefill:
-            self._forward([s], t)
+            same_place.setdefault((s.pos, t), []).append(s)
+        for (_, t), seqs in same_place.items():
+            for i in range(0, len(seqs), P):
+                group = seqs[i:i + P]
+                self._forward(group + [None] * (P - len(group)), t)
 
     def _prepare_pages(self, s: _Seq, T: int) -> None:
         """Pages for positions [pos, pos+T): allocated if missing, copied if shared (copy on write)."""

@@ -145,3 +145,27 @@ def test_weight_payload_through_k3_sync_receiver(model):
     fresh = K3ForCausalLM(model.config, init=False).eval()
     fresh.load_state_dict(new)
     assert Engine(fresh, prefix_cache=False, **SMALL).generate([p], sp)[0].logprobs == c.logprobs
+
+
+def test_batched_prefill_is_batch_invariant_and_runs_fewer_forwards(model):
+    """prefill_batch > 1 runs prefill segments at the same position and length together in forwards of that many
+    rows (many prompts arriving at once: the serverless service's merged sample rounds). A segment's shapes are
+    then fixed by itself and the setting, so its bits do not depend on its companions or on the cache (they may
+    differ from prefill_batch = 1: another shape); and there are fewer forwards, which is the point (on the GPU a
+    forward's host cost is what a step pays)."""
+    batched = dict(SMALL, prefill_batch=4)
+    eng = Engine(model, prefix_cache=True, **batched)
+    eng.check_each_step = True
+    assert same(workload(eng, greedy=False), workload(Engine(model, prefix_cache=False, **batched), greedy=False))
+    one = Engine(model, prefix_cache=True, **SMALL)
+    workload(one, greedy=False)
+    assert eng.cache_stats()["forwards"] < one.cache_stats()["forwards"]
+    # many prompts at once, several of one length (their chunks share forwards): alone == among them
+    sp = SamplingParams(temperature=1.0, seed=2, max_tokens=5)
+    prompts = [rand_tokens(n, 30 + i) for i, n in enumerate((40, 40, 40, 23, 40, 7, 40))]
+    mixed = Engine(model, prefix_cache=False, **batched).generate(prompts, sp)
+    for i in (0, 3, 6):
+        alone = Engine(model, prefix_cache=False, **batched).generate([prompts[i]], sp)[0]
+        assert mixed[i].token_ids == alone.token_ids and mixed[i].logprobs == alone.logprobs, i
+    with pytest.raises(ValueError, match="prefill_batch"):
+        Engine(model, prefill_batch=0)
