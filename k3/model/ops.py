@@ -61,6 +61,7 @@ class _RowBlockLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         rows, weight = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
         grad_rows = _row_block_linear(grad_out, weight.t()) if ctx.needs_input_grad[0] else None
         grad_weight = grad_out.t() @ rows if ctx.needs_input_grad[1] else None
         return grad_rows, grad_weight
