@@ -169,3 +169,26 @@ def test_batched_prefill_is_batch_invariant_and_runs_fewer_forwards(model):
         assert mixed[i].token_ids == alone.token_ids and mixed[i].logprobs == alone.logprobs, i
     with pytest.raises(ValueError, match="prefill_batch"):
         Engine(model, prefill_batch=0)
+
+
+@pytest.mark.gpu
+def test_gpu_batched_prefill_is_batch_invariant():
+    """The CUDA half of the batched-prefill check: one row per decode forward (decode_batch 1, whose outputs are
+    bitwise on CUDA, test_spec_engine.py), prefill in forwards of 4 rows: a prompt's completion is bitwise the same
+    alone and among others whose chunks share its forwards. It rests on a fixed-shape GEMM giving a row the same
+    bits wherever it sits (the serverless service's merged sample rounds need it)."""
+    from k3.config import K3Config
+    from k3.model import K3ForCausalLM
+    torch.manual_seed(0)
+    cuda_model = K3ForCausalLM(K3Config.preset("tiny")).cuda().eval()
+    cfg = dict(SMALL, decode_batch=1, prefill_batch=4)
+    sp = SamplingParams(temperature=1.0, seed=2, max_tokens=5)
+    prompts = [rand_tokens(n, 30 + i) for i, n in enumerate((40, 40, 40, 23, 40, 7, 40))]
+    eng = Engine(cuda_model, prefix_cache=False, **cfg)
+    mixed = eng.generate(prompts, sp)
+    one = Engine(cuda_model, prefix_cache=False, **dict(cfg, prefill_batch=1))
+    one.generate(prompts, sp)
+    assert eng.cache_stats()["forwards"] < one.cache_stats()["forwards"]
+    for i in (0, 2, 3, 6):
+        alone = Engine(cuda_model, prefix_cache=False, **cfg).generate([prompts[i]], sp)[0]
+        assert mixed[i].token_ids == alone.token_ids and mixed[i].logprobs == alone.logprobs, i

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from k3.rollout.sampler import sample, sampling_logprobs  # noqa: F401 (re-exported for the tests)
+from k3.rollout.sampler import draw, sample, sampling_logprobs  # noqa: F401 (re-exported for the tests)
 from k3.rollout.types import SamplingParams
 
 
@@ -53,7 +53,7 @@ def accept_sampled(logits: list[torch.Tensor], draft: list[int], draft_probs: li
         full, logp = sampling_logprobs(lg, params)
         p = logp.exp()
         if t >= len(draft):   # the draft was accepted in full: the bonus token, from p
-            tok = int(torch.multinomial(p, 1, generator=gen))
+            tok = draw(p, gen)
             out.append(Emitted(tok, float(full[tok]), float(logp[tok])))
             break
         d = draft[t]
@@ -68,7 +68,7 @@ def accept_sampled(logits: list[torch.Tensor], draft: list[int], draft_probs: li
             residual[d] = 0.0
         else:
             residual = (p - q.float().cpu()).clamp_min(0.0)
-        tok = int(torch.multinomial(residual, 1, generator=gen))   # multinomial normalises
+        tok = draw(residual, gen)   # draw normalises
         out.append(Emitted(tok, float(full[tok]), float(logp[tok])))
         break
     return out
@@ -100,5 +100,5 @@ def accept_at_node(logits: torch.Tensor, children: list[int], params: SamplingPa
             return Emitted(c, float(full[c]), float(logp[c])), i
         residual = residual.clone()
         residual[c] = 0.0
-    tok = int(torch.multinomial(residual, 1, generator=gen))   # multinomial normalises
+    tok = draw(residual, gen)   # draw normalises
     return Emitted(tok, float(full[tok]), float(logp[tok])), None
