@@ -204,7 +204,7 @@ class Service:
             lora = LoRAConfig(rank=rank, alpha=float(alpha), targets=c.lora_targets)
             s = Session(sid, hash_key(key), self._new_adapter(lora, seed), seed, self.device)
             rel = self.store.state_path(sid, 0).relative_to(self.store.root)
-            write_tensors(self.store.root / rel, s.state_tensors())
+            write_tensors(self.store.root / rel, s.state_tensors(copy=False))
             self.store.add_session(SessionRow(sid, s.key_hash, lora.to_dict(), seed, 0, str(rel)), time.time())
             self.sessions[sid] = s
         self._wait(self.scheduler.submit("register", sid, s))
@@ -391,10 +391,10 @@ class Service:
 
     def _do_optim_step(self, s: Session, adam: AdamParams) -> dict:
         before, grads, pending = s.state_tensors(), s.grads(), s.pending
-        m = s.optim_step(adam)   # all or nothing in memory
+        m = s.optim_step(adam, before=before)   # all or nothing in memory
         try:
             rel = self.store.state_path(s.id, s.step).relative_to(self.store.root)
-            write_tensors(self.store.root / rel, s.state_tensors())
+            write_tensors(self.store.root / rel, s.state_tensors(copy=False))
             old = self.store.state_path(s.id, s.step - 1)
             self.store.commit_step(s.id, s.step, str(rel))
         except BaseException:   # not durable: undo the step in memory too
@@ -408,7 +408,7 @@ class Service:
 
     def _do_save_state(self, s: Session, name: str) -> dict:
         rel = Path("sessions") / s.id / f"ckpt-{name}.safetensors"
-        write_tensors(self.store.root / rel, s.state_tensors())
+        write_tensors(self.store.root / rel, s.state_tensors(copy=False))
         self.store.put_checkpoint(s.id, name, s.step, str(rel))
         return {"path": f"k3://{s.id}/{name}", "step": s.step}
 

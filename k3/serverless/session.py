@@ -93,7 +93,9 @@ class Session:
         self.resident = True
 
     # ------------------------------------------------------------------ optimizer step
-    def optim_step(self, adam: AdamParams) -> dict[str, float]:
+    def optim_step(self, adam: AdamParams, before: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
+        """One AdamW step, all or nothing in memory; `before` is a `state_tensors()` copy the caller already holds
+        (the state to return to on failure), taken here if not given."""
         if self.pending == 0:
             raise ServiceError(409, "optim_step: no gradient accumulated (call forward_backward first)")
         self.ready()
@@ -103,7 +105,8 @@ class Session:
         if not math.isfinite(norm):
             self.drop_grads()
             raise ServiceError(422, f"optim_step: gradient norm is {norm}; step refused, gradient dropped")
-        before = self.state_tensors()
+        if before is None:
+            before = self.state_tensors()
         try:
             if adam.grad_clip_norm > 0:
                 torch.nn.utils.clip_grad_norm_(self.params, adam.grad_clip_norm,
@@ -120,16 +123,18 @@ class Session:
         return {"grad_norm": norm, "step": float(self.step)}
 
     # ------------------------------------------------------------------ (de)serialisation
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        """Adapter weights and AdamW state as flat named tensors (copies)."""
+    def state_tensors(self, copy: bool = True) -> dict[str, torch.Tensor]:
+        """Adapter weights and AdamW state as flat named tensors: copies, or with `copy=False` the live tensors
+        (detached; for writing them out at once, before anything changes them)."""
         self.ready()
-        out = {f"adapter/{n}": p.detach().clone() for n, p in zip(self.names, self.params)}
+        own = (lambda t: t.detach().clone()) if copy else (lambda t: t.detach())
+        out = {f"adapter/{n}": own(p) for n, p in zip(self.names, self.params)}
         for i, p in enumerate(self.params):
             st = self.optimizer.state.get(p)
             if st:
-                out[f"adam/{self.names[i]}/step"] = torch.as_tensor(st["step"]).detach().clone().reshape(1)
-                out[f"adam/{self.names[i]}/exp_avg"] = st["exp_avg"].detach().clone()
-                out[f"adam/{self.names[i]}/exp_avg_sq"] = st["exp_avg_sq"].detach().clone()
+                out[f"adam/{self.names[i]}/step"] = own(torch.as_tensor(st["step"])).reshape(1)
+                out[f"adam/{self.names[i]}/exp_avg"] = own(st["exp_avg"])
+                out[f"adam/{self.names[i]}/exp_avg_sq"] = own(st["exp_avg_sq"])
         return out
 
     def load_state_tensors(self, t: dict[str, torch.Tensor]) -> None:
