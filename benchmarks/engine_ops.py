@@ -155,12 +155,14 @@ def main() -> None:
     ap.add_argument("--rows", default=str(OpsConfig.rows),
                     help="prompts decoded together; a comma list also records each count's step (by_rows)")
     ap.add_argument("--decode-batch", type=int, default=OpsConfig.decode_batch)
+    ap.add_argument("--repeats", type=int, default=OpsConfig.repeats,
+                    help="timed generates per row count on CUDA (each ~34 engine steps)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     rows = [int(r) for r in a.rows.split(",")]
     if max(rows) > a.decode_batch:
         ap.error(f"--rows {max(rows)} is over --decode-batch {a.decode_batch} (one decode wave per step)")
-    cfg = OpsConfig(preset=a.preset, device=a.device, rows=rows[0], decode_batch=a.decode_batch)
+    cfg = OpsConfig(preset=a.preset, device=a.device, rows=rows[0], decode_batch=a.decode_batch, repeats=a.repeats)
     torch.manual_seed(0)
     model = K3ForCausalLM(K3Config.preset(cfg.preset)).to(cfg.device).eval()
     if cfg.device == "cuda":

@@ -134,13 +134,13 @@ class LoRAAdapter(nn.Module):
 
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy `<target>.lora_A|B` tensors (e.g. another adapter's `tensors()`) into this adapter, all or nothing."""
-        want = set(self.tensors())
-        got = set(tensors)
+        own = self.tensors()   # once: building it walks every target
+        want, got = set(own), set(tensors)
         if want != got:
             missing, extra = sorted(want - got), sorted(got - want)
             raise LoRAError(f"adapter tensors do not match: missing {missing[:4]}, unexpected {extra[:4]}")
         for k, v in tensors.items():
-            mine = self.tensors()[k]
+            mine = own[k]
             if tuple(v.shape) != tuple(mine.shape):
                 raise LoRAError(f"adapter tensor {k!r} has shape {tuple(v.shape)}, expected {tuple(mine.shape)}")
         with torch.no_grad():
