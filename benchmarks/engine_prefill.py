@@ -97,7 +97,8 @@ def main() -> None:
         print(f"{name}: {r['forwards']} forwards, {r['generate_s_median']:.3f} s, "
               f"alone == mixed: {r['alone_equals_mixed_bitwise']}")
     print(f"speedup {res['speedup']:.2f}x")
-    print(f"wrote {write_results(a.out or ('engine_prefill_h200' if cfg.device == 'cuda' else 'engine_prefill_cpu'), res)}")
+    name = a.out or ("engine_prefill_h200" if cfg.device == "cuda" else "engine_prefill_cpu")
+    print(f"wrote {write_results(name, res)}")
 
 
 if __name__ == "__main__":

@@ -59,8 +59,8 @@ class EngineConfig:
                 continue
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ValueError(f"{f.name}: expected an integer, got {type(v).__name__} ({v!r})")
-        for name in ("page_size", "chunk_size", "checkpoint_interval", "decode_batch", "prefill_batch", "max_step_tokens",
-                     "max_running", "device_pages", "device_states"):
+        for name in ("page_size", "chunk_size", "checkpoint_interval", "decode_batch", "prefill_batch",
+                     "max_step_tokens", "max_running", "device_pages", "device_states"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         for name in ("host_pages", "host_states", "seed"):

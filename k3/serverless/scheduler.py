@@ -1,10 +1,10 @@
 """The service's scheduler: one worker thread runs every model computation; requests queue per session.
 
 Each round takes the kind (forward_backward, forward, optim_step, sample, ...) of the oldest waiting request (a
-one-a-round kind may go before an older batched one for a bounded number of rounds, `_lead`) and
-batches the head requests of that kind of as many sessions as fit (`max_batch_rows` rows), one request per
-session (a session's own requests run in order), except for the read-only kinds (sample, logprobs), where a
-session's consecutive queued requests of the kind join the round too. Who goes first in a full round trades adapter locality against
+one-a-round kind may go before an older batched one for a bounded number of rounds, `_lead`) and batches the head
+requests of that kind of as many sessions as fit (`max_batch_rows` rows), one request per session (a session's own
+requests run in order), except for the read-only kinds (sample, logprobs), where a session's consecutive queued
+requests of the kind join the round too. Who goes first in a full round trades adapter locality against
 fairness: sessions whose optimizer state is resident go before offloaded ones, but a session passed over
 `max_skips` times goes first; among equals the session that has been served the fewest rows goes first (a deficit
 order, which keeps Jain's fairness index near 1 under equal demand). Sessions not scheduled for `offload_after`
@@ -12,9 +12,9 @@ rounds have their optimizer state offloaded to host memory; a queued request for
 asynchronous staging back at once, so the copy overlaps the rounds before it runs.
 
 With `batch_wait_s` > 0 a batched round waits up to that long (from its oldest request or the end of the round
-before, whichever is later) for more sessions' requests of its kind, but only while some other session has been served recently (`RECENT_S`) and has nothing queued (a
-session queued on another kind cannot send this one before that runs): sessions in a closed loop of calls (sample
-turn, answer, next turn) then meet in one round instead of taking turns; a lone session never waits."""
+before, whichever is later) for more sessions' requests of its kind, but only for sessions served recently
+(`RECENT_S`) that can still send one (`_gather`): sessions in a closed loop of calls (sample turn, answer, next
+turn) then meet in one round instead of taking turns; a lone session never waits."""
 from __future__ import annotations
 
 import itertools
@@ -78,6 +78,12 @@ class Scheduler:
         if not self.is_resident(session):
             self.stage(session)
         return req.future
+
+    def counters(self) -> dict:
+        """A consistent copy of the per-kind tallies, the served rows and the round count (for /v1/stats)."""
+        with self._cv:
+            return {"rounds_by_kind": {k: dict(v) for k, v in self.by_kind.items()},
+                    "served_rows": dict(self.served_rows), "rounds": self.round}
 
     def forget(self, session: str) -> None:
         with self._cv:

@@ -59,12 +59,8 @@ def build_app(service: Service) -> FastAPI:
 
     @app.get(f"{API}/stats")
     async def stats():
-        sched = service.scheduler
-        with sched._cv:   # the worker thread updates these under the scheduler's lock
-            by_kind = {k: dict(v) for k, v in sched.by_kind.items()}
-            served = dict(sched.served_rows)
-        return {**service.stats, "sessions": len(service.sessions), "served_rows": served, "rounds": sched.round,
-                "rounds_by_kind": by_kind, "engine": dict(service.engine.stats)}
+        return {**service.stats, "sessions": len(service.sessions), **service.scheduler.counters(),
+                "engine": dict(service.engine.stats)}
 
     # calls that wait for the scheduler run in the thread pool (`_threaded`), never on the event loop
     @app.post(f"{API}/sessions")

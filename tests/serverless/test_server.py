@@ -255,6 +255,7 @@ def test_stats_account_for_the_rounds_and_the_engine_work(server, client):
         assert kinds[kind]["rounds"] >= was["rounds"] + 1 and kinds[kind]["seconds"] > was["seconds"], kind
     assert kinds["sample"]["rows"] >= kinds_before.get("sample", {"rows": 0})["rows"] + 2   # rows = samples
     assert after["engine"]["forwards"] > before["engine"]["forwards"]
-    assert after["engine"]["generated_tokens"] == before["engine"]["generated_tokens"] + 2 * 3   # no stop tokens
+    # no stop tokens: 2 samples x 3 tokens
+    assert after["engine"]["generated_tokens"] == before["engine"]["generated_tokens"] + 2 * 3
     assert after["sample_generate_s"] > before["sample_generate_s"]
     tc.delete()
