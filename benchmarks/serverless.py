@@ -1,9 +1,10 @@
 """Serverless multi-LoRA training under load (loopback): N clients each running GSPO updates of the calculator
 task through `k3 serve`'s client, concurrently vs one after another, in one process.
 
-    python benchmarks/serverless.py            # -> benchmarks/results/serverless.json (CPU figures)
-    python benchmarks/serverless.py --device cuda --preset small --batch-wait-ms 3 --out serverless_h200
+    python benchmarks/serverless.py --max-batch-rows 32         # -> benchmarks/results/serverless_cpu.json
+    python benchmarks/serverless.py --device cuda --preset small   # -> benchmarks/results/serverless.json (H200)
 
+Service settings not given on the command line are ServeConfig's defaults (the engine's: the device's).
 * headline: 8 clients x 5 GSPO updates, concurrent vs the same 8 runs one after another: throughput (samples/s,
   trained tokens/s), p50/p99 latency per call kind, and no cross-talk (every adapter after the concurrent run is
   bitwise equal to its run alone);
@@ -16,7 +17,9 @@ written after every phase)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import contextlib
+import json
 import os
 import statistics
 import subprocess
@@ -36,6 +39,7 @@ from benchmarks._results import run_header, write_results  # noqa: E402
 from k3.envs import CalculatorEnv  # noqa: E402
 from k3.jobs.config import JobConfig  # noqa: E402
 from k3.serverless.client import ServiceClient  # noqa: E402
+from k3.serverless.config import ServeConfig  # noqa: E402
 from k3.serverless.job import gspo_update  # noqa: E402
 
 
@@ -187,11 +191,16 @@ def served(config: Path, port: int, log: Path, moe: str = "fused"):
         out.close()
 
 
-def engine_table(args) -> str:
-    """The serve config's [engine] table for the engine settings given on the command line (none: defaults)."""
-    given = {k: v for k, v in (("decode_batch", args.decode_batch), ("prefill_batch", args.prefill_batch),
-                               ("max_step_tokens", args.max_step_tokens)) if v}
-    return "[engine]\n" + "".join(f"{k} = {v}\n" for k, v in given.items()) if given else ""
+def serve_toml(args, port: int, data_dir: str) -> str:
+    """The server's config file: the benchmark's own settings, then the service settings given on the command line
+    (the others keep ServeConfig's defaults, the device's engine defaults included)."""
+    top = {"port": port, "data_dir": data_dir, "max_sessions": 64, "device": args.device, "preset": args.preset,
+           "keep_samplers": 2, "max_batch_rows": args.max_batch_rows, "batch_wait_ms": args.batch_wait_ms}
+    engine = {"decode_batch": args.decode_batch, "prefill_batch": args.prefill_batch,
+              "max_step_tokens": args.max_step_tokens}
+    lines = [f"{k} = {json.dumps(v)}" for k, v in top.items() if v is not None]
+    given = [f"{k} = {v}" for k, v in engine.items() if v is not None]
+    return "\n".join(lines + (["[engine]", *given] if given else [])) + "\n"
 
 
 def weight_diff(a: dict, b: dict) -> float:
@@ -208,21 +217,25 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--preset", default="tiny", help="K3Config preset of the served base (tiny, small)")
     ap.add_argument("--lora-rank", type=int, default=8)
-    ap.add_argument("--batch-wait-ms", type=int, default=0, help="ServeConfig.batch_wait_ms of the server")
-    ap.add_argument("--max-batch-rows", type=int, default=32)
-    ap.add_argument("--decode-batch", type=int, default=0,
-                    help="the server engine's EngineConfig.decode_batch (0: ServeConfig's default)")
-    ap.add_argument("--prefill-batch", type=int, default=0,
-                    help="the server engine's EngineConfig.prefill_batch (0: ServeConfig's default)")
-    ap.add_argument("--max-step-tokens", type=int, default=0,
-                    help="the server engine's EngineConfig.max_step_tokens (0: ServeConfig's default)")
+    ap.add_argument("--batch-wait-ms", type=int, default=None,
+                    help="ServeConfig.batch_wait_ms of the server (default: ServeConfig's)")
+    ap.add_argument("--max-batch-rows", type=int, default=None,
+                    help="ServeConfig.max_batch_rows (default: ServeConfig's; 32 bounds the CPU's autograd memory "
+                         "to ~3 GB)")
+    ap.add_argument("--decode-batch", type=int, default=None,
+                    help="the server engine's EngineConfig.decode_batch (default: the device's, ServeConfig)")
+    ap.add_argument("--prefill-batch", type=int, default=None,
+                    help="the server engine's EngineConfig.prefill_batch (default: the device's, ServeConfig)")
+    ap.add_argument("--max-step-tokens", type=int, default=None,
+                    help="the server engine's EngineConfig.max_step_tokens (default: the device's, ServeConfig)")
     ap.add_argument("--budget-s", type=float, default=0.0, help="skip sweep points starting after this (0: none)")
     ap.add_argument("--server-log", default=None, help="where the server's output goes (default: a temp file)")
     ap.add_argument("--wait-file", default=None, help="after the warm-up, wait (up to 120 s) until this file exists "
                     "(another job sharing the GPU, e.g. a test run, signals its end), so it overlaps no measurement")
     ap.add_argument("--server-moe", default="fused", choices=("fused", "torch"),
                     help="the server's MoE: ops' choice (k3_kernels.moe on CUDA) or the torch loop")
-    ap.add_argument("--out", default="serverless")
+    ap.add_argument("--out", default=None, help="results name or path (default: serverless on CUDA, "
+                    "serverless_cpu on CPU)")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("K3_CPU_THREADS", "1")))
     t_start = time.perf_counter()
@@ -233,22 +246,21 @@ def main() -> None:
               + "; samples = episodes sampled (multi-turn), trained tokens = tokens with weight > 0 in "
                 "forward_backward",
               "workload": {"tasks_per_update": 2, "group_size": 4, "max_turn_tokens": 8, "lora_rank": args.lora_rank,
-                           "loss": "gspo", "preset": args.preset, "max_batch_rows": args.max_batch_rows,
-                           "batch_wait_ms": args.batch_wait_ms, "decode_batch": args.decode_batch or None,
-                           "prefill_batch": args.prefill_batch or None, "max_step_tokens": args.max_step_tokens or None,
-                           "device": args.device, "server_moe": args.server_moe,
+                           "loss": "gspo", "preset": args.preset, "device": args.device,
+                           "server_moe": args.server_moe,
                            "server": "k3 serve subprocess" + (", 1 torch thread" if args.device == "cpu" else "")}}
+    out = args.out or ("serverless" if args.device == "cuda" else "serverless_cpu")
     with tempfile.TemporaryDirectory() as tmp:
         import socket
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         # the server in its own process (`k3 serve`, as deployed): the clients' Python work here does not take
-        # the server's GIL. max_batch_rows bounds a packed forward/backward's autograd memory (32: ~3 GB on CPU)
-        (Path(tmp) / "serve.toml").write_text(
-            f'port = {port}\ndata_dir = "{tmp}/data"\nmax_sessions = 64\nmax_batch_rows = {args.max_batch_rows}\n'
-            f'device = "{args.device}"\npreset = "{args.preset}"\nbatch_wait_ms = {args.batch_wait_ms}\n'
-            f'keep_samplers = 2\n' + engine_table(args))
+        # the server's GIL
+        (Path(tmp) / "serve.toml").write_text(serve_toml(args, port, f"{tmp}/data"))
+        served_cfg = ServeConfig.from_toml(Path(tmp) / "serve.toml")
+        result["workload"].update(max_batch_rows=served_cfg.max_batch_rows, batch_wait_ms=served_cfg.batch_wait_ms,
+                                  engine=dataclasses.asdict(served_cfg.engine_config()))
         log = Path(args.server_log) if args.server_log else Path(tmp) / "server.log"
         with served(Path(tmp) / "serve.toml", port, log, args.server_moe) as url:
             t0 = time.perf_counter()
@@ -264,7 +276,7 @@ def main() -> None:
             seeds = [100 + i for i in range(args.clients)]
             seq = scenario(url, seeds, args.updates, concurrent=False, rank=args.lora_rank)
             print(f"one after another: {seq['wall_s']:.1f} s, {seq['samples_per_s']:.2f} samples/s", flush=True)
-            write_results(args.out, {**result, "one_after_another": {k: v for k, v in seq.items() if k != "_weights"},
+            write_results(out, {**result, "one_after_another": {k: v for k, v in seq.items() if k != "_weights"},
                                      "partial": "the concurrent phase did not finish"})
             conc = scenario(url, seeds, args.updates, concurrent=True, rank=args.lora_rank)
             print(f"concurrent:        {conc['wall_s']:.1f} s, {conc['samples_per_s']:.2f} samples/s", flush=True)
@@ -279,7 +291,7 @@ def main() -> None:
                            "max_abs_weight_diff_vs_one_after_another": max(diffs.values()), "sweep": []})
             print(f"speedup {result['speedup_samples_per_s']:.2f}x samples/s; no cross-talk: {not mismatched} "
                   f"(max weight diff {max(diffs.values()):.3g})", flush=True)
-            write_results(args.out, result)
+            write_results(out, result)
             for n in [int(x) for x in args.sweep.split(",") if x]:
                 if args.budget_s and time.perf_counter() - t_start > args.budget_s:
                     result.setdefault("sweep_skipped", []).append(n)
@@ -292,9 +304,9 @@ def main() -> None:
                 print(f"{n:>3} sessions: {r['samples_per_s']:.2f} samples/s "
                       f"({r['speedup_vs_one_at_a_time']:.2f}x one-at-a-time), Jain {r['jain_fairness']:.3f}",
                       flush=True)
-                write_results(args.out, result)
+                write_results(out, result)
     result["total_s"] = time.perf_counter() - t_start
-    print(f"wrote {write_results(args.out, result)}")
+    print(f"wrote {write_results(out, result)}")
 
 
 if __name__ == "__main__":

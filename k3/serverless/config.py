@@ -10,6 +10,20 @@ from pathlib import Path
 from k3.rollout import EngineConfig
 
 
+def engine_defaults(device: str) -> EngineConfig:
+    """The service's engine on `device` ('cpu' or 'cuda'). Both: the prefix cache spills KV pages and KDA states to
+    a host tier as large as the device one. On CUDA, concurrent sessions' requests meet in the engine: decode steps
+    of 64 rows and prefill forwards of 8 segments (a GEMM of fixed shape gives a row the same bits wherever it sits,
+    so every session's tokens stay those it gets alone), up to 1024 tokens a step; on the H200 these took the 8-client
+    load test from 1.50x to 3.92x one-after-another (k3/serverless/NOTES.md). On CPU the padded rows would cost
+    compute, so decode and prefill keep the engine's own defaults."""
+    base = EngineConfig(chunk_size=32, checkpoint_interval=64, max_running=64, device_pages=2048, host_pages=2048,
+                        device_states=128, host_states=128)
+    if device == "cuda":
+        return dataclasses.replace(base, decode_batch=64, prefill_batch=8, max_step_tokens=1024)
+    return base
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     host: str = "127.0.0.1"          # loopback unless told otherwise
@@ -32,19 +46,30 @@ class ServeConfig:
     max_batch_rows: int = 64         # rows in one packed forward/backward (bounds the autograd memory)
     offload_after: int = 4           # scheduler rounds without a session's request before its optimizer state moves to host
     max_skips: int = 2               # rounds a waiting session may be passed over for locality before it goes first
-    batch_wait_ms: int = 0           # a batched round waits up to this long for more sessions' requests of its kind
+    batch_wait_ms: int = 50          # a batched round waits up to this long for more sessions' requests of its kind
+                                     # (only for sessions served lately that can still send: a lone session never waits)
     keep_samplers: int = 8           # sampler snapshots kept per session (older ones and their files are removed)
     create_key_sha256: str = ""      # if set, creating a session needs the key whose SHA-256 this is
-    # the engine's prefix cache spills KV pages and KDA states to a host tier as large as the device one
-    engine: EngineConfig = field(default_factory=lambda: EngineConfig(chunk_size=32, checkpoint_interval=64,
-                                                                       max_running=64, device_pages=2048,
-                                                                       host_pages=2048, device_states=128,
-                                                                       host_states=128))
+    # None: the resolved device's defaults (`engine_defaults`); a TOML [engine] table overrides fields of those
+    engine: EngineConfig | None = None
+
+    def resolved_device(self) -> str:
+        """'cuda' or 'cpu': what `device` ('auto' included) names on this machine."""
+        if self.device != "auto":
+            return self.device
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def engine_config(self) -> EngineConfig:
+        """The engine settings the service runs with: `engine` if given, else the device's defaults."""
+        return self.engine if self.engine is not None else engine_defaults(self.resolved_device())
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.name == "engine":
+                if v is None:
+                    continue
                 try:
                     v.validate()
                 except ValueError as e:
@@ -85,7 +110,7 @@ class ServeConfig:
             bad = [k for k in eng if k not in eknown]
             if bad:
                 raise ValueError(f"engine.{bad[0]}: unknown setting")
-            raw["engine"] = dataclasses.replace(cls().engine, **eng)
+            raw["engine"] = dataclasses.replace(cls(device=raw.get("device", "auto")).engine_config(), **eng)
         if "lora_targets" in raw:
             raw["lora_targets"] = tuple(raw["lora_targets"])
         cfg = cls(**raw)

@@ -41,8 +41,7 @@ class Service:
         self.config = config
         if config.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device: 'cuda' was asked for but torch sees no CUDA device")
-        auto = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(auto if config.device == "auto" else config.device)
+        self.device = torch.device(config.resolved_device())
         if config.base_dir:
             model = K3ForCausalLM.from_pretrained(config.base_dir)
         else:
@@ -52,7 +51,7 @@ class Service:
         self.model.requires_grad_(False)
         self.vocab = self.model.config.vocab_size
         self.manager = LoRAManager(self.model)
-        self.engine = Engine(self.model, prefix_cache=True, config=config.engine)
+        self.engine = Engine(self.model, prefix_cache=True, config=config.engine_config())
         self.store = Store(config.data_dir)
         self.sessions: dict[str, Session] = {}
         self.samplers: dict[str, str] = {}       # sampler id -> owning session (loaded or not)

@@ -251,3 +251,22 @@ def test_return_routed_experts_must_be_a_bool(server):
     s = service.authorize_sampler(sampler, tc.api_key)
     _refused(lambda: service.sample(sampler, s, [1, 2], 1, {"max_tokens": 2}, return_routed_experts="yes"), 400,
              "return_routed_experts")
+
+
+def test_engine_defaults_follow_the_device_and_a_toml_engine_table_overrides_fields_of_them(tmp_path):
+    """On CUDA the service's engine batches decode (64 rows) and prefill (8 segments) so that concurrent sessions meet
+    in one forward; on CPU those padded rows would only cost compute. A TOML [engine] table changes the fields it
+    names and keeps the device's defaults for the rest."""
+    from k3.serverless.config import ServeConfig, engine_defaults
+
+    cpu, cuda = engine_defaults("cpu"), engine_defaults("cuda")
+    assert (cuda.decode_batch, cuda.prefill_batch, cuda.max_step_tokens) == (64, 8, 1024)
+    assert cpu.prefill_batch == 1 and cpu.decode_batch < cuda.decode_batch
+    assert ServeConfig(device="cuda").engine_config() == cuda
+    assert ServeConfig(device="cpu").engine_config() == cpu
+    path = tmp_path / "serve.toml"
+    path.write_text('device = "cuda"\n[engine]\ndecode_batch = 16\n')
+    eng = ServeConfig.from_toml(path).engine_config()
+    assert (eng.decode_batch, eng.prefill_batch, eng.max_step_tokens) == (16, 8, 1024)
+    path.write_text('device = "cpu"\n[engine]\nmax_running = 8\n')
+    assert ServeConfig.from_toml(path).engine_config() == dataclasses.replace(cpu, max_running=8)
