@@ -277,7 +277,10 @@ def main() -> None:
     elif "fused_recurrent_kda" in old:
         res["fused_recurrent_kda"] = old["fused_recurrent_kda"]
     names = _arg("--rows", ",".join(ROWS)).split(",") if _arg("--rows") != "none" else []
-    rows = res["chunk_kda"] = [r for r in old.get("chunk_kda", []) if "row" in r and r["row"] not in names]
+    # the merged file's named rows stay until this run replaces them (a call killed mid-row keeps them all); each
+    # row names the commit it was measured at (rows from before that field: the merged file's header commit)
+    rows = res["chunk_kda"] = [{**r, "commit": r.get("commit", old.get("commit"))}
+                               for r in old.get("chunk_kda", []) if "row" in r]
     for key, value in old.items():  # the merged file's other entries (earlier sessions' figures) stay as they were
         if key not in res and key != "chunk_kda":
             res[key] = value
@@ -286,7 +289,6 @@ def main() -> None:
     for name in names:
         if time.time() - start > budget:
             print("budget: not started", name, flush=True)
-            rows.extend(r for r in old.get("chunk_kda", []) if r.get("row") == name)  # keep its earlier figures
             continue
         xs, do, cu, params, T, heads = row_inputs(name)
         try:
@@ -297,8 +299,9 @@ def main() -> None:
             row = dict(row=name, T=T, heads=heads, error=str(e)[:200])
         if cu is not None:
             row["varlen"] = cu.tolist()
+        row["commit"] = res["commit"]
         print("kda", row, flush=True)
-        rows.append(row)
+        rows[:] = [r for r in rows if r["row"] != name] + [row]
         save()
         del xs, do
         torch.cuda.empty_cache()
