@@ -20,58 +20,23 @@ import contextlib
 import dataclasses
 import itertools
 import math
-from dataclasses import dataclass, field
 
 import torch
 
 from k3.model import K3ForCausalLM
+from k3.rollout.admission import Admission
 from k3.rollout.config import EngineConfig, PrefixMatch, RequestFailed
 from k3.rollout.pools import TieredPool
-from k3.rollout.radix import Node, RadixTree, common_prefix
+from k3.rollout.radix import Node, RadixTree
 from k3.rollout.sampler import sample, sample_generator
 from k3.rollout.spec.decode import SpecDecoder
-from k3.rollout.types import (KIND_DECODE, KIND_PREFILL_END, Completion, Prompt, SamplingParams,
-                              checked_requests, key_kind, key_len, key_token, make_key)
+from k3.rollout.sequence import GenRequest, RunningSeq
+from k3.rollout.types import (KIND_DECODE, KIND_PREFILL_END, Completion, SamplingParams, checked_requests,
+                              key_kind, key_len, key_token, make_key)
 from k3.rollout.view import PoolView
 
 
-@dataclass(eq=False)
-class _Request:
-    rid: int
-    prompt: Prompt
-    key: list[int]
-    params: SamplingParams
-    seed: int
-    scope: tuple
-    version: int
-    samples: list["_Seq"] = field(default_factory=list)
-    done: list[Completion | None] = field(default_factory=list)
-    hit: int = 0
-
-
-@dataclass(eq=False)
-class _Seq:
-    req: _Request
-    index: int
-    key: list[int]                 # fed key elements [0, pos) + pending ones
-    pos: int
-    bt: list[int]                  # page ids for positions [0, pos) (+ the page being written)
-    state: int
-    gen: torch.Generator
-    branch_at: set[int] = field(default_factory=set)
-    out_tokens: list[int] = field(default_factory=list)
-    out_logprobs: list[float] = field(default_factory=list)
-    out_slogprobs: list[float] = field(default_factory=list)
-    out_routing: list[torch.Tensor] = field(default_factory=list)
-    sampling: bool = False         # past the prompt: logits at the end of each step are sampled
-    unpinned: set[int] = field(default_factory=set)  # pages of `bt` retained but not pinned yet (admission)
-
-    @property
-    def pending(self) -> int:
-        return len(self.key) - self.pos
-
-
-class Engine:
+class Engine(Admission):
     """`generate(prompts, sampling)` -> one Completion per sample (prompt-major: prompt 0's n samples first).
 
     prefix_cache=False computes every request from scratch (turn resumes recompute their history with the
@@ -118,7 +83,7 @@ class Engine:
         self.states.reclaimer = lambda tier: self._reclaim(self.states, tier, leaves_only=False)
         self._rids = itertools.count()
         self._seeds = torch.Generator().manual_seed(cfg.seed)
-        self.running: list[_Seq] = []
+        self.running: list[RunningSeq] = []
         self.check_each_step = False   # tests: verify tree and pool invariants after every step
         self.stats = {"requests": 0, "prompt_tokens": 0, "hit_tokens": 0, "prefix_tokens": 0, "computed_tokens": 0,
                       "recomputed_tokens": 0, "resumes": 0, "resume_recomputed_tokens": 0, "generated_tokens": 0,
@@ -161,7 +126,7 @@ class Engine:
                                 f"{sum(len(r.samples) for r in reqs)} sequences were released") from e
         return [c for r in reqs for c in r.done]
 
-    def _requests(self, prompts, sampling) -> list[_Request]:
+    def _requests(self, prompts, sampling) -> list[GenRequest]:
         """Every request checked and keyed, before any is admitted: a bad one fails the call with nothing done."""
         mc = self.model.config
         reqs = []
@@ -170,7 +135,7 @@ class Engine:
                                               limit="the model's max_position_embeddings",
                                               check_adapter=self._check_adapter):
             self._check_fits(pr, sp, where)
-            reqs.append(_Request(next(self._rids), pr, pr.key(self.cfg.chunk_size), sp, 0,
+            reqs.append(GenRequest(next(self._rids), pr, pr.key(self.cfg.chunk_size), sp, 0,
                                  (sp.adapter_id, self.version), self.version, done=[None] * sp.n))
         return reqs
 
@@ -285,156 +250,9 @@ class Engine:
             for p in s.bt:
                 assert self.pages.items[p].tier == "device", "a running sample's page is not on the device"
 
-    # ------------------------------------------------------------------ admission
-    def _pages_for(self, n_tokens: int) -> int:
-        return math.ceil(n_tokens / self.cfg.page_size) + 1
-
-    def _need(self, req: _Request) -> tuple[int, int]:
-        n = req.params.n
-        return n * self._pages_for(len(req.key) + req.params.max_tokens), n
-
-    def _check_fits(self, pr: Prompt, sp: SamplingParams, where: str) -> None:
-        pages = sp.n * self._pages_for(len(pr) + sp.max_tokens)
-        if pages + 1 > self.cfg.device_pages:
-            raise ValueError(f"{where}: needs {pages} MLA pages (n={sp.n}, {len(pr)} prompt + {sp.max_tokens} new "
-                             f"tokens) but device_pages is {self.cfg.device_pages}")
-        if sp.n + 1 > self.cfg.device_states:
-            raise ValueError(f"{where}: n={sp.n} samples need {sp.n + 1} KDA state slots, device_states is "
-                             f"{self.cfg.device_states}")
-
-    def _admit_waiting(self, waiting: list[_Request]) -> None:
-        """Admit waiting requests in order while they fit; one held back for a shared prefix that a running
-        sequence is computing is passed over, not waited behind (the requests after it, other sessions' calls
-        say, start now and prefill beside it)."""
-        i = 0
-        while i < len(waiting) and self._can_admit(waiting[i]):
-            if self._wait_for_shared_prefix(waiting[i]):
-                i += 1
-            else:
-                self._admit(waiting.pop(i))
-
-    def _can_admit(self, req: _Request) -> bool:
-        """Room for all n samples at full length beside the running ones (one spare slot for checkpoint copies);
-        a request that fits the budgets alone is always admitted into an idle engine."""
-        if not self.running:
-            return True
-        pages, states = self._need(req)
-        used_pages = sum(self._pages_for(len(s.key) + s.req.params.max_tokens - len(s.out_tokens))
-                         for s in self.running)
-        return (len(self.running) + req.params.n <= self.cfg.max_running
-                and used_pages + pages + 1 <= self.cfg.device_pages
-                and len(self.running) + states + 1 <= self.cfg.device_states)
-
-    def _wait_for_shared_prefix(self, req: _Request) -> bool:
-        """In-batch prefix sharing: when a running sequence of the same scope is still computing a prefix of at
-        least `chunk_size` tokens that `req` shares beyond what the cache holds (requests of one call that share a
-        system prompt, say), mark that prefix's end for a checkpoint and hold `req` back until it exists; `req` then
-        reuses it instead of computing it again. Outputs do not change (the cache is transparent, rows are batch
-        invariant); only when requests start does."""
-        if not self.prefix_cache:
-            return False
-        want = self._tree_key(req.key)
-        hit = self.tree.match(req.scope, want, touch=False).hit
-        for s in self.running:
-            if s.req.scope != req.scope:
-                continue
-            # the last prompt token is always computed by its own request
-            n = min(common_prefix(want, self._tree_key(s.key)), len(want) - 1)
-            e = self._segment_end_at_or_before(s.key, n)
-            if e - hit >= self.cfg.chunk_size and s.pos < e:
-                s.branch_at.add(e)
-                return True
-        return False
-
-    def _tree_key(self, key: list[int]) -> list[int]:
-        """What the prefix tree is keyed by: the key itself (exact mode) or its token ids (token mode)."""
-        return [key_token(k) for k in key] if self.match_tokens else key
-
-    def _key_resuming_at(self, prompt: Prompt, h: int) -> list[int]:
-        """The prompt's key with a segment boundary at `h` (token mode: a hit may end inside one of the prompt's
-        prefill chunks; the rest is computed from there, in chunks aligned as usual)."""
-        spans, i = [], 0
-        for n, kind in prompt.spans:
-            spans += [(h - i, kind), (i + n - h, kind)] if i < h < i + n else [(n, kind)]
-            i += n
-        return Prompt(prompt, spans).key(self.cfg.chunk_size)
-
-    def _admit(self, req: _Request) -> None:
-        key, L = req.key, len(req.key)
-        self.stats["requests"] += 1
-        self.stats["prompt_tokens"] += L
-        node, prefix = None, 0
-        if self.prefix_cache:
-            m = self.tree.match(req.scope, self._tree_key(key), usable=lambda n: n.end < L or n.extra is not None)
-            node, prefix = m.node, m.prefix
-        hit = node.end if node is not None else 0
-        if self.match_tokens and 0 < hit < L:
-            key = self._key_resuming_at(req.prompt, hit)
-        req.hit = hit
-        self.stats["hit_tokens"] += hit
-        self.stats["prefix_tokens"] += prefix
-        # tokens this engine computed before (in the tree's path, or by the previous turn) but computes again
-        self.stats["recomputed_tokens"] += max(0, max(prefix, req.prompt.parent_len) - hit)
-        if req.prompt.parent_len:
-            self.stats["resumes"] += 1
-            self.stats["resume_recomputed_tokens"] += max(0, req.prompt.parent_len - hit)
-        # Order matters for failure isolation: the path's pages are retained first (so nothing the state copy
-        # evicts can free them), the sequence joins `running` as soon as it holds a state (an abort then releases
-        # all it holds), and pins come last.
-        bt = self._path_pages(node) if node is not None else []
-        for p in bt:
-            self.pages.incref(p)
-        try:
-            if node is not None:
-                state = self.states.copy(node.state)   # copy on write: the tree's checkpoint stays as it was
-            else:
-                state = self.states.alloc()
-                self.states.dev["rec"][self.states.slot(state)].zero_()
-                self.states.dev["conv"][self.states.slot(state)].zero_()
-        except BaseException:
-            for p in bt:
-                self.pages.decref(p)
-            raise
-        seq = _Seq(req, 0, list(key), hit, list(bt), state, sample_generator(req.seed, 0), unpinned=set(bt))
-        req.samples.append(seq)
-        self.running.append(seq)
-        for p in bt:
-            self.pages.pin(p)
-            seq.unpinned.discard(p)
-        if self.prefix_cache and hit < prefix < L:
-            e = self._segment_end_at_or_before(key, prefix)
-            if e > hit:
-                seq.branch_at.add(e)  # the prefix forks here: checkpoint it on the way
-        if hit == L:  # the whole prompt is cached, with the logits of its last position
-            logits, routing = node.extra
-            self._start_sampling(seq, logits, routing)
-
-    @staticmethod
-    def _segment_end_at_or_before(key: list[int], e: int) -> int:
-        pos = 0
-        while pos + key_len(key[pos]) <= e:
-            pos += key_len(key[pos])
-            if pos == len(key):
-                break
-        return pos
-
-    def _path_pages(self, node: Node) -> list[int]:
-        path = []
-        while node is not None and node.parent is not None:
-            path.append(node)
-            node = node.parent
-        table: list[int] = []
-        P = self.cfg.page_size
-        for n in reversed(path):
-            base = n.start // P
-            del table[base:]
-            table.extend(n.pages)
-            assert len(table) == math.ceil(n.end / P)
-        return table
-
     # ------------------------------------------------------------------ stepping
     @staticmethod
-    def _next_segment(s: _Seq) -> int:
+    def _next_segment(s: RunningSeq) -> int:
         """Tokens in `s`'s next segment (1 for a decode token), as recorded in its key."""
         return key_len(s.key[s.pos])
 
@@ -442,7 +260,7 @@ class Engine:
         active = [s for s in self.running if s.pending > 0]
         decode = [s for s in active if key_kind(s.key[s.pos]) == KIND_DECODE]
         budget = self.cfg.max_step_tokens - len(decode)
-        prefill: list[tuple[_Seq, int]] = []
+        prefill: list[tuple[RunningSeq, int]] = []
         for s in active:
             if key_kind(s.key[s.pos]) == KIND_DECODE:
                 continue
@@ -465,7 +283,7 @@ class Engine:
             return
         # segments at the same (position, length) share forwards of P rows: the attention length and the KDA
         # state's presence follow from the position, so each row's shapes are those it would have alone
-        same_place: dict[tuple[int, int], list[_Seq]] = {}
+        same_place: dict[tuple[int, int], list[RunningSeq]] = {}
         for s, t in prefill:
             same_place.setdefault((s.pos, t), []).append(s)
         for (_, t), seqs in same_place.items():
@@ -473,7 +291,7 @@ class Engine:
                 group = seqs[i:i + P]
                 self._forward(group + [None] * (P - len(group)), t)
 
-    def _prepare_pages(self, s: _Seq, T: int) -> None:
+    def _prepare_pages(self, s: RunningSeq, T: int) -> None:
         """Pages for positions [pos, pos+T): allocated if missing, copied if shared (copy on write)."""
         P = self.cfg.page_size
         for j in range(s.pos // P, math.ceil((s.pos + T) / P)):
@@ -485,7 +303,7 @@ class Engine:
                 self.pages.unpin(old)
                 self.pages.decref(old)
 
-    def _forward(self, rows: list[_Seq | None], T: int) -> None:
+    def _forward(self, rows: list[RunningSeq | None], T: int) -> None:
         real = [r for r in rows if r is not None]
         for s in real:
             self._prepare_pages(s, T)
@@ -513,7 +331,7 @@ class Engine:
             self.stats["computed_tokens"] += T
             self._after_segment(s, logits[b], routing[b])
 
-    def _adapters_for(self, rows: list[_Seq | None]):
+    def _adapters_for(self, rows: list[RunningSeq | None]):
         """Each row's own adapter (dummy seats: the base) for one forward; the base alone when no row has one."""
         lora = self.lora
         if lora is None or lora.merged is not None:   # the served weights are the whole model
@@ -521,7 +339,7 @@ class Engine:
         names = [None if r is None else r.req.params.adapter_id for r in rows]
         return lora.use(names if any(names) else None)
 
-    def _after_segment(self, s: _Seq, logits: torch.Tensor, routing: torch.Tensor) -> None:
+    def _after_segment(self, s: RunningSeq, logits: torch.Tensor, routing: torch.Tensor) -> None:
         last_kind = key_kind(s.key[s.pos - 1])
         if self.prefix_cache:
             prompt_end = last_kind == KIND_PREFILL_END
@@ -534,7 +352,7 @@ class Engine:
             else:
                 self._sample_next(s, logits, routing)
 
-    def _checkpoint(self, s: _Seq, extra) -> None:
+    def _checkpoint(self, s: RunningSeq, extra) -> None:
         ck = self.states.copy(s.state)
         self.states.unpin(ck)
         try:
@@ -544,7 +362,7 @@ class Engine:
             raise
         self.stats["checkpoints"] += 1
 
-    def _start_sampling(self, s: _Seq, logits: torch.Tensor, routing: torch.Tensor) -> None:
+    def _start_sampling(self, s: RunningSeq, logits: torch.Tensor, routing: torch.Tensor) -> None:
         """The prompt is done: fork the n samples here (they share the prompt's pages; copy its state)."""
         s.sampling = True
         req = s.req
@@ -552,8 +370,8 @@ class Engine:
             state = self.states.copy(s.state)   # first: if it fails, the sibling holds nothing yet
             for p in s.bt:
                 self.pages.incref(p)
-            sib = _Seq(req, i, list(s.key), s.pos, list(s.bt), state, sample_generator(req.seed, i), sampling=True,
-                       unpinned=set(s.bt))
+            sib = RunningSeq(req, i, list(s.key), s.pos, list(s.bt), state, sample_generator(req.seed, i),
+                             sampling=True, unpinned=set(s.bt))
             req.samples.append(sib)
             self.running.append(sib)
             for p in s.bt:
@@ -563,11 +381,11 @@ class Engine:
             if sib.sampling and not sib.out_tokens:
                 self._sample_next(sib, logits, routing)
 
-    def _sample_next(self, s: _Seq, logits: torch.Tensor, routing: torch.Tensor) -> None:
+    def _sample_next(self, s: RunningSeq, logits: torch.Tensor, routing: torch.Tensor) -> None:
         tok, lp, slp = sample(logits, s.req.params, s.gen)
         self._emit(s, tok, lp, slp, routing)
 
-    def _emit(self, s: _Seq, tok: int, lp: float, slp: float, routing: torch.Tensor) -> None:
+    def _emit(self, s: RunningSeq, tok: int, lp: float, slp: float, routing: torch.Tensor) -> None:
         """Append a produced token (sampled, or accepted by speculative verification) and finish on stop/length."""
         p = s.req.params
         s.out_tokens.append(tok)
@@ -582,7 +400,7 @@ class Engine:
         else:
             s.key.append(make_key(tok, 1, KIND_DECODE))
 
-    def _finish(self, s: _Seq, reason: str) -> None:
+    def _finish(self, s: RunningSeq, reason: str) -> None:
         req = s.req
         self.running.remove(s)
         self.states.unpin(s.state)

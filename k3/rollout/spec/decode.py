@@ -29,7 +29,8 @@ from k3.rollout.types import key_token
 from k3_kernels.replay_ssm.naive import naive_conv_roll
 
 if TYPE_CHECKING:
-    from k3.rollout.engine import Engine, _Seq
+    from k3.rollout.engine import Engine
+    from k3.rollout.sequence import RunningSeq
 
 SPEC_STATS = ("spec_verifies", "spec_draft_tokens", "spec_accepted_tokens", "spec_emitted_tokens",
               "spec_scratch_bytes_max")
@@ -49,7 +50,7 @@ class SpecDecoder:
             eng.stats.setdefault(k, 0)
 
     # ------------------------------------------------------------------ drafting
-    def draft_limit(self, s: "_Seq") -> int:
+    def draft_limit(self, s: "RunningSeq") -> int:
         """Draft tokens row `s` may verify now: one short of its remaining budget, and never past the next position
         where plain decoding checkpoints."""
         eng = self.eng
@@ -61,7 +62,7 @@ class SpecDecoder:
             k = min(k, nxt - s.pos - 1)
         return max(k, 0)
 
-    def _propose(self, s: "_Seq", k: int) -> DraftTree:
+    def _propose(self, s: "RunningSeq", k: int) -> DraftTree:
         """Row `s`'s draft: a chain of <= k tokens, or a token tree of depth <= k within the configured shape."""
         if k == 0:
             return DraftTree()
@@ -86,7 +87,7 @@ class SpecDecoder:
         return tree
 
     # ------------------------------------------------------------------ one decode group
-    def step(self, group: list["_Seq"]) -> None:
+    def step(self, group: list["RunningSeq"]) -> None:
         eng = self.eng
         # rows recomputing a history's decode span (prefix cache off, or past its hit) feed known tokens: no draft
         speculating = [s.sampling and s.pending == 1 for s in group]
@@ -183,7 +184,7 @@ def replay_step_inputs(mod, scratch: ReplayScratch, ki: int, window: torch.Tenso
     return tuple(torch.stack(x) for x in (ks, vs, gs, bs))
 
 
-def commit(eng: "Engine", rows: list["_Seq"], scratch: ReplayScratch, n_commit: list[int]) -> None:
+def commit(eng: "Engine", rows: list["RunningSeq"], scratch: ReplayScratch, n_commit: list[int]) -> None:
     """Keep the first n_commit[r] verify positions of row r (its accepted path): ReplaySSM fold of every KDA layer's
     rebuilt step inputs from the committed state (at the decode batch size, rows in the seats they verified in),
     conv windows rolled forward, MLA pages past the new length released."""

@@ -20,7 +20,8 @@ from k3.rollout.spec.scratch import ReplayScratch
 from k3.rollout.view import PoolView
 
 if TYPE_CHECKING:
-    from k3.rollout.engine import Engine, _Seq
+    from k3.rollout.engine import Engine
+    from k3.rollout.sequence import RunningSeq
 
 
 class SpecView(PoolView):
@@ -28,7 +29,7 @@ class SpecView(PoolView):
     KDA reads the committed state (t0 == 0) or this pass's working state, records the step inputs into the
     scratch and never writes the pool."""
 
-    def __init__(self, eng: "Engine", rows: list["_Seq | None"], T: int, t0: int, scratch: ReplayScratch,
+    def __init__(self, eng: "Engine", rows: list["RunningSeq | None"], T: int, t0: int, scratch: ReplayScratch,
                  row_of_seat: list[int | None], working: dict[int, tuple[torch.Tensor, torch.Tensor]]):
         super().__init__(eng, rows, T)
         self.t0, self.scratch, self.working = t0, scratch, working
@@ -61,7 +62,7 @@ class TreeSpecView(SpecView):
     KDA (`kda_tree`): each node's short conv runs over the window along its own path and its recurrence starts from
     its parent's state (k3_kernels.replay_ssm tree verify: inputs only, no state per node); the pool is not written."""
 
-    def __init__(self, eng: "Engine", rows: list["_Seq | None"], T: int, scratch: ReplayScratch,
+    def __init__(self, eng: "Engine", rows: list["RunningSeq | None"], T: int, scratch: ReplayScratch,
                  row_of_seat: list[int | None], parents: list[list[int]]):
         super().__init__(eng, rows, T, 0, scratch, row_of_seat, {})
         self.parents = torch.tensor(parents, dtype=torch.long)
@@ -129,7 +130,7 @@ class VerifyResult:
 
 
 @contextlib.contextmanager
-def _at_positions(rows: list["_Seq"], offset: int):
+def _at_positions(rows: list["RunningSeq"], offset: int):
     """Temporarily place every row at pos0 + offset (PoolView reads `pos` for its page writes and key lengths)."""
     pos0 = [s.pos for s in rows]
     for s, p in zip(rows, pos0):
@@ -141,7 +142,7 @@ def _at_positions(rows: list["_Seq"], offset: int):
             s.pos = p
 
 
-def _verify_forward(eng: "Engine", seats: list["_Seq | None"], row_of_seat: list[int | None], ids: torch.Tensor,
+def _verify_forward(eng: "Engine", seats: list["RunningSeq | None"], row_of_seat: list[int | None], ids: torch.Tensor,
                     t0: int, scratch: ReplayScratch, working: dict, capture):
     """One target forward of verify positions [t0, t0 + ids.shape[1]) for the rows in `seats`."""
     live = [s for s in seats if s is not None]
@@ -153,7 +154,7 @@ def _verify_forward(eng: "Engine", seats: list["_Seq | None"], row_of_seat: list
     return out, feats
 
 
-def verify_walk(eng: "Engine", rows: list["_Seq"], roots: list[int], max_positions: list[int],
+def verify_walk(eng: "Engine", rows: list["RunningSeq"], roots: list[int], max_positions: list[int],
                 advance: Callable[[int, int, torch.Tensor], int | None], capture=None) -> VerifyResult:
     """EXACT verification of chains and token trees, with decode's shapes: forward t feeds every live row's current
     node (t = 0: the pending token `roots[r]`) as a [decode_batch, 1] decode step at position pos + t, so each node
@@ -201,7 +202,7 @@ def verify_walk(eng: "Engine", rows: list["_Seq"], roots: list[int], max_positio
     return VerifyResult(logits, routing, scratch, forwards, features)
 
 
-def verify_batched(eng: "Engine", rows: list["_Seq"], tokens: list[list[int]], capture=None,
+def verify_batched(eng: "Engine", rows: list["RunningSeq"], tokens: list[list[int]], capture=None,
                    parents: list[list[int]] | None = None) -> VerifyResult:
     """BATCHED verification: one [decode_batch, T] forward from the committed states (pages prepared for T
     positions). Chains: `tokens[r]` = the pending token and the draft, causal (rows with shorter drafts repeat
@@ -235,7 +236,7 @@ def verify_batched(eng: "Engine", rows: list["_Seq"], tokens: list[list[int]], c
     return VerifyResult(logits, routing, scratch, 1, features)
 
 
-def keep_path(eng: "Engine", rows: list["_Seq"], res: VerifyResult, order: list[list[int]]) -> None:
+def keep_path(eng: "Engine", rows: list["RunningSeq"], res: VerifyResult, order: list[list[int]]) -> None:
     """After a batched tree verify: bring each row's walked positions `order[r]` (0, then its accepted path's node
     positions) to verify positions 0, 1, ...: the MLA latents in the row's pages (NoPE: a latent does not depend on
     its position), the stored KDA projections, logits, routing and features. The commit then keeps a chain."""
