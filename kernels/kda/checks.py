@@ -6,6 +6,8 @@ import warnings
 
 import torch
 
+from k3_kernels.elementwise import position_invariant
+
 MAX_HEAD_DIM = 256  # fla-core's limit for K (and the widest state tile our kernels are built for)
 MAX_CUDA_HEAD_DIM = 128  # the largest head dim run fwd + bwd on the H200 without a fault (60, 100, 128)
 
@@ -29,10 +31,10 @@ def check_beta_options(use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool)
 def activate_beta(beta: torch.Tensor, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool) -> torch.Tensor:
     """beta as the kernels take it: the given values, or sigmoid(beta) (2 sigmoid(beta) with `allow_neg_eigval`:
     eigenvalues of the transition in (-1, 1]), in fp32 and back to beta's dtype, differentiable, elementwise
-    (deterministic, batch invariant)."""
+    (deterministic; batch invariant on CPU too: `position_invariant`)."""
     if not use_beta_sigmoid_in_kernel:
         return beta
-    b = torch.sigmoid(beta.float())
+    b = position_invariant(torch.sigmoid, beta.float())
     return (2. * b if allow_neg_eigval else b).to(beta.dtype)
 
 
