@@ -131,7 +131,9 @@ class Admission:
             if e > hit:
                 seq.branch_at.add(e)  # the prefix forks here: checkpoint it on the way
         if hit == L:  # the whole prompt is cached, with the logits of its last position
-            logits, routing = node.extra
+            logits, routing, feat = node.extra
+            if feat is not None and self.spec is not None:
+                self.spec.prompt_features[req] = feat
             self._start_sampling(seq, logits, routing)
 
     @staticmethod

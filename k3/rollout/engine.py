@@ -314,9 +314,12 @@ class Engine(Admission):
         ids = torch.tensor([[0] * T if r is None else [key_token(k) for k in r.key[r.pos:r.pos + T]] for r in rows],
                            dtype=torch.long, device=self.device)
         view = PoolView(self, rows, T)
-        with self._adapters_for(rows):
+        capture = self.spec.prefill_capture(rows, T) if self.spec is not None else None
+        with self._adapters_for(rows), capture or contextlib.nullcontext():
             out = self.model(ids, view, return_routed_experts=True)
         self.stats["forwards"] += 1
+        if capture is not None:   # the trained drafter's features of the prompts ending here
+            self.spec.keep_prompt_features(rows, T, capture)
         # the last position's logits and routed experts of every row in one device-to-host copy each: sampling
         # and the recorded routing read them on the host, row by row (one copy and sync per row made a decode
         # step's host time grow with its rows on CUDA); the values are the device's (fp32 of the logits' dtype)
@@ -344,7 +347,10 @@ class Engine(Admission):
         if self.prefix_cache:
             prompt_end = last_kind == KIND_PREFILL_END
             if prompt_end or s.pos % self.cfg.checkpoint_interval == 0 or s.pos in s.branch_at:
-                extra = (logits.detach().clone(), routing.detach().clone()) if prompt_end else None
+                extra = None
+                if prompt_end:   # a hit on the whole prompt samples from these (and drafts from the features)
+                    feat = self.spec.prompt_features.get(s.req) if self.spec is not None else None
+                    extra = (logits.detach().clone(), routing.detach().clone(), feat)
                 self._checkpoint(s, extra)
         if s.pending == 0:
             if not s.sampling:

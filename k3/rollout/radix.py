@@ -23,7 +23,7 @@ class Node:
     children: dict[int, "Node"] = field(default_factory=dict)
     pages: list[int] = field(default_factory=list)
     state: int | None = None
-    extra: Any = None            # (logits, routing) at end-1 for prompt-end checkpoints
+    extra: Any = None            # (logits, routing, drafter features or None) at end-1 for prompt-end checkpoints
     last_access: int = 0
 
     @property

@@ -67,3 +67,34 @@ def test_drafter_path_errors_are_named(model, tmp_path):
         load_drafter(tmp_path, model)
     with pytest.raises(ValueError, match="drafter.steps"):
         DrafterTrainConfig(steps=0).validate()
+
+
+def test_first_decode_step_drafts_from_the_prompt_features(model, trained):
+    """The first decode step of a turn drafts from the prompt's last-position features (captured by the prefill,
+    kept with a whole-prompt cache entry): with max_tokens 3 the only speculative step is that one (draft limit 1),
+    so every row drafts exactly one token, on a fresh prefill and again on a hit on the whole prompt, and the
+    output stays bitwise plain decoding. Before, that step drafted nothing (the features came from verifies only)."""
+    prompts, *_, path, _ = trained
+    sp = SamplingParams(temperature=0.0, max_tokens=3)
+    ref = Engine(model, prefix_cache=False, **SMALL).generate(prompts, sp)
+    eng = Engine(model, prefix_cache=True, speculative=SpecConfig(method="drafter", drafter_path=str(path)),
+                 **SMALL)
+    for run in range(2):   # run 1: every prompt is a whole-prompt hit (sampled from the cached logits)
+        before = dict(eng.stats)
+        assert same(eng.generate(prompts, sp), ref)
+        assert eng.stats["spec_draft_tokens"] - before.get("spec_draft_tokens", 0) == len(prompts), run
+        hits = eng.stats["hit_tokens"] - before.get("hit_tokens", 0)
+        assert hits == (sum(map(len, prompts)) if run else 0), run
+
+
+def test_training_positions_are_where_the_engine_drafts(model):
+    """With the generated-token mask, the head trains only on positions t whose next token was generated (a draft
+    continues a sampled token): the shared prompt is not what it learns."""
+    seqs = [rand_tokens(40, 300 + i) for i in range(2)]
+    feats = target_features(model, seqs)
+    masks = [[t >= 30 for t in range(40)] for _ in seqs]   # the last 10 tokens generated
+    tcfg = DrafterTrainConfig(steps=2, batch=8, unroll=3)
+    _, all_pos = train_head(model, [(s, f, lp) for s, (f, lp) in zip(seqs, feats)], tcfg)
+    _, gen_pos = train_head(model, [(s, f, lp, m) for s, (f, lp), m in zip(seqs, feats, masks)], tcfg)
+    assert all_pos["positions"] == 2 * (40 - 3 - 1)
+    assert gen_pos["positions"] == 2 * len(range(29, 40 - 3 - 1))   # t + 1 >= 30 and t + 3 < 39

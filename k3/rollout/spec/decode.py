@@ -46,8 +46,30 @@ class SpecDecoder:
             from k3.rollout.spec.drafter import load_drafter
             self.drafter = load_drafter(cfg.drafter_path, eng.model)
         self.features: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # seq -> its latest features
+        # request -> its prompt's last-position features (what a row's first decode step of a turn drafts from)
+        self.prompt_features: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         for k in SPEC_STATS:
             eng.stats.setdefault(k, 0)
+
+    # ------------------------------------------------------------------ prompt features
+    def prefill_capture(self, rows: list["RunningSeq | None"], T: int):
+        """A FeatureCapture for a prefill forward of T tokens per row when some row's prompt ends in it and the
+        drafter drafts from the target's features; else None (the forward runs without hooks)."""
+        if not getattr(self.drafter, "needs_features", False):
+            return None
+        if not any(s is not None and not s.sampling and s.pos + T == len(s.key) for s in rows):
+            return None
+        from k3.rollout.spec.drafter import FeatureCapture
+        return FeatureCapture(self.eng.model)
+
+    def keep_prompt_features(self, rows: list["RunningSeq | None"], T: int, capture) -> None:
+        """After the forward (rows' positions not yet advanced): the features of each ending prompt's last
+        position, for its request's first decode step."""
+        feats = None
+        for b, s in enumerate(rows):
+            if s is not None and not s.sampling and s.pos + T == len(s.key):
+                feats = capture.features() if feats is None else feats
+                self.prompt_features[s.req] = feats[b, -1].clone()
 
     # ------------------------------------------------------------------ drafting
     def draft_limit(self, s: "RunningSeq") -> int:
@@ -70,6 +92,8 @@ class SpecDecoder:
         nodes = cfg.tree_nodes if cfg.branching > 1 else k
         if getattr(self.drafter, "needs_features", False):
             feat = self.features.get(s)
+            if feat is None:   # the turn's first decode step: from the prompt's last position
+                feat = self.prompt_features.get(s.req)
             if feat is None:
                 return DraftTree()
             if cfg.branching == 1:

@@ -6,9 +6,10 @@ running hidden with the embedding of the last token (the target's frozen embeddi
 block, and scores with the target's frozen lm_head. Step 1 after position t sees the target's features of t and the
 token at t+1 and predicts t+2; later steps feed back the head's own hidden (EAGLE's feature recurrence).
 
-Its features come from the verify pass (forward hooks on the target, `FeatureCapture`): a row's first decode step
-of a turn has none yet and drafts nothing (one plain step), every later step drafts. Trained by `k3 train-drafter`
-(`train_drafter.py`) on the target's own rollouts, cached like the SFT base.
+Its features come from forward hooks on the target (`FeatureCapture`): a row's first decode step of a turn drafts
+from the prompt's last position (captured in the prefill forward that ends the prompt, and kept with the prefix
+cache's whole-prompt entry for hits), every later step from the last committed position of its verify pass.
+Trained by `k3 train-drafter` (`train_drafter.py`) on the target's own rollouts, cached like the SFT base.
 """
 from __future__ import annotations
 
