@@ -1,0 +1,73 @@
+"""Batch-invariant matmul (k3_kernels.batch_invariant) vs cuBLAS (`torch.nn.functional.linear`) at K3's projection
+widths and decode / verify row counts, bf16, one process on the GPU. Per (projection, rows): medians of
+`triton.testing.do_bench` for both, the bytes floor (weight + activations at the measured copy rate), and whether
+each is batch invariant there (every row of a 4-row slice equal to the same rows inside the full call). This is
+what a bitwise [B, k+1] speculative verify would pay per projection (k3/rollout/spec/NOTES.md). Writes
+benchmarks/results/batch_invariant.json (or $OUT/batch_invariant.json when OUT is set).
+
+    python -m benchmarks.batch_invariant            # on the H200
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from benchmarks._results import run_header, write_results
+from k3_kernels.batch_invariant import batch_invariant_linear, config_for
+
+# (name, N, K): K3's per-layer projections (config defaults) and the lm_head
+PROJECTIONS = [("mla_q_a", 1536, 7168), ("mla_q_b", 96 * 192, 1536), ("mla_kv_a", 576, 7168),
+               ("mla_kv_b", 96 * 256, 512), ("attn_o", 7168, 96 * 128), ("kda_qkv_one", 96 * 128, 7168),
+               ("moe_latent", 3584, 7168), ("lm_head", 163840, 7168)]
+ROWS = (1, 8, 32, 128, 512)
+
+
+def _copy_rate() -> float:
+    a = torch.empty(2**28, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = do_bench(lambda: b.copy_(a), return_mode="median")
+    return 2 * a.numel() / (ms * 1e-3)
+
+
+def _invariant(fn, x, w) -> bool:
+    full = fn(x, w)
+    return all(torch.equal(fn(x[s:s + 4].clone(), w), full[s:s + 4]) for s in (0, max(0, x.shape[0] - 4)))
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks.batch_invariant: needs CUDA (the CPU interpreter has no meaningful times)")
+    torch.manual_seed(0)
+    res = run_header("batch_invariant", "cuda", ("triton",))
+    res["gpu"] = torch.cuda.get_device_name()
+    res["config"] = vars(config_for(torch.device("cuda"), torch.bfloat16))
+    rate = _copy_rate()
+    res["copy_TBps"] = rate / 1e12
+    rows = []
+    for name, N, K in PROJECTIONS:
+        w = (torch.randn(N, K, device="cuda") / K ** 0.5).to(torch.bfloat16)
+        for M in ROWS:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            cublas = do_bench(lambda: F.linear(x, w), return_mode="median")
+            ours = do_bench(lambda: batch_invariant_linear(x, w), return_mode="median")
+            floor_ms = 2 * (N * K + M * K + M * N) / rate * 1e3
+            row = {"projection": name, "N": N, "K": K, "rows": M, "cublas_ms": cublas, "ours_ms": ours,
+                   "ours_vs_cublas": cublas / ours, "floor_ms": floor_ms,
+                   "cublas_invariant": _invariant(F.linear, x, w),
+                   "ours_invariant": _invariant(batch_invariant_linear, x, w)}
+            rows.append(row)
+            print(f"{name:>12} M={M:<4} cublas {cublas * 1e3:8.1f} us  ours {ours * 1e3:8.1f} us  floor "
+                  f"{floor_ms * 1e3:7.1f} us  invariant {row['cublas_invariant']}/{row['ours_invariant']}",
+                  flush=True)
+        del w
+    res["rows"] = rows
+    out = os.path.join(os.environ["OUT"], "batch_invariant.json") if os.environ.get("OUT") else "batch_invariant"
+    print("wrote", write_results(out, res))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""x [..., K] @ weight [N, K].T (+ bias) in one Triton kernel whose every output element is reduced in the same
+order whatever the number of rows: one fixed tile configuration per (device, dtype), never chosen by M; every
+program walks the whole of K in BLOCK_K steps from k = 0 (no split-K, no stream-K, no atomics); the row count is
+not specialised on (`do_not_specialize`), so M = 1 and M = 4096 run the same compiled kernel. cuBLAS picks its
+kernel and split-K by M, so a token's logits in a [B, k+1] speculative verify differ from plain decoding's [B, 1]
+in the last bits; with every projection through this kernel they do not (the approach of Thinking Machines'
+batch_invariant_ops, 2025: fixed reduction order per output element). Spec: naive.py."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from k3_kernels.launch import cdiv
+
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def config_for(device: torch.device, dtype: torch.dtype) -> MatmulConfig:
+    """The one tile configuration of a (device, dtype). Not tuned on the H200 yet (benchmarks/batch_invariant.py
+    measures it against cuBLAS); small tiles under the interpreter."""
+    if device.type != "cuda":
+        return MatmulConfig(16, 32, 32, 4, 1)
+    if dtype == torch.float32:
+        return MatmulConfig(64, 64, 32, 4, 2)
+    return MatmulConfig(64, 128, 64, 4, 4)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mm, nm = rm < M, rn < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):   # every element: k = 0, BLOCK_K, 2 BLOCK_K, ... in this order
+        rk = k0 + tl.arange(0, BLOCK_K)
+        km = rk < K
+        a = tl.load(x + rm[:, None] * stride_xm + rk[None, :], mask=mm[:, None] & km[None, :], other=0.)
+        b = tl.load(w + rn[None, :].to(tl.int64) * stride_wn + rk[:, None], mask=km[:, None] & nm[None, :],
+                    other=0.)
+        acc = tl.dot(a, b, acc)
+    if HAS_BIAS:
+        acc += tl.load(bias + rn, mask=nm, other=0.).to(tl.float32)[None, :]
+    tl.store(out + rm[:, None] * stride_om + rn[None, :], acc.to(out.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise ValueError("batch_invariant_linear: x and weight must be tensors")
+    if weight.dim() != 2:
+        raise ValueError(f"weight: expected [N, K], got shape {tuple(weight.shape)}")
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x: last dim {x.shape[-1] if x.dim() else None} != weight's K {weight.shape[1]}")
+    if x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x / weight: need one of bf16, fp16, fp32 for both, got {x.dtype} / {weight.dtype}")
+    if x.device != weight.device:
+        raise ValueError(f"x / weight: on {x.device} / {weight.device}")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.device != x.device):
+        raise ValueError(f"bias: expected [{weight.shape[0]}] on {x.device}, got {tuple(bias.shape)} on "
+                         f"{bias.device}")
+
+
+def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                           config: MatmulConfig | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N] in x's dtype, fp32 accumulation; each row's bits
+    independent of the other rows (inference: no autograd)."""
+    _check(x, weight, bias)
+    N, K = weight.shape
+    rows = x.reshape(-1, K)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    M = rows.shape[0]
+    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    if M and N:
+        if K == 0:
+            out.zero_()
+            if bias is not None:
+                out += bias.to(out.dtype)
+        else:
+            cfg = config or config_for(x.device, x.dtype)
+            _matmul[(cdiv(N, cfg.block_n), cdiv(M, cfg.block_m))](
+                rows, weight, bias if bias is not None else weight, out, M, N, K, rows.stride(0), weight.stride(0),
+                out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out.view(*x.shape[:-1], N)
