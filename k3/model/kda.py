@@ -16,6 +16,7 @@ from torch import nn
 from k3.config import K3Config
 from k3.model import ops
 from k3.model.state import CacheView
+from k3_kernels.elementwise import position_invariant
 from k3_kernels.kda import l2norm, naive_kda_gate, naive_kda_lowerbound_gate
 
 # Up to this many new tokens the recurrent (decode) path is used; above it the chunked path.
@@ -94,7 +95,7 @@ class KimiDeltaAttention(nn.Module):
             g = naive_kda_lowerbound_gate(f, self.A_log, self.dt_bias, self.lower_bound)
         else:
             g = naive_kda_gate(f, self.A_log, self.dt_bias)
-        beta = torch.sigmoid(b.float())
+        beta = position_invariant(torch.sigmoid, b.float())   # [B, T, H]: few values per token (CPU tails)
         return q, k, v, g, beta, torch.stack([wq, wk, wv], dim=1)
 
     def forward(self, x: torch.Tensor, cache: CacheView, layer: int) -> torch.Tensor:

@@ -14,6 +14,7 @@ from torch import nn
 from k3.config import K3Config
 from k3.model import ops
 from k3.model.norm import RMSNorm
+from k3_kernels.elementwise import position_invariant
 
 
 class SiTUMLP(nn.Module):
@@ -44,7 +45,7 @@ class Router(nn.Module):
         if ops.fused_moe(x) and self.n_group == 1:  # the fused Triton router (same fp32 math, ties to the lowest id)
             return ops.moe_router(x.float().contiguous(), self.weight.float(), self.e_score_correction_bias.float(),
                                   self.top_k, self.renormalize, self.scaling, forced)
-        scores = torch.sigmoid(ops.linear(x.float(), self.weight.float()))
+        scores = position_invariant(torch.sigmoid, ops.linear(x.float(), self.weight.float()))   # [N, E]: CPU tails
         if forced is None or bool((forced < 0).any()):
             sel = (scores + self.e_score_correction_bias.float()).detach()
             if self.n_group > 1:

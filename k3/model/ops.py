@@ -110,10 +110,22 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor
     T = q_nope.shape[1]
     rows = []
     for b in range(q_nope.shape[0]):
+        if T <= PER_QUERY_MAX_TOKENS:   # each query as a one-token call over its own keys: decode's shapes
+            rows.append(torch.cat([_mla_scores_and_mix(
+                q_nope[b:b + 1, t:t + 1], q_pe[b:b + 1, t:t + 1], k_nope[b:b + 1, :n], k_pe[b:b + 1, :n],
+                v[b:b + 1, :n], past[b:b + 1] + t, scale) for t, n in enumerate(range(int(past[b]) + 1,
+                                                                                      int(past[b]) + T + 1))], 1))
+            continue
         n = int(past[b]) + T
         rows.append(_mla_scores_and_mix(q_nope[b:b + 1], q_pe[b:b + 1], k_nope[b:b + 1, :n], k_pe[b:b + 1, :n],
                                         v[b:b + 1, :n], past[b:b + 1], scale))
     return torch.cat(rows)
+
+
+# Up to this many new tokens per row (decode, a chain verify of k <= 7) CPU attention runs query by query, each
+# over exactly its visible keys: a query's bits are then those of a one-token (decode) call at its position, which
+# a [T, S] score GEMM's are not (its code path depends on T).
+PER_QUERY_MAX_TOKENS = 8
 
 
 CPU_KDA_CHUNK = 16

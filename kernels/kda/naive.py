@@ -15,8 +15,10 @@ _FACTOR_SPAN = 80.0
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim (FLA's l2norm), computed in fp32."""
-    xf = x.float()
+    """x / sqrt(sum(x^2) + eps) over the last dim (FLA's l2norm), computed in fp32. The sum runs over contiguous
+    rows: a CPU reduction over a strided last dim (the short conv's transposed output) sums a row differently
+    depending on how many rows share the call, a contiguous one does not."""
+    xf = x.float().contiguous()
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 

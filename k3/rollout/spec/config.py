@@ -22,13 +22,15 @@ class VerifyMode(str, enum.Enum):
     """How the target computes the k+1 verify positions.
 
     EXACT: each position runs with decode's shapes (one token per row, the engine's decode batch), so logits,
-      log-probs, tokens and the committed states are bitwise those of plain decoding. On CPU the batch-invariant ops
-      (row-block GEMMs, per-row MLA) are invariant to the number of rows, not to the number of tokens per row, and
-      elementwise kernels take scalar tails that depend on the tensor size: a [B, k+1] forward differs from k+1
-      [B, 1] forwards in the last bits. The price: k+1 decode-shaped passes per verify (no fewer passes than plain
-      decoding; speculation then only pays where a pass costs less than a token, see benchmarks/spec_decode.py).
-    BATCHED: one target forward over [B, k+1] positions (what makes speculation pay on a GPU). Close to plain
-      decoding (rounding), not bitwise.
+      log-probs, tokens and the committed states are bitwise those of plain decoding on every device. The price:
+      k+1 decode-shaped passes per verify (no fewer passes than plain decoding; speculation then only pays where a
+      pass costs less than a token, see benchmarks/spec_decode.py).
+    BATCHED: one target forward over [B, k+1] positions (what makes speculation pay on a GPU). On CPU, chains are
+      bitwise plain decoding: every op gives a token the bits of a one-token call (row-block GEMMs, MLA query by
+      query up to `ops.PER_QUERY_MAX_TOKENS`, position-invariant elementwise ops where a token has few values,
+      contiguous reductions; tests/model/test_verify_shapes.py). Token trees, and CUDA (cuBLAS picks its kernel by
+      the row count: `k3_kernels.batch_invariant` is the replacement, not wired yet), are close (rounding), not
+      bitwise.
     Both store only the KDA step inputs per draft position and commit by ReplaySSM.
     """
     EXACT = "exact"
