@@ -32,11 +32,13 @@ def test_training_fits_the_targets_distributions(trained):
     assert figures["kl_last"] < 0.5 * figures["kl_first"], figures
 
 
+@pytest.mark.parametrize("verify", ["exact", "batched"])
 @pytest.mark.parametrize("branching", [1, 2])
-def test_engine_with_the_drafter_is_bitwise_plain_decoding(model, trained, branching):
-    """Chains (draft length 3) and 2x3 token trees (the head's top-2 at every depth)."""
+def test_engine_with_the_drafter_is_bitwise_plain_decoding(model, trained, branching, verify):
+    """Chains (draft length 3) and 2x3 token trees (the head's top-2 at every depth: 14 nodes, 15 verify
+    positions), verified position by position or in one forward."""
     prompts, sp, ref, path, _ = trained
-    cfg = SpecConfig(method="drafter", drafter_path=str(path), branching=branching)
+    cfg = SpecConfig(method="drafter", drafter_path=str(path), branching=branching, verify=verify)
     eng = Engine(model, prefix_cache=True, speculative=cfg, **SMALL)
     eng.check_each_step = True
     assert same(eng.generate(prompts, sp), ref)

@@ -25,12 +25,11 @@ class VerifyMode(str, enum.Enum):
       log-probs, tokens and the committed states are bitwise those of plain decoding on every device. The price:
       k+1 decode-shaped passes per verify (no fewer passes than plain decoding; speculation then only pays where a
       pass costs less than a token, see benchmarks/spec_decode.py).
-    BATCHED: one target forward over [B, k+1] positions (what makes speculation pay on a GPU). On CPU, chains are
-      bitwise plain decoding: every op gives a token the bits of a one-token call (row-block GEMMs, MLA query by
-      query up to `ops.PER_QUERY_MAX_TOKENS`, position-invariant elementwise ops where a token has few values,
-      contiguous reductions; tests/model/test_verify_shapes.py). Token trees, and CUDA (cuBLAS picks its kernel by
-      the row count: `k3_kernels.batch_invariant` is the replacement, not wired yet), are close (rounding), not
-      bitwise.
+    BATCHED: one target forward over [B, k+1] positions (what makes speculation pay on a GPU). On CPU, chains and
+      token trees are bitwise plain decoding: every op gives a token the bits of a one-token call (row-block GEMMs,
+      MLA query by query over its own keys, position-invariant elementwise ops where a token has few values,
+      contiguous reductions; tests/model/test_verify_shapes.py). On CUDA close (rounding), not bitwise: cuBLAS
+      picks its kernel by the row count (`k3_kernels.batch_invariant` is the replacement, not wired yet).
     Both store only the KDA step inputs per draft position and commit by ReplaySSM.
     """
     EXACT = "exact"
