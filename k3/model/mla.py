@@ -53,31 +53,9 @@ class GatedMLA(nn.Module):
         if visible is None:
             attn = ops.mla_attention(q_nope, q_pe, k_nope, k_pe, v, past, self.scale).to(x.dtype)
         else:   # each node sees the row's prefix and its own ancestors only
-            attn = _masked_attention(q_nope, q_pe, k_nope, k_pe, v, visible(S), self.scale).to(x.dtype)
+            attn = ops.mla_masked_attention(q_nope, q_pe, k_nope, k_pe, v, visible(S), self.scale).to(x.dtype)
         attn = attn.reshape(B, T, H * self.v_dim)
         if self.g_proj is not None:
             attn = attn * torch.sigmoid(self.g_proj(x))
         return self.o_proj(attn)
 
-
-def _masked_attention(q_nope, q_pe, k_nope, k_pe, v, visible: torch.Tensor, scale: float) -> torch.Tensor:
-    """MLA attention in fp32 under an explicit mask visible [B, T, S] (query t of row b sees key s) -> [B, T, H, V].
-    On CPU each query is a one-token call over exactly its visible keys in position order (a tree node: the prefix,
-    then its ancestors; a tree verify has at most 16 positions): the bits plain decoding computes for it."""
-    B, T = q_nope.shape[:2]
-    if not q_nope.is_cuda:
-        vis = visible.to(q_nope.device)
-        rows = []
-        for b in range(B):
-            outs = []
-            for t in range(T):
-                idx = vis[b, t].nonzero().flatten()
-                outs.append(ops.mla_attention(q_nope[b:b + 1, t:t + 1], q_pe[b:b + 1, t:t + 1], k_nope[b:b + 1, idx],
-                                              k_pe[b:b + 1, idx], v[b:b + 1, idx],
-                                              torch.tensor([idx.numel() - 1]), scale))
-            rows.append(torch.cat(outs, 1))
-        return torch.cat(rows)
-    scores = torch.einsum("bthd,bshd->bhts", q_nope.float(), k_nope.float())
-    scores = scores + torch.einsum("bthd,bsd->bhts", q_pe.float(), k_pe.float())
-    scores = (scores * scale).masked_fill(~visible.to(scores.device)[:, None], float("-inf"))
-    return torch.einsum("bhts,bshd->bthd", torch.softmax(scores, dim=-1), v.float())

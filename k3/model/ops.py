@@ -97,35 +97,59 @@ def _mla_scores_and_mix(q_nope, q_pe, k_nope, k_pe, v, past, scale):
     return torch.einsum("bhts,bshd->bthd", torch.softmax(scores, dim=-1), v.float())
 
 
+# Up to this many new tokens per row (decode, a chain verify of k <= 7) CPU attention runs query by query, each
+# over exactly its visible keys: a query's bits are then those of a one-token (decode) call at its position, which
+# a [T, S] score GEMM's are not (its code path depends on T).
+PER_QUERY_MAX_TOKENS = 8
+
+
+def _query_alone(q_nope, q_pe, k_nope, k_pe, v, b: int, t: int, keys, scale: float) -> torch.Tensor:
+    """Query t of row b as a one-token call over row b's keys `keys` (a slice or an index tensor, in position
+    order) -> [1, 1, H, v_dim]: the shapes, hence the bits, of decoding that token."""
+    kn = k_nope[b:b + 1, keys]
+    past = torch.full((1,), kn.shape[1] - 1, dtype=torch.long)
+    return _mla_scores_and_mix(q_nope[b:b + 1, t:t + 1], q_pe[b:b + 1, t:t + 1], kn, k_pe[b:b + 1, keys],
+                               v[b:b + 1, keys], past, scale)
+
+
 def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor,
                   v: torch.Tensor, past: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal MLA attention in fp32 -> [B, T, H, v_dim]. Row b's T queries follow its `past[b]` cached keys; keys
     past a row's own length (padding to the batch's longest row) are invisible.
 
     On CPU each row is computed alone over exactly its own keys: the batched contractions' CPU GEMMs pick their
-    code path by batch count and key length, so a row's result would depend on its companions (decode batches).
+    code path by batch count and key length, so a row's result would depend on its companions (decode batches);
+    up to PER_QUERY_MAX_TOKENS new tokens, each query alone (a verify's token gets its decode bits).
     Training forwards take the same path, as `linear` does: the learner's log-probs are the rollout's bits."""
     if _on_cuda(q_nope):
         return _mla_scores_and_mix(q_nope, q_pe, k_nope, k_pe, v, past, scale)
     T = q_nope.shape[1]
     rows = []
     for b in range(q_nope.shape[0]):
-        if T <= PER_QUERY_MAX_TOKENS:   # each query as a one-token call over its own keys: decode's shapes
-            rows.append(torch.cat([_mla_scores_and_mix(
-                q_nope[b:b + 1, t:t + 1], q_pe[b:b + 1, t:t + 1], k_nope[b:b + 1, :n], k_pe[b:b + 1, :n],
-                v[b:b + 1, :n], past[b:b + 1] + t, scale) for t, n in enumerate(range(int(past[b]) + 1,
-                                                                                      int(past[b]) + T + 1))], 1))
-            continue
         n = int(past[b]) + T
-        rows.append(_mla_scores_and_mix(q_nope[b:b + 1], q_pe[b:b + 1], k_nope[b:b + 1, :n], k_pe[b:b + 1, :n],
-                                        v[b:b + 1, :n], past[b:b + 1], scale))
+        if T <= PER_QUERY_MAX_TOKENS:
+            rows.append(torch.cat([_query_alone(q_nope, q_pe, k_nope, k_pe, v, b, t, slice(0, n - T + t + 1), scale)
+                                   for t in range(T)], 1))
+        else:
+            rows.append(_mla_scores_and_mix(q_nope[b:b + 1], q_pe[b:b + 1], k_nope[b:b + 1, :n], k_pe[b:b + 1, :n],
+                                            v[b:b + 1, :n], past[b:b + 1], scale))
     return torch.cat(rows)
 
 
-# Up to this many new tokens per row (decode, a chain verify of k <= 7) CPU attention runs query by query, each
-# over exactly its visible keys: a query's bits are then those of a one-token (decode) call at its position, which
-# a [T, S] score GEMM's are not (its code path depends on T).
-PER_QUERY_MAX_TOKENS = 8
+def mla_masked_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor,
+                         v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """MLA attention in fp32 under an explicit mask visible [B, T, S] (query t of row b sees key s) -> [B, T, H, V]
+    (a token-tree verify). On CPU each query alone over exactly its visible keys in position order (a tree node:
+    the prefix, then its ancestors; a verify has at most 16 positions): the bits plain decoding computes for it."""
+    visible = visible.to(q_nope.device)
+    if _on_cuda(q_nope):
+        scores = torch.einsum("bthd,bshd->bhts", q_nope.float(), k_nope.float())
+        scores = scores + torch.einsum("bthd,bsd->bhts", q_pe.float(), k_pe.float())
+        scores = (scores * scale).masked_fill(~visible[:, None], float("-inf"))
+        return torch.einsum("bhts,bshd->bthd", torch.softmax(scores, dim=-1), v.float())
+    B, T = q_nope.shape[:2]
+    return torch.cat([torch.cat([_query_alone(q_nope, q_pe, k_nope, k_pe, v, b, t, visible[b, t].nonzero().flatten(),
+                                              scale) for t in range(T)], 1) for b in range(B)])
 
 
 CPU_KDA_CHUNK = 16

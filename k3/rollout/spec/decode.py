@@ -52,12 +52,15 @@ class SpecDecoder:
             eng.stats.setdefault(k, 0)
 
     # ------------------------------------------------------------------ prompt features
+    @staticmethod
+    def _prompt_ends(s: "RunningSeq | None", T: int) -> bool:
+        """Row `s`'s prompt ends in its next T tokens (before the forward advances it)."""
+        return s is not None and not s.sampling and s.pos + T == len(s.key)
+
     def prefill_capture(self, rows: list["RunningSeq | None"], T: int):
         """A FeatureCapture for a prefill forward of T tokens per row when some row's prompt ends in it and the
         drafter drafts from the target's features; else None (the forward runs without hooks)."""
-        if not getattr(self.drafter, "needs_features", False):
-            return None
-        if not any(s is not None and not s.sampling and s.pos + T == len(s.key) for s in rows):
+        if not getattr(self.drafter, "needs_features", False) or not any(self._prompt_ends(s, T) for s in rows):
             return None
         from k3.rollout.spec.drafter import FeatureCapture
         return FeatureCapture(self.eng.model)
@@ -65,10 +68,9 @@ class SpecDecoder:
     def keep_prompt_features(self, rows: list["RunningSeq | None"], T: int, capture) -> None:
         """After the forward (rows' positions not yet advanced): the features of each ending prompt's last
         position, for its request's first decode step."""
-        feats = None
+        feats = capture.features()
         for b, s in enumerate(rows):
-            if s is not None and not s.sampling and s.pos + T == len(s.key):
-                feats = capture.features() if feats is None else feats
+            if self._prompt_ends(s, T):
                 self.prompt_features[s.req] = feats[b, -1].clone()
 
     # ------------------------------------------------------------------ drafting
