@@ -65,10 +65,9 @@ class Session:
 
     def offload(self) -> None:
         with self._lock:
-            self.ready()
-            if self.resident:
-                self._move(torch.device("cpu"), False)
-                self.resident = False
+            self._settle()
+            self._move(torch.device("cpu"), False)
+            self.resident = False
 
     def stage(self) -> None:
         """Start moving the optimizer state back to the device (asynchronously)."""
@@ -83,13 +82,18 @@ class Session:
             self._staging = _STAGER.submit(run)
 
     def ready(self) -> None:
-        """Wait for staging started by `stage` (or stage synchronously); afterwards the state is resident."""
-        fut = self._staging
-        if fut is None and not self.resident:
-            self._move(self.device, False)
-        elif fut is not None:
+        """Wait for staging started by `stage` (or stage synchronously); afterwards the state is resident. Under the
+        lock: `stage` runs on request threads, and a staging run must never overlap another move of the state."""
+        with self._lock:
+            self._settle()
+
+    def _settle(self) -> None:
+        """(lock held) Finish an in-flight staging run, or move the state back synchronously."""
+        fut, self._staging = self._staging, None
+        if fut is not None:
             fut.result()
-            self._staging = None
+        elif not self.resident:
+            self._move(self.device, False)
         self.resident = True
 
     # ------------------------------------------------------------------ optimizer step
@@ -143,14 +147,18 @@ class Session:
             k = f"adapter/{n}"
             if k not in t or tuple(t[k].shape) != tuple(p.shape):
                 raise ValueError(f"state: tensor {k!r} is missing or has the wrong shape")
-        with torch.no_grad():
+        with self._lock:   # a staging run iterates the optimizer state: let it finish before the state is replaced
+            fut, self._staging = self._staging, None
+            if fut is not None:
+                fut.exception()   # waits; whatever it moved is overwritten below
+            with torch.no_grad():
+                for n, p in zip(self.names, self.params):
+                    p.copy_(t[f"adapter/{n}"])
+            self.optimizer.state.clear()
             for n, p in zip(self.names, self.params):
-                p.copy_(t[f"adapter/{n}"])
-        self.optimizer.state.clear()
-        for n, p in zip(self.names, self.params):
-            if f"adam/{n}/step" in t:
-                self.optimizer.state[p] = {
-                    "step": t[f"adam/{n}/step"].reshape(()).clone().float(),
-                    "exp_avg": t[f"adam/{n}/exp_avg"].clone().to(p.device),
-                    "exp_avg_sq": t[f"adam/{n}/exp_avg_sq"].clone().to(p.device)}
-        self.resident = True
+                if f"adam/{n}/step" in t:
+                    self.optimizer.state[p] = {
+                        "step": t[f"adam/{n}/step"].reshape(()).clone().float(),
+                        "exp_avg": t[f"adam/{n}/exp_avg"].clone().to(p.device),
+                        "exp_avg_sq": t[f"adam/{n}/exp_avg_sq"].clone().to(p.device)}
+            self.resident = True

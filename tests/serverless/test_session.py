@@ -65,3 +65,33 @@ def test_refused_steps_change_nothing():
         s.optim_step(ADAM)
     after = s.state_tensors()
     assert s.step == 0 and s.pending == 0 and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_load_state_waits_for_a_staging_run(monkeypatch):
+    """`stage` runs from request threads: a staging run still iterating the optimizer state when a load_state
+    replaced it failed the next call with "dictionary changed size during iteration" (CI, test_restart). The load
+    now waits for the run (a move that sees the state change under it fails here), and the loaded state is what
+    the session then holds."""
+    import threading
+
+    s = _run(None)
+    want = s.state_tensors()
+    _grad(s, 9)
+    s.optim_step(ADAM)
+    move, started = Session._move, threading.Event()
+
+    def watched_move(self, device, non_blocking):
+        before = [id(st) for st in self.optimizer.state.values()]
+        started.set()
+        threading.Event().wait(0.2)   # the window in which a load could interleave
+        if [id(st) for st in self.optimizer.state.values()] != before:
+            raise RuntimeError("the optimizer state changed during a move")
+        move(self, device, non_blocking)
+    s.offload()
+    monkeypatch.setattr(Session, "_move", watched_move)
+    s.stage()                  # asynchronous: the run is in its window now
+    started.wait(5)
+    s.load_state_tensors(want)
+    s.ready()
+    got = s.state_tensors()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
