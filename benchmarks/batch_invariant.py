@@ -6,9 +6,11 @@ what a bitwise [B, k+1] speculative verify would pay per projection (k3/rollout/
 benchmarks/results/batch_invariant.json (or $OUT/batch_invariant.json when OUT is set).
 
     python -m benchmarks.batch_invariant            # on the H200
+    python -m benchmarks.batch_invariant --sweep    # also every candidate tile configuration (`SWEEP`)
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -17,13 +19,17 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from benchmarks._results import run_header, write_results
-from k3_kernels.batch_invariant import batch_invariant_linear, config_for
+from k3_kernels.batch_invariant import MatmulConfig, batch_invariant_linear, config_for
 
 # (name, N, K): K3's per-layer projections (config defaults) and the lm_head
 PROJECTIONS = [("mla_q_a", 1536, 7168), ("mla_q_b", 96 * 192, 1536), ("mla_kv_a", 576, 7168),
                ("mla_kv_b", 96 * 256, 512), ("attn_o", 7168, 96 * 128), ("kda_qkv_one", 96 * 128, 7168),
                ("moe_latent", 3584, 7168), ("lm_head", 163840, 7168)]
 ROWS = (1, 8, 32, 128, 512)
+# (block_m, block_n, block_k, warps, stages) candidates for --sweep: one of them per weight shape is the kernel's
+# fixed configuration (batch invariance allows a choice by N and K, never by M)
+SWEEP = [(64, 128, 64, 4, 4), (64, 64, 128, 4, 4), (64, 64, 64, 4, 6), (64, 32, 128, 4, 4), (16, 64, 128, 4, 4),
+         (16, 32, 256, 4, 3), (32, 64, 128, 4, 4), (128, 128, 64, 8, 3)]
 
 
 def _copy_rate() -> float:
@@ -41,10 +47,13 @@ def _invariant(fn, x, w) -> bool:
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks.batch_invariant: needs CUDA (the CPU interpreter has no meaningful times)")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true")
+    a = ap.parse_args()
     torch.manual_seed(0)
     res = run_header("batch_invariant", "cuda", ("triton",))
     res["gpu"] = torch.cuda.get_device_name()
-    res["config"] = vars(config_for(torch.device("cuda"), torch.bfloat16))
+    res["config"] = {name: vars(config_for(torch.device("cuda"), torch.bfloat16, N, K)) for name, N, K in PROJECTIONS}
     rate = _copy_rate()
     res["copy_TBps"] = rate / 1e12
     rows = []
@@ -59,10 +68,15 @@ def main() -> None:
                    "ours_vs_cublas": cublas / ours, "floor_ms": floor_ms,
                    "cublas_invariant": _invariant(F.linear, x, w),
                    "ours_invariant": _invariant(batch_invariant_linear, x, w)}
+            if a.sweep:
+                row["sweep_ms"] = {str(c): do_bench(lambda: batch_invariant_linear(x, w, config=MatmulConfig(*c)),
+                                                    return_mode="median") for c in SWEEP}
             rows.append(row)
             print(f"{name:>12} M={M:<4} cublas {cublas * 1e3:8.1f} us  ours {ours * 1e3:8.1f} us  floor "
                   f"{floor_ms * 1e3:7.1f} us  invariant {row['cublas_invariant']}/{row['ours_invariant']}",
                   flush=True)
+            if a.sweep:
+                print("    " + "  ".join(f"{k}:{v * 1e3:.1f}" for k, v in row["sweep_ms"].items()), flush=True)
         del w
     res["rows"] = rows
     out = os.path.join(os.environ["OUT"], "batch_invariant.json") if os.environ.get("OUT") else "batch_invariant"

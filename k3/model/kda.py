@@ -67,7 +67,7 @@ class KimiDeltaAttention(nn.Module):
         if window is None:
             window = xt.new_zeros(B, C, self.conv_size - 1)
         full = torch.cat([window.to(xt.dtype), xt], dim=-1)
-        y = F.silu(F.conv1d(full, conv.weight, groups=C))
+        y = F.silu(ops.short_conv(full, conv.weight))
         return y.transpose(1, 2), full[..., full.shape[-1] - (self.conv_size - 1):]
 
     def step_inputs(self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,

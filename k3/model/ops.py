@@ -68,9 +68,14 @@ class _RowBlockLinear(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Batch-invariant x @ weight.T (+ bias) on CPU (training too); plain F.linear on CUDA."""
+    """Batch-invariant x @ weight.T (+ bias): on CPU by row blocks (training too); on CUDA inference through
+    k3_kernels.batch_invariant (one fixed-tile Triton GEMM: a decode step's row and the same token in a [B, k+1]
+    speculative verify get the same bits), CUDA training forwards through cuBLAS (F.linear)."""
     if x.is_cuda:
-        return F.linear(x, weight, bias)
+        if _recorded(x, weight) or x.dtype != weight.dtype:
+            return F.linear(x, weight, bias)
+        from k3_kernels.batch_invariant import batch_invariant_linear
+        return batch_invariant_linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     out = _RowBlockLinear.apply(rows, weight) if _recorded(rows, weight) else _row_block_linear(rows, weight)
     if bias is not None:
@@ -97,10 +102,15 @@ def _mla_scores_and_mix(q_nope, q_pe, k_nope, k_pe, v, past, scale):
     return torch.einsum("bhts,bshd->bthd", torch.softmax(scores, dim=-1), v.float())
 
 
-# Up to this many new tokens per row (decode, a chain verify of k <= 7) CPU attention runs query by query, each
-# over exactly its visible keys: a query's bits are then those of a one-token (decode) call at its position, which
-# a [T, S] score GEMM's are not (its code path depends on T).
-PER_QUERY_MAX_TOKENS = 8
+# Up to this many new tokens per row (decode, any chain or tree verify: the pending token and <= 15 drafts) attention
+# runs query by query, each over exactly its visible keys: a query's bits are then those of a one-token (decode)
+# call at its position, which a [T, S] score GEMM's are not (its code path depends on T). CPU: a loop of one-query
+# calls; CUDA inference: k3_kernels.mla_decode's per-query kernel. Longer prefills (and CUDA training) batched.
+PER_QUERY_MAX_TOKENS = 16
+
+
+def _cuda_per_query(q: torch.Tensor, *kv: torch.Tensor) -> bool:
+    return _on_cuda(q) and q.shape[1] <= PER_QUERY_MAX_TOKENS and not _recorded(q, *kv)
 
 
 def _query_alone(q_nope, q_pe, k_nope, k_pe, v, b: int, t: int, keys, scale: float) -> torch.Tensor:
@@ -120,7 +130,12 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor
     On CPU each row is computed alone over exactly its own keys: the batched contractions' CPU GEMMs pick their
     code path by batch count and key length, so a row's result would depend on its companions (decode batches);
     up to PER_QUERY_MAX_TOKENS new tokens, each query alone (a verify's token gets its decode bits).
-    Training forwards take the same path, as `linear` does: the learner's log-probs are the rollout's bits."""
+    Training forwards take the same path, as `linear` does: the learner's log-probs are the rollout's bits.
+    On CUDA, decode and verify-sized calls (inference) run each query over its own keys in the per-query kernel."""
+    if _cuda_per_query(q_nope, k_nope, v):
+        from k3_kernels.mla_decode import causal_key_index, query_attention
+        index, count = causal_key_index(past.to(q_nope.device), q_nope.shape[1], k_nope.shape[1])
+        return query_attention(q_nope, q_pe, k_nope, k_pe, v, index, count, scale)
     if _on_cuda(q_nope):
         return _mla_scores_and_mix(q_nope, q_pe, k_nope, k_pe, v, past, scale)
     T = q_nope.shape[1]
@@ -142,6 +157,10 @@ def mla_masked_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch
     (a token-tree verify). On CPU each query alone over exactly its visible keys in position order (a tree node:
     the prefix, then its ancestors; a verify has at most 16 positions): the bits plain decoding computes for it."""
     visible = visible.to(q_nope.device)
+    if _cuda_per_query(q_nope, k_nope, v):   # each node over the prefix, then its ancestors (decode's key order)
+        from k3_kernels.mla_decode import mask_key_index, query_attention
+        index, count = mask_key_index(visible)
+        return query_attention(q_nope, q_pe, k_nope, k_pe, v, index, count, scale)
     if _on_cuda(q_nope):
         scores = torch.einsum("bthd,bshd->bhts", q_nope.float(), k_nope.float())
         scores = scores + torch.einsum("bthd,bsd->bhts", q_pe.float(), k_pe.float())
@@ -150,6 +169,29 @@ def mla_masked_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch
     B, T = q_nope.shape[:2]
     return torch.cat([torch.cat([_query_alone(q_nope, q_pe, k_nope, k_pe, v, b, t, visible[b, t].nonzero().flatten(),
                                               scale) for t in range(T)], 1) for b in range(B)])
+
+
+def conv_taps(full: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The causal depthwise conv as W elementwise multiply-adds in fp32, taps in order (full [B, C, W-1+T],
+    weight [C, 1, W] -> [B, C, T] in full's dtype): each output element is the same ops on the same values
+    whatever T is."""
+    W = weight.shape[-1]
+    T = full.shape[-1] - W + 1
+    taps = weight[:, 0].float()
+    acc = full[..., 0:T].float() * taps[:, 0:1]
+    for j in range(1, W):
+        acc = acc + full[..., j:j + T].float() * taps[:, j:j + 1]
+    return acc.to(full.dtype)
+
+
+def short_conv(full: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """KDA's causal depthwise conv: full [B, C, W-1+T] (the window, then the call's tokens), weight [C, 1, W] ->
+    [B, C, T]. CUDA inference: `conv_taps` (a token's bits are then the same whether the call holds 1 token or a
+    verify's k+1; cuDNN picks its algorithm by the input's length). Otherwise F.conv1d (the CPU conv is per token
+    already, tests/model/test_verify_shapes.py; CUDA training keeps cuDNN)."""
+    if _on_cuda(full) and not _recorded(full, weight):
+        return conv_taps(full, weight)
+    return F.conv1d(full, weight, groups=full.shape[1])
 
 
 CPU_KDA_CHUNK = 16

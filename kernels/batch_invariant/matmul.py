@@ -25,9 +25,10 @@ class MatmulConfig:
     num_stages: int
 
 
-def config_for(device: torch.device, dtype: torch.dtype) -> MatmulConfig:
-    """The one tile configuration of a (device, dtype). Not tuned on the H200 yet (benchmarks/batch_invariant.py
-    measures it against cuBLAS); small tiles under the interpreter."""
+def config_for(device: torch.device, dtype: torch.dtype, N: int, K: int) -> MatmulConfig:
+    """The one tile configuration of a (device, dtype, weight shape): chosen by the weight, never by the row count
+    (that is the batch invariance). `benchmarks/batch_invariant.py --sweep` times the candidates against cuBLAS;
+    small tiles under the interpreter."""
     if device.type != "cuda":
         return MatmulConfig(16, 32, 32, 4, 1)
     if dtype == torch.float32:
@@ -37,7 +38,7 @@ def config_for(device: torch.device, dtype: torch.dtype) -> MatmulConfig:
 
 @triton.jit(do_not_specialize=["M"])
 def _matmul(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -50,7 +51,7 @@ def _matmul(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om, HAS_BIAS:
         a = tl.load(x + rm[:, None] * stride_xm + rk[None, :], mask=mm[:, None] & km[None, :], other=0.)
         b = tl.load(w + rn[None, :].to(tl.int64) * stride_wn + rk[:, None], mask=km[:, None] & nm[None, :],
                     other=0.)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias + rn, mask=nm, other=0.).to(tl.float32)[None, :]
     tl.store(out + rm[:, None] * stride_om + rn[None, :], acc.to(out.dtype.element_ty), mask=mm[:, None] & nm[None, :])
@@ -90,9 +91,10 @@ def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
             if bias is not None:
                 out += bias.to(out.dtype)
         else:
-            cfg = config or config_for(x.device, x.dtype)
+            cfg = config or config_for(x.device, x.dtype, N, K)
             _matmul[(cdiv(N, cfg.block_n), cdiv(M, cfg.block_m))](
                 rows, weight, bias if bias is not None else weight, out, M, N, K, rows.stride(0), weight.stride(0),
                 out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                BLOCK_K=cfg.block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.view(*x.shape[:-1], N)

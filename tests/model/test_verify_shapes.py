@@ -3,7 +3,11 @@ from a state (a speculative chain verify of T <= 8 positions) gives the logits, 
 MLA latents of T one-token [B, 1] forwards (plain decoding), bit for bit. Why it exists: before, three ops broke it
 (l2norm summed over the short conv's strided output, beta's sigmoid took ATen's scalar tail on [B, T, H], MLA ran
 one [T, S] score GEMM, the router's sigmoid took the scalar tail on [N, experts]), so a batched verify was only
-close to plain decoding. Checked under this machine's ATen ISA, AVX2 and the scalar default."""
+close to plain decoding. Checked under this machine's ATen ISA, AVX2 and the scalar default; on CUDA (`gpu`) in fp32
+and bf16, where cuBLAS linears, cuDNN's conv and the batched attention einsums broke it (k3.model.ops now routes
+inference through the batch-invariant GEMM, `conv_taps` and the per-query MLA kernel).
+
+The CPU counterpart of the CUDA-only pieces: `conv_taps` below; the two kernels' own tests (interpreter)."""
 import os
 import subprocess
 import sys
@@ -12,18 +16,21 @@ import pytest
 import torch
 
 _SCRIPT = """
+import os
 import torch
 from k3.config import K3Config
 from k3.model import K3ForCausalLM
+dev, dtype = os.environ.get("K3_DEVICE", "cpu"), getattr(torch, os.environ.get("K3_DTYPE", "float32"))
 torch.manual_seed(0)
 model = K3ForCausalLM(K3Config.preset("tiny")).eval()
 with torch.no_grad():
     for p in model.parameters():   # non-trivial AttnRes projections and gates
         p.add_(0.05 * torch.randn_like(p))
+model = model.to(dev, dtype)
 bad = []
 with torch.no_grad():
-    for B, P, T in ((4, 20, 4), (3, 9, 8), (1, 33, 2), (2, 1, 5), (5, 47, 3)):
-        ids = torch.randint(3, 200, (B, P + T))
+    for B, P, T in ((4, 20, 4), (3, 9, 8), (1, 33, 2), (2, 1, 5), (5, 47, 3), (2, 30, 16)):
+        ids = torch.randint(3, 200, (B, P + T), device=dev)
         st = model(ids[:, :P]).state
         once = model(ids[:, P:], st)
         s, logits = st, []
@@ -48,3 +55,27 @@ def test_verify_forward_is_bitwise_one_token_forwards(isa):
     out = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "BAD []", out.stdout[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_verify_forward_is_bitwise_one_token_forwards_on_cuda(dtype):
+    env = dict(os.environ, K3_DEVICE="cuda", K3_DTYPE=dtype)
+    out = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "BAD []", out.stdout[-2000:]
+
+
+def test_conv_taps_token_bits_do_not_depend_on_the_call_length():
+    """conv_taps (CUDA inference's short conv): token t of a [W-1+T] call equals the one-token call over its own
+    window, bit for bit; close to F.conv1d."""
+    from k3.model.ops import conv_taps
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        full = torch.randn(3, 40, 3 + 9, generator=g).to(dtype)
+        w = torch.randn(40, 1, 4, generator=g).to(dtype)
+        out = conv_taps(full, w)
+        for t in range(9):
+            assert torch.equal(conv_taps(full[..., t:t + 4], w), out[..., t:t + 1]), (dtype, t)
+        ref = torch.nn.functional.conv1d(full.double(), w.double(), groups=40)
+        assert (out.double() - ref).abs().max() <= (1e-5 if dtype == torch.float32 else 2e-2) * ref.abs().max()
