@@ -238,17 +238,57 @@ def k3_width_model():
     return model.to(torch.bfloat16).eval()
 
 
-def gpu_section(repeats: int, budget_s: float) -> dict:
+def gpu_drafter(model, out_dir: Path, tasks: int, steps: int) -> tuple[Path, dict]:
+    """The trained drafter for the K3-width GPU model, as `k3 train-drafter` trains the CPU one: the target's own
+    greedy rollouts of calculator training prompts (48 new tokens each), teacher-forced features and log-probs,
+    KL-trained head (train_drafter.train_head). Each sequence is cut to its generated span (plus the prompt's last
+    position, where the first draft starts), which is all the head trains on."""
+    from k3.envs import CalculatorEnv
+    from k3.envs.calc_task import train_tasks
+    from k3.rollout.spec.drafter import save_drafter
+    from k3.rollout.spec.train_drafter import DrafterTrainConfig, target_features, train_head
+    t0 = time.perf_counter()
+    env = CalculatorEnv()
+    prompts = [env.prompt(t) for t in train_tasks(7, tasks)]
+    outs = Engine(model, prefix_cache=False, decode_batch=16, max_running=32, device_states=64,
+                  device_pages=8192).generate(prompts, SamplingParams(temperature=0.0, max_tokens=48))
+    seqs = [p + c.token_ids for p, c in zip(prompts, outs)]
+    feats = target_features(model, seqs)
+    data = []
+    for p, seq, (f, lp) in zip(prompts, seqs, feats):
+        cut = len(p) - 2
+        mask = [i >= len(p) for i in range(len(seq))]
+        data.append((seq[cut:], f[cut:], lp[cut:], mask[cut:]))
+    tcfg = DrafterTrainConfig(steps=steps, batch=256, unroll=3)
+    head, figures = train_head(model, data, tcfg)
+    figures.update(sequences=len(seqs), seconds=round(time.perf_counter() - t0, 1),
+                   distinct_continuations=len({tuple(c.token_ids) for c in outs}))
+    save_drafter(head, out_dir, {"base": "k3-width GPU benchmark model", "train": vars(tcfg), "figures": figures})
+    return out_dir, figures
+
+
+def gpu_section(repeats: int, budget_s: float, drafter_steps: int = 400, profile: bool = False) -> dict:
+    import tempfile
     import triton.testing
+    from k3.envs import CalculatorEnv
+    from k3.envs.calc_task import heldout_tasks
     from k3_kernels.replay_ssm import naive_replay_commit, replay_commit
     t_start = time.perf_counter()
     model = k3_width_model()
-    g = torch.Generator().manual_seed(0)
-    # 16-token prompts: the prefill stays on the recurrent KDA path (no chunked-kernel builds in the timed call)
-    prompts_all = [torch.randint(3, min(1000, model.config.vocab_size), (16,), generator=g).tolist() for _ in range(32)]
+    drafter_dir, drafter_fig = gpu_drafter(model, Path(tempfile.mkdtemp()) / "drafter", 64, drafter_steps)
+    print("drafter", json.dumps(drafter_fig), flush=True)
+    env = CalculatorEnv()
+    prompts_all = [env.prompt(t) for t in heldout_tasks()][:32]
     sp = SamplingParams(temperature=0.0, max_tokens=32)
     warm = SamplingParams(temperature=0.0, max_tokens=6)   # kernel builds (decode, verify widths) before timing
-    for spec in (None, "ngram:3", "ngram:3:batched", "ngram:2x3:batched"):
+    methods = (("oracle_batched", SpecConfig(draft_len=3, verify="batched"), True),
+               ("ngram_batched", SpecConfig(draft_len=3, verify="batched"), False),
+               ("drafter_batched", SpecConfig(method="drafter", draft_len=3, verify="batched",
+                                              drafter_path=str(drafter_dir)), False),
+               ("drafter_tree_2x3_batched", SpecConfig(method="drafter", draft_len=3, branching=2, verify="batched",
+                                                       drafter_path=str(drafter_dir)), False),
+               ("drafter_exact", SpecConfig(method="drafter", draft_len=3, drafter_path=str(drafter_dir)), False))
+    for spec in [None] + [m[1] for m in methods]:
         Engine(model, prefix_cache=False, speculative=spec, decode_batch=1).generate([prompts_all[0]], warm)
     rows = []
     for batch in (1, 8, 32):
@@ -259,17 +299,25 @@ def gpu_section(repeats: int, budget_s: float) -> dict:
         plain, ref = _run(model, prompts, sp, None, batch, repeats=repeats, warmup=1)
         refs = [p + c.token_ids for p, c in zip(prompts, ref)]
         row = {"batch": batch, "plain": plain}
-        for name, spec, oracle in (("oracle_exact", "ngram:3", refs), ("oracle_batched", "ngram:3:batched", refs),
-                                   ("ngram_batched", "ngram:3:batched", None),
-                                   ("ngram_tree_2x3_batched", "ngram:2x3:batched", None)):
-            r, out = _run(model, prompts, sp, spec, batch, oracle_refs=oracle, repeats=repeats, warmup=1)
+        for name, spec, oracle in methods:
+            r, out = _run(model, prompts, sp, spec, batch, oracle_refs=refs if oracle else None, repeats=repeats,
+                          warmup=1)
             r["bitwise_equal_to_plain"] = _same(out, ref)
             r["speedup_vs_plain"] = (r["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
                                      if plain["decode_tokens_per_s"] else None)
             row[name] = r
         rows.append(row)
         print(json.dumps({k: (v if not isinstance(v, dict) else {kk: vv for kk, vv in v.items()
-                                                                 if kk != "decode_seconds"}) for k, v in row.items()}))
+                                                                 if kk != "decode_seconds"}) for k, v in row.items()}),
+              flush=True)
+        if profile and batch == 8:   # where a speculative step's host time goes (stdout only)
+            import cProfile
+            import pstats
+            prof = cProfile.Profile()
+            prof.enable()
+            _run(model, prompts, sp, methods[2][1], batch)
+            prof.disable()
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
     B, T, H, K = 8, 4, 96, 128
     dev = "cuda"
     args = (torch.randn(B, H, K, K, device=dev), torch.randn(T, B, H, K, device=dev).bfloat16(),
@@ -290,7 +338,9 @@ def gpu_section(repeats: int, budget_s: float) -> dict:
     ref_tree = triton.testing.do_bench(lambda: naive_tree_verify(*targs), return_mode="median")
     return {"device": torch.cuda.get_device_name(), "model": "K3 width, 4 layers (3 KDA + 1 MLA), 16 experts top-8, "
             "random weights, bf16",
-            "workload": "random prompts of 16 tokens (as many as the batch), greedy, 32 new tokens",
+            "workload": "held-out calculator prompts (264 tokens; as many as the batch), greedy, 32 new tokens",
+            "drafter": {"trained_on": "the model's own greedy rollouts of 64 calculator training prompts, 48 tokens "
+                                      "each", **drafter_fig},
             "throughput": rows,
             "replay_commit": {"shape": f"B={B} T={T} H={H} K=V={K}, 3 accepted, bf16 k/v", "triton_ms_median": tri,
                               "torch_fold_ms_median": ref, "speedup": ref / tri},
@@ -305,6 +355,8 @@ def main() -> None:
     ap.add_argument("--gpu", action="store_true")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--gpu-budget", type=float, default=200.0)
+    ap.add_argument("--drafter-steps", type=int, default=400, help="GPU drafter training steps")
+    ap.add_argument("--profile", action="store_true", help="GPU: cProfile one drafter run at batch 8")
     ap.add_argument("--out", default=str(RESULTS / "spec_decode.json"))
     ap.add_argument("--merge", default=None, help="keep this results file's sections that this run does not measure")
     a = ap.parse_args()
@@ -319,7 +371,7 @@ def main() -> None:
     if a.cpu:
         res["cpu"] = cpu_section(a.repeats)
     if a.gpu:
-        res["gpu"] = gpu_section(a.repeats, a.gpu_budget)
+        res["gpu"] = gpu_section(a.repeats, a.gpu_budget, a.drafter_steps, a.profile)
     print(json.dumps(res["memory_table_k3_dims_per_sequence_per_kda_layer"], indent=1))
     print("wrote", write_results(a.out, res))
 

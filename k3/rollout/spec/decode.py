@@ -112,12 +112,30 @@ class SpecDecoder:
                              f"speculative shape {cfg.shape} (draft limit {k})")
         return tree
 
+    def _propose_group(self, group: list["RunningSeq"], speculating: list[bool]) -> list[DraftTree]:
+        """Every row's draft; a trained drafter's chains for the whole group in one batched pass."""
+        limits = [self.draft_limit(s) if spec else 0 for s, spec in zip(group, speculating)]
+        batched = getattr(self.drafter, "propose_chains", None)
+        if batched is None or self.cfg.branching > 1:
+            return [self._propose(s, k) if spec else DraftTree() for s, k, spec in zip(group, limits, speculating)]
+        feats = [self.features.get(s) if k else None for s, k in zip(group, limits)]
+        feats = [f if f is not None or not k else self.prompt_features.get(s.req)
+                 for s, f, k in zip(group, feats, limits)]
+        rows = [r for r, f in enumerate(feats) if f is not None]
+        trees = [DraftTree() for _ in group]
+        if rows:
+            chains = batched(torch.stack([feats[r].reshape(-1) for r in rows]),
+                             [key_token(group[r].key[group[r].pos]) for r in rows], [limits[r] for r in rows])
+            for r, chain in zip(rows, chains):
+                trees[r] = DraftTree.chain(chain)
+        return trees
+
     # ------------------------------------------------------------------ one decode group
     def step(self, group: list["RunningSeq"]) -> None:
         eng = self.eng
         # rows recomputing a history's decode span (prefix cache off, or past its hit) feed known tokens: no draft
         speculating = [s.sampling and s.pending == 1 for s in group]
-        trees = [self._propose(s, self.draft_limit(s)) if spec else DraftTree() for s, spec in zip(group, speculating)]
+        trees = self._propose_group(group, speculating)
         roots = [key_token(s.key[s.pos]) for s in group]
         batched = self.cfg.verify is VerifyMode.BATCHED
         positions = [1 + t.depth for t in trees]
@@ -194,8 +212,15 @@ def replay_step_inputs(mod, scratch: ReplayScratch, ki: int, window: torch.Tenso
     """k, v, g, beta [steps, B, ...] of the stored positions of KDA layer `ki` (module `mod`), rebuilt from the
     stored projections by the layer's own `step_inputs`, one position at a time at the decode batch size from the
     committed windows `window` [B, 3, C, W-1] (each seat's window moves on only while it accepts): the bits the
-    verify pass computed, and plain decoding would."""
+    verify pass computed, and plain decoding would. On CUDA one call over all positions gives the same bits
+    (tests/model/test_verify_shapes.py, tests/rollout/test_spec_engine.py's gpu test); positions past a seat's
+    accepted count are computed and not folded."""
     proj = {name: scratch.seats(ki, name, list(range(scratch.rows)), B) for name in ("conv_in", "f", "b")}
+    if window.is_cuda:   # CUDA inference is invariant to the tokens per call (k3.model.ops): all positions at once
+        x = proj["conv_in"][:steps].transpose(0, 1)   # [B, steps, 3, C]
+        _, k, v, g, beta, _ = mod.step_inputs(x[:, :, 0], x[:, :, 1], x[:, :, 2], proj["f"][:steps].transpose(0, 1),
+                                              proj["b"][:steps].transpose(0, 1), window, with_q=False)
+        return tuple(t.transpose(0, 1) for t in (k, v, g, beta))
     ks, vs, gs, bs = [], [], [], []
     for t in range(steps):
         x = proj["conv_in"][t]

@@ -90,8 +90,8 @@ def train_head(target: K3ForCausalLM, data: list[tuple], tcfg: DrafterTrainConfi
              if masks[i] is None or masks[i][t + 1]]
     if not index:
         raise ValueError("drafter: rollouts too short to train on")
-    head = DraftHead(target.config.hidden_size)
     emb = target.model.embed_tokens.weight.detach().float()
+    head = DraftHead(target.config.hidden_size).to(emb.device)
     opt = torch.optim.AdamW(head.parameters(), lr=tcfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / tcfg.steps))
     losses = []

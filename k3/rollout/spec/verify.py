@@ -142,6 +142,15 @@ def _at_positions(rows: list["RunningSeq"], offset: int):
             s.pos = p
 
 
+def _to_host(out) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A verify forward's logits (fp32) and routed experts (int32) on the host in one copy each, as plain decoding
+    copies its last logits (the acceptance walk and the sampler read them there; one copy per position was a device
+    sync per position)."""
+    routed = out.routed_experts
+    return (out.logits.detach().float().cpu(),
+            routed.to(torch.int32).cpu() if routed is not None else None)
+
+
 def _verify_forward(eng: "Engine", seats: list["RunningSeq | None"], row_of_seat: list[int | None], ids: torch.Tensor,
                     t0: int, scratch: ReplayScratch, working: dict, capture):
     """One target forward of verify positions [t0, t0 + ids.shape[1]) for the rows in `seats`."""
@@ -186,16 +195,16 @@ def verify_walk(eng: "Engine", rows: list["RunningSeq"], roots: list[int], max_p
                 ids[b, 0] = fed[row_of_seat[b]]
         out, feats = _verify_forward(eng, seats, row_of_seat, ids, t, scratch, working, capture)
         forwards += 1
+        step_logits, step_routing = _to_host(out)
         for b, s in enumerate(seats):
             if s is None:
                 continue
             r = row_of_seat[b]
-            logits[r].append(out.logits[b, 0])
+            logits[r].append(step_logits[b, 0])
             if feats is not None:
                 features[r].append(feats[b, 0])
-            routing[r].append(out.routed_experts[b, 0] if out.routed_experts is not None
-                              else torch.zeros(0, dtype=torch.long))
-            nxt = advance(r, t, out.logits[b, 0])
+            routing[r].append(step_routing[b, 0] if step_routing is not None else torch.zeros(0, dtype=torch.long))
+            nxt = advance(r, t, step_logits[b, 0])
             if nxt is not None and t + 1 >= max_positions[r]:
                 raise RuntimeError(f"verify: row {r}'s walk went past its {max_positions[r]} prepared positions")
             fed[r] = nxt
@@ -229,8 +238,9 @@ def verify_batched(eng: "Engine", rows: list["RunningSeq"], tokens: list[list[in
             with eng._adapters_for(seats), (capture if capture is not None else contextlib.nullcontext()):
                 out = eng.model(ids.to(eng.device), view, return_routed_experts=True)
             feats = capture.features() if capture is not None else None
-    logits = [[out.logits[r, j] for j in range(len(toks))] for r, toks in enumerate(tokens)]
-    routing = [[out.routed_experts[r, j] if out.routed_experts is not None else torch.zeros(0, dtype=torch.long)
+    all_logits, all_routing = _to_host(out)
+    logits = [[all_logits[r, j] for j in range(len(toks))] for r, toks in enumerate(tokens)]
+    routing = [[all_routing[r, j] if all_routing is not None else torch.zeros(0, dtype=torch.long)
                 for j in range(len(toks))] for r, toks in enumerate(tokens)]
     features = None if feats is None else [[feats[r, j] for j in range(len(toks))] for r, toks in enumerate(tokens)]
     return VerifyResult(logits, routing, scratch, 1, features)
