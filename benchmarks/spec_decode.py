@@ -235,6 +235,8 @@ def k3_width_model():
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = K3ForCausalLM(cfg)
+    for p in model.parameters():   # a frozen target (the drafter's training must not reach it)
+        p.requires_grad_(False)
     return model.to(torch.bfloat16).eval()
 
 
@@ -258,7 +260,8 @@ def gpu_drafter(model, out_dir: Path, tasks: int, steps: int) -> tuple[Path, dic
     for p, seq, (f, lp) in zip(prompts, seqs, feats):
         cut = len(p) - 2
         mask = [i >= len(p) for i in range(len(seq))]
-        data.append((seq[cut:], f[cut:], lp[cut:], mask[cut:]))
+        data.append((seq[cut:], f[cut:].clone(), lp[cut:].clone(), mask[cut:]))
+    del feats
     tcfg = DrafterTrainConfig(steps=steps, batch=256, unroll=3)
     head, figures = train_head(model, data, tcfg)
     figures.update(sequences=len(seqs), seconds=round(time.perf_counter() - t0, 1),

@@ -73,7 +73,7 @@ def target_features(target: K3ForCausalLM, seqs: list[list[int]]) -> list[tuple[
     out = []
     with FeatureCapture(target) as cap:
         for s in seqs:
-            logits = target(torch.tensor([s]), use_cache=False).logits[0]
+            logits = target(torch.tensor([s], device=target.lm_head.weight.device), use_cache=False).logits[0]
             out.append((cap.features()[0], torch.log_softmax(logits.float(), -1)))
     return out
 
@@ -101,7 +101,7 @@ def train_head(target: K3ForCausalLM, data: list[tuple], tcfg: DrafterTrainConfi
         h = head.fuse(feats)
         loss = 0.0
         for j in range(1, U + 1):
-            toks = torch.tensor([data[index[p][0]][0][index[p][1] + j] for p in pick])
+            toks = torch.tensor([data[index[p][0]][0][index[p][1] + j] for p in pick], device=emb.device)
             h = head.step(h, emb[toks])
             want_log = torch.stack([data[index[p][0]][2][index[p][1] + j] for p in pick])
             want = want_log.exp()
