@@ -33,6 +33,14 @@ def config_for(device: torch.device, dtype: torch.dtype, N: int, K: int) -> Matm
         return MatmulConfig(16, 32, 32, 4, 1)
     if dtype == torch.float32:
         return MatmulConfig(64, 64, 32, 4, 2)
+    # 16-bit, by the sweep on the H200 (benchmarks/results/batch_invariant.json, `sweep_ms`; the candidate with the
+    # best mean ratio to the fastest over 1..512 rows at K3's projections)
+    if N >= 65536 or K <= 2048:     # the lm_head; short reductions into wide outputs (q_b, kv_b)
+        return MatmulConfig(128, 128, 64, 8, 3)
+    if N <= 4096:                   # narrow outputs (q_a, kv_a, the MoE latent): more programs along N
+        return MatmulConfig(64, 32, 128, 4, 4)
+    if N < K:                       # o_proj 12288 -> 7168
+        return MatmulConfig(64, 64, 64, 4, 6)
     return MatmulConfig(64, 128, 64, 4, 4)
 
 
