@@ -33,8 +33,8 @@ def config_for(device: torch.device, dtype: torch.dtype, N: int, K: int) -> Matm
         return MatmulConfig(16, 32, 32, 4, 1)
     if dtype == torch.float32:
         return MatmulConfig(64, 64, 32, 4, 2)
-    # 16-bit, by the sweep on the H200 (benchmarks/results/batch_invariant.json, `sweep_ms`; the candidate with the
-    # best mean ratio to the fastest over 1..512 rows at K3's projections)
+    # 16-bit, by the sweep on the H200 (benchmarks/results/batch_invariant_sweep_h200.json, `sweep_ms`): the
+    # candidate with the best mean ratio to the fastest over 1..512 rows at K3's projections
     if N >= 65536 or K <= 2048:     # the lm_head; short reductions into wide outputs (q_b, kv_b)
         return MatmulConfig(128, 128, 64, 8, 3)
     if N <= 4096:                   # narrow outputs (q_a, kv_a, the MoE latent): more programs along N
