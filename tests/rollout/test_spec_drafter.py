@@ -100,3 +100,19 @@ def test_training_positions_are_where_the_engine_drafts(model):
     _, gen_pos = train_head(model, [(s, f, lp, m) for s, (f, lp), m in zip(seqs, feats, masks)], tcfg)
     assert all_pos["positions"] == 2 * (40 - 3 - 1)
     assert gen_pos["positions"] == 2 * len(range(29, 40 - 3 - 1))   # t + 1 >= 30 and t + 3 < 39
+
+
+def test_group_proposals_are_the_rows_own(model, trained):
+    """The engine drafts for a whole decode group in one pass per draft step (`propose_chains`, `propose_trees`);
+    each row gets the chain / tree it would get alone (rows of different draft limits, one with none)."""
+    path = trained[3]
+    drafter = load_drafter(path, model)
+    g = torch.Generator().manual_seed(3)
+    feats = torch.randn(4, 3 * model.config.hidden_size, generator=g)
+    last, limits = [5, 9, 11, 2], [3, 1, 2, 0]
+    chains = drafter.propose_chains(feats, last, limits)
+    assert chains == [drafter.propose_tokens(f, t, k) if k else [] for f, t, k in zip(feats, last, limits)]
+    trees = drafter.propose_trees(feats, last, 2, limits, 14)
+    for f, t, k, tree in zip(feats, last, limits, trees):
+        alone = drafter.propose_tree(f, t, 2, k, 14) if k else None
+        assert (tree.tokens, tree.parents) == ((alone.tokens, alone.parents) if k else ((), ()))

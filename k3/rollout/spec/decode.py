@@ -107,16 +107,15 @@ class SpecDecoder:
                 tree = DraftTree.chain(self.drafter.propose(context, k))
             else:
                 tree = self.drafter.propose_tree(context, cfg.branching, k, nodes)
-        if not tree.fits(cfg.branching, k) or len(tree) > nodes:
-            raise ValueError(f"drafter: proposed a tree of {len(tree)} nodes, depth {tree.depth}, outside the "
-                             f"speculative shape {cfg.shape} (draft limit {k})")
-        return tree
+        return self._checked(tree, k)
 
     def _propose_group(self, group: list["RunningSeq"], speculating: list[bool]) -> list[DraftTree]:
-        """Every row's draft; a trained drafter's chains for the whole group in one batched pass."""
+        """Every row's draft; a trained drafter's chains or trees for the whole group in one batched pass per draft
+        step (`propose_chains` / `propose_trees`), the other drafters row by row (`_propose`)."""
+        cfg = self.cfg
         limits = [self.draft_limit(s) if spec else 0 for s, spec in zip(group, speculating)]
-        batched = getattr(self.drafter, "propose_chains", None)
-        if batched is None or self.cfg.branching > 1:
+        batched = getattr(self.drafter, "propose_chains" if cfg.branching == 1 else "propose_trees", None)
+        if batched is None:
             return [self._propose(s, k) if spec else DraftTree() for s, k, spec in zip(group, limits, speculating)]
         feats = [self.features.get(s) if k else None for s, k in zip(group, limits)]
         feats = [f if f is not None or not k else self.prompt_features.get(s.req)
@@ -124,11 +123,23 @@ class SpecDecoder:
         rows = [r for r, f in enumerate(feats) if f is not None]
         trees = [DraftTree() for _ in group]
         if rows:
-            chains = batched(torch.stack([feats[r].reshape(-1) for r in rows]),
-                             [key_token(group[r].key[group[r].pos]) for r in rows], [limits[r] for r in rows])
-            for r, chain in zip(rows, chains):
-                trees[r] = DraftTree.chain(chain)
+            stacked = torch.stack([feats[r].reshape(-1) for r in rows])
+            last = [key_token(group[r].key[group[r].pos]) for r in rows]
+            if cfg.branching == 1:
+                drafted = [DraftTree.chain(c) for c in batched(stacked, last, [limits[r] for r in rows])]
+            else:
+                drafted = batched(stacked, last, cfg.branching, [limits[r] for r in rows], cfg.tree_nodes)
+            for r, tree in zip(rows, drafted):
+                trees[r] = self._checked(tree, limits[r])
         return trees
+
+    def _checked(self, tree: DraftTree, k: int) -> DraftTree:
+        cfg = self.cfg
+        nodes = cfg.tree_nodes if cfg.branching > 1 else k
+        if not tree.fits(cfg.branching, k) or len(tree) > nodes:
+            raise ValueError(f"drafter: proposed a tree of {len(tree)} nodes, depth {tree.depth}, outside the "
+                             f"speculative shape {cfg.shape} (draft limit {k})")
+        return tree
 
     # ------------------------------------------------------------------ one decode group
     def step(self, group: list["RunningSeq"]) -> None:
@@ -172,12 +183,20 @@ class SpecDecoder:
             chains = all(t.is_chain() for t in trees)
             res = verify_batched(eng, group, [[rt] + list(t.tokens) for rt, t in zip(roots, trees)], capture,
                                  None if chains else [t.verify_parents() for t in trees])
-            order = []
-            for r, lg in enumerate(res.logits):   # the walk over the computed positions (node i at position i + 1)
-                idx = [0]
-                while advance(r, len(idx) - 1, lg[idx[-1]]) is not None:
-                    idx.append(node[r] + 1)
-                order.append(idx)
+            # the walk over the computed positions (node i at position i + 1), depth by depth: one host copy of the
+            # rows' current logits per depth, as a decode step copies its rows' last logits (a tree's unwalked
+            # nodes never leave the device)
+            order = [[0] for _ in group]
+            live, depth = list(range(len(group))), 0
+            while live:
+                host = torch.stack([res.logits[r][order[r][-1]] for r in live]).detach().float().cpu()
+                still = []
+                for i, r in enumerate(live):
+                    res.logits[r][order[r][-1]] = host[i]
+                    if advance(r, depth, host[i]) is not None:
+                        order[r].append(node[r] + 1)
+                        still.append(r)
+                live, depth = still, depth + 1
             if not chains:
                 keep_path(eng, group, res, order)
         else:

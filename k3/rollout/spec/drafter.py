@@ -130,6 +130,35 @@ class TrainedDrafter:
         return [d[:k] for d, k in zip(drafts, ks)]
 
     @torch.no_grad()
+    def propose_trees(self, feats: torch.Tensor, last_tokens: list[int], branching: int, depths: list[int],
+                      max_nodes: int) -> list[DraftTree]:
+        """`propose_tree` for several rows at once (feats [R, 3d]; row r's tree at most depths[r] deep): every
+        row's frontier goes through the head and the lm_head together, one pass per depth."""
+        emb = self.target.model.embed_tokens.weight
+        R = len(depths)
+        tokens: list[list[int]] = [[] for _ in range(R)]
+        parents: list[list[int]] = [[] for _ in range(R)]
+        hid = self.head.fuse(feats.float().view(R, -1))
+        frontier = [(r, -1, t, r) for r, t in enumerate(last_tokens)]   # (row, node, its token, its row in hid)
+        for depth in range(max(depths, default=0)):
+            frontier = [f for f in frontier if depth < depths[f[0]] and len(tokens[f[0]]) < max_nodes]
+            if not frontier:
+                break
+            toks = torch.tensor([t for _, _, t, _ in frontier], device=emb.device)
+            h = self.head.step(hid[[i for _, _, _, i in frontier]], emb[toks].float())
+            top = torch.topk(self.head.logits(self.target, h), branching, dim=-1).indices.tolist()
+            nxt = []
+            for i, ((r, node, _, _), cand) in enumerate(zip(frontier, top)):
+                for tok in cand:
+                    if len(tokens[r]) >= max_nodes:
+                        break
+                    tokens[r].append(int(tok))
+                    parents[r].append(node)
+                    nxt.append((r, len(tokens[r]) - 1, int(tok), i))
+            frontier, hid = nxt, h
+        return [DraftTree(tuple(t), tuple(p)) for t, p in zip(tokens, parents)]
+
+    @torch.no_grad()
     def propose_tree(self, feat: torch.Tensor, last_token: int, branching: int, depth: int,
                      max_nodes: int) -> DraftTree:
         """Top-`branching` tokens per node at every depth, breadth first, each child continuing its parent's
@@ -185,7 +214,8 @@ def load_drafter(path: str | Path | None, target: K3ForCausalLM) -> TrainedDraft
     if meta["hidden"] != target.config.hidden_size:
         raise ValueError(f"speculative.drafter_path: the drafter at {p} was trained for hidden size "
                          f"{meta['hidden']}, the target has {target.config.hidden_size}")
-    head = DraftHead(meta["hidden"])
-    head.load_state_dict(load_file(str(p / WEIGHTS)))
+    with torch.device("meta"):   # no random init of weights that are loaded next (2.4 s at K3's width on the host)
+        head = DraftHead(meta["hidden"])
+    head.load_state_dict(load_file(str(p / WEIGHTS)), assign=True)
     dev = next(target.parameters()).device
     return TrainedDrafter(head.to(dev), target)

@@ -238,8 +238,10 @@ def verify_batched(eng: "Engine", rows: list["RunningSeq"], tokens: list[list[in
             with eng._adapters_for(seats), (capture if capture is not None else contextlib.nullcontext()):
                 out = eng.model(ids.to(eng.device), view, return_routed_experts=True)
             feats = capture.features() if capture is not None else None
-    all_logits, all_routing = _to_host(out)
-    logits = [[all_logits[r, j] for j in range(len(toks))] for r, toks in enumerate(tokens)]
+    routed = out.routed_experts
+    all_routing = routed.to(torch.int32).cpu() if routed is not None else None
+    # device rows: the acceptance walk copies the rows it reaches to the host, depth by depth (decode.step)
+    logits = [[out.logits[r, j] for j in range(len(toks))] for r, toks in enumerate(tokens)]
     routing = [[all_routing[r, j] if all_routing is not None else torch.zeros(0, dtype=torch.long)
                 for j in range(len(toks))] for r, toks in enumerate(tokens)]
     features = None if feats is None else [[feats[r, j] for j in range(len(toks))] for r, toks in enumerate(tokens)]
