@@ -35,8 +35,10 @@ def test_token_matching_costs_only_rounding_against_recomputation(model):
         for a, b in zip(turn_ref, turn_got):
             assert a.token_ids == b.token_ids
             worst = max(worst, max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)))
+    # decode-computed history is not bitwise a long prefill of it (the documented price, <= rounding); with this
+    # workload's 16-token prefill chunks every op computes a token as decode does (CPU: row-block GEMMs, MLA query
+    # by query up to ops.PER_QUERY_MAX_TOKENS, the recurrent KDA path), so the price is 0 here
     assert worst < 1e-4
-    assert worst > 0.0   # decode-computed history is not bitwise a prefill of it: the documented price
 
 
 def test_span_prompts_are_served_bitwise_as_in_exact_mode(model):
