@@ -95,8 +95,10 @@ $(VENV_SGLANG)/.installed: pyproject.toml setup.py
 	$(DEDUPE) $(VENV_SGLANG) $(VENV) $(VENV_VERL) $(VENV_VLLM) $(VENV_TITAN)
 	touch $@
 
+# -P: the repo root stays off sys.path, so its kernels/ folder (installed as k3_kernels) does not shadow Hugging
+# Face's `kernels` package, which SGLang now pulls in and transformers imports (`from kernels import CUDAProperties`).
 test-sglang: $(VENV_SGLANG)/.installed
-	$(VENV_SGLANG)/bin/python -m pytest -q tests/plugins/sglang_k3
+	$(VENV_SGLANG)/bin/python -P -m pytest -q tests/plugins/sglang_k3
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/python -m benchmarks.weight_sync
