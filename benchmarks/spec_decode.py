@@ -223,37 +223,101 @@ def cpu_section(repeats: int) -> dict:
                                   statistics.median(ts) * 1e6}}
 
 
-def k3_width_model():
+def k3_width_config():
     import dataclasses
     from k3.config import K3Config
-    from k3.model import K3ForCausalLM
     base = K3Config.preset("k3")
-    cfg = dataclasses.replace(base, num_hidden_layers=4, num_experts=16, num_experts_per_token=8,
-                              linear_attn_config={**base.linear_attn_config, "kda_layers": [1, 2, 3],
-                                                  "full_attn_layers": [4]},
-                              attn_res_block_size=2)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = K3ForCausalLM(cfg)
+    return dataclasses.replace(base, num_hidden_layers=4, num_experts=16, num_experts_per_token=8,
+                               linear_attn_config={**base.linear_attn_config, "kda_layers": [1, 2, 3],
+                                                   "full_attn_layers": [4]},
+                               attn_res_block_size=2)
+
+
+def _frozen_bf16(model):
     for p in model.parameters():   # a frozen target (the drafter's training must not reach it)
         p.requires_grad_(False)
     return model.to(torch.bfloat16).eval()
 
 
-def gpu_drafter(model, out_dir: Path, tasks: int, steps: int) -> tuple[Path, dict]:
+def k3_width_model():
+    from k3.model import K3ForCausalLM
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = K3ForCausalLM(k3_width_config())
+    return _frozen_bf16(model)
+
+
+def sft_k3_width_model(steps: int, lr: float, budget_s: float, batch: int = 32, config=None,
+                       device: str = "cuda") -> tuple[object, dict]:
+    """The K3-width model trained on the main job's calculator demonstrations (k3.jobs.sft's rows and loss, the
+    system prompt's state computed once per step without gradient), on the device: fp32 weights and AdamW, the
+    token embedding and the lm_head frozen at their random init (their 163,840 rows would be 2.3 B more trained
+    parameters; the other 4.4 B learn to use them), linear warm-up over 10 steps, until `steps` or `budget_s`.
+    Then bf16 and frozen, as the benchmark serves it. Returns (model, training figures)."""
+    import random
+    from k3.envs import CalculatorEnv, train_tasks
+    from k3.jobs.config import SFTSection
+    from k3.jobs.sft import demonstration_row, masked_next_token_loss, pack
+    from k3.model import K3ForCausalLM, K3State
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = K3ForCausalLM(config or k3_width_config())
+    model.model.embed_tokens.weight.requires_grad_(False)
+    model.lm_head.weight.requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=device == "cuda")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 10))
+    env, sft, rng = CalculatorEnv(), SFTSection(), random.Random(1)
+    tasks = train_tasks(1, 4096)
+    system = torch.tensor([env.system], device=device)
+    peak = (lambda: torch.cuda.max_memory_allocated() / 2**30) if device == "cuda" else (lambda: 0.0)
+    S = len(env.system)
+    losses, done = [], 0
+    for i in range(steps):
+        if time.perf_counter() - t0 > budget_s:
+            break
+        eps = [demonstration_row(env, tasks, rng, sft) for _ in range(batch)]
+        with torch.no_grad():
+            _, prefix = model.extend(system)
+        ids, mask = pack([e.tokens[S:] for e in eps], [e.model_mask[S:] for e in eps])
+        loss = masked_next_token_loss(model, ids.to(device), mask.to(device), K3State.concat([prefix] * batch))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        done = i + 1
+        if i % 20 == 0:
+            print(f"sft step {i}: loss {losses[-1]:.3f}, {time.perf_counter() - t0:.0f} s, peak {peak():.1f} GiB",
+                  flush=True)
+    del opt, params
+    model.zero_grad(set_to_none=True)
+    fig = {"steps": done, "batch": batch, "lr": lr, "loss_first": losses[0] if losses else None,
+           "loss_last20": sum(losses[-20:]) / max(1, len(losses[-20:])), "seconds": round(time.perf_counter() - t0, 1),
+           "peak_gib": round(peak(), 1)}
+    model = _frozen_bf16(model)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return model, fig
+
+
+def gpu_drafter(model, out_dir: Path, tasks: int, steps: int, sp: SamplingParams) -> tuple[Path, dict]:
     """The trained drafter for the K3-width GPU model, as `k3 train-drafter` trains the CPU one: the target's own
-    greedy rollouts of calculator training prompts (48 new tokens each), teacher-forced features and log-probs,
-    KL-trained head (train_drafter.train_head). Each sequence is cut to its generated span (plus the prompt's last
-    position, where the first draft starts), which is all the head trains on."""
+    greedy rollouts of calculator training prompts (sampling `sp`: the benchmark's, so stopping where it stops),
+    teacher-forced features and log-probs, KL-trained head (train_drafter.train_head), draft vocabulary from the
+    rollouts. Each sequence is cut to its generated span (plus the prompt's last position, where the first draft
+    starts), which is all the head trains on."""
     from k3.envs import CalculatorEnv
     from k3.envs.calc_task import train_tasks
     from k3.rollout.spec.drafter import save_drafter
-    from k3.rollout.spec.train_drafter import DrafterTrainConfig, target_features, train_head
+    from k3.rollout.spec.train_drafter import DrafterTrainConfig, draft_vocabulary, target_features, train_head
     t0 = time.perf_counter()
     env = CalculatorEnv()
     prompts = [env.prompt(t) for t in train_tasks(7, tasks)]
     outs = Engine(model, prefix_cache=False, decode_batch=16, max_running=32, device_states=64,
-                  device_pages=8192).generate(prompts, SamplingParams(temperature=0.0, max_tokens=48))
+                  device_pages=8192).generate(prompts, sp)
     seqs = [p + c.token_ids for p, c in zip(prompts, outs)]
     feats = target_features(model, seqs)
     data = []
@@ -264,25 +328,40 @@ def gpu_drafter(model, out_dir: Path, tasks: int, steps: int) -> tuple[Path, dic
     del feats
     tcfg = DrafterTrainConfig(steps=steps, batch=256, unroll=3)
     head, figures = train_head(model, data, tcfg)
+    vocab = draft_vocabulary(seqs, tcfg.draft_vocab)
     figures.update(sequences=len(seqs), seconds=round(time.perf_counter() - t0, 1),
-                   distinct_continuations=len({tuple(c.token_ids) for c in outs}))
-    save_drafter(head, out_dir, {"base": "k3-width GPU benchmark model", "train": vars(tcfg), "figures": figures})
+                   distinct_continuations=len({tuple(c.token_ids) for c in outs}), draft_vocab=len(vocab),
+                   mean_new_tokens=sum(len(c.token_ids) for c in outs) / len(outs))
+    save_drafter(head, out_dir, {"base": "k3-width GPU benchmark model", "train": vars(tcfg), "figures": figures,
+                                 "draft_vocab": vocab})
     return out_dir, figures
 
 
-def gpu_section(repeats: int, budget_s: float, drafter_steps: int = 400, profile: bool = False) -> dict:
+def gpu_section(repeats: int, budget_s: float, drafter_steps: int = 400, profile: bool = False,
+                target: str = "random", sft_steps: int = 300, sft_lr: float = 1e-4, sft_budget: float = 150.0,
+                sink=None, batches: tuple[int, ...] = (1, 8, 32)) -> dict:
+    """`target`: "random" (random weights; greedy, 32 new tokens, no stop) or "sft" (trained on the calculator
+    demonstrations here, `sft_k3_width_model`; greedy, stopping at the task's stop tokens, at most 32 new tokens,
+    as the CPU section's workload). `sink(partial)` gets the section after each batch row."""
     import tempfile
     import triton.testing
     from k3.envs import CalculatorEnv
     from k3.envs.calc_task import heldout_tasks
     from k3_kernels.replay_ssm import naive_replay_commit, replay_commit
     t_start = time.perf_counter()
-    model = k3_width_model()
-    drafter_dir, drafter_fig = gpu_drafter(model, Path(tempfile.mkdtemp()) / "drafter", 64, drafter_steps)
-    print("drafter", json.dumps(drafter_fig), flush=True)
     env = CalculatorEnv()
+    sft_fig = None
+    if target == "sft":
+        model, sft_fig = sft_k3_width_model(sft_steps, sft_lr, sft_budget)
+        print("sft", json.dumps(sft_fig), flush=True)
+        sp = SamplingParams(temperature=0.0, max_tokens=32, stop_token_ids=tuple(env.stop_ids))
+    else:
+        model = k3_width_model()
+        sp = SamplingParams(temperature=0.0, max_tokens=32)
+    drafter_dir, drafter_fig = gpu_drafter(model, Path(tempfile.mkdtemp()) / "drafter", 256 if target == "sft" else 64,
+                                           drafter_steps, sp)
+    print("drafter", json.dumps(drafter_fig), flush=True)
     prompts_all = [env.prompt(t) for t in heldout_tasks()][:32]
-    sp = SamplingParams(temperature=0.0, max_tokens=32)
     warm = SamplingParams(temperature=0.0, max_tokens=6)   # kernel builds (decode, verify widths) before timing
     methods = (("oracle_batched", SpecConfig(draft_len=3, verify="batched"), True),
                ("ngram_batched", SpecConfig(draft_len=3, verify="batched"), False),
@@ -294,7 +373,8 @@ def gpu_section(repeats: int, budget_s: float, drafter_steps: int = 400, profile
     for spec in [None] + [m[1] for m in methods]:
         Engine(model, prefix_cache=False, speculative=spec, decode_batch=1).generate([prompts_all[0]], warm)
     rows = []
-    for batch in (1, 8, 32):
+    section = {"device": torch.cuda.get_device_name(), "target": target, "sft": sft_fig, "throughput": rows}
+    for batch in batches:
         if time.perf_counter() - t_start > budget_s:
             rows.append({"batch": batch, "skipped": f"time budget {budget_s} s reached"})
             continue
@@ -309,10 +389,15 @@ def gpu_section(repeats: int, budget_s: float, drafter_steps: int = 400, profile
             r["speedup_vs_plain"] = (r["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
                                      if plain["decode_tokens_per_s"] else None)
             row[name] = r
+        if batch == batches[0]:
+            section["sample_continuations"] = [" ".join(env.tok.decode([t]) if t < len(env.tok) else f"<{t}>"
+                                                        for t in c.token_ids) for c in ref[:4]]
         rows.append(row)
         print(json.dumps({k: (v if not isinstance(v, dict) else {kk: vv for kk, vv in v.items()
                                                                  if kk != "decode_seconds"}) for k, v in row.items()}),
               flush=True)
+        if sink is not None:
+            sink(section)
         if profile and batch == 8:   # where a speculative step's host time goes (stdout only)
             import cProfile
             import pstats
@@ -339,12 +424,14 @@ def gpu_section(repeats: int, budget_s: float, drafter_steps: int = 400, profile
              -torch.rand(N, B, H, K, device=dev), torch.rand(N, B, H, device=dev), parents)
     tri_tree = triton.testing.do_bench(lambda: tree_verify(*targs), return_mode="median")
     ref_tree = triton.testing.do_bench(lambda: naive_tree_verify(*targs), return_mode="median")
-    return {"device": torch.cuda.get_device_name(), "model": "K3 width, 4 layers (3 KDA + 1 MLA), 16 experts top-8, "
-            "random weights, bf16",
-            "workload": "held-out calculator prompts (264 tokens; as many as the batch), greedy, 32 new tokens",
-            "drafter": {"trained_on": "the model's own greedy rollouts of 64 calculator training prompts, 48 tokens "
-                                      "each", **drafter_fig},
-            "throughput": rows,
+    weights = ("random weights" if target == "random" else
+               "trained here on the calculator demonstrations (sft: embedding and lm_head frozen at random init)")
+    stop = "no stop" if target == "random" else "stopping at the task's stop tokens"
+    return {**section, "model": f"K3 width, 4 layers (3 KDA + 1 MLA), 16 experts top-8, {weights}, bf16",
+            "workload": f"held-out calculator prompts (264 tokens; as many as the batch), greedy, at most 32 new "
+                        f"tokens, {stop}",
+            "drafter": {"trained_on": "the model's own greedy rollouts of calculator training prompts, sampled as "
+                                      "the workload", **drafter_fig},
             "replay_commit": {"shape": f"B={B} T={T} H={H} K=V={K}, 3 accepted, bf16 k/v", "triton_ms_median": tri,
                               "torch_fold_ms_median": ref, "speedup": ref / tri},
             "tree_verify": {"shape": f"B={B}, 2x3 tree (pending + 14 nodes), H={H} K=V={K}, bf16 q/k/v",
@@ -360,6 +447,11 @@ def main() -> None:
     ap.add_argument("--gpu-budget", type=float, default=200.0)
     ap.add_argument("--drafter-steps", type=int, default=400, help="GPU drafter training steps")
     ap.add_argument("--profile", action="store_true", help="GPU: cProfile one drafter run at batch 8")
+    ap.add_argument("--target", choices=("random", "sft"), default="sft", help="GPU target model")
+    ap.add_argument("--sft-steps", type=int, default=300)
+    ap.add_argument("--sft-lr", type=float, default=1e-4)
+    ap.add_argument("--sft-budget", type=float, default=150.0, help="GPU SFT seconds at most")
+    ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--out", default=str(RESULTS / "spec_decode.json"))
     ap.add_argument("--merge", default=None, help="keep this results file's sections that this run does not measure")
     a = ap.parse_args()
@@ -374,7 +466,10 @@ def main() -> None:
     if a.cpu:
         res["cpu"] = cpu_section(a.repeats)
     if a.gpu:
-        res["gpu"] = gpu_section(a.repeats, a.gpu_budget, a.drafter_steps, a.profile)
+        def sink(partial):   # a run cut off at the device's limit still leaves its finished rows
+            write_results(a.out, {**res, "gpu": {**partial, "partial": True}})
+        res["gpu"] = gpu_section(a.repeats, a.gpu_budget, a.drafter_steps, a.profile, a.target, a.sft_steps,
+                                 a.sft_lr, a.sft_budget, sink, tuple(int(b) for b in a.batches.split(",")))
     print(json.dumps(res["memory_table_k3_dims_per_sequence_per_kda_layer"], indent=1))
     print("wrote", write_results(a.out, res))
 

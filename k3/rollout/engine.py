@@ -28,7 +28,7 @@ from k3.rollout.admission import Admission
 from k3.rollout.config import EngineConfig, PrefixMatch, RequestFailed
 from k3.rollout.pools import TieredPool
 from k3.rollout.radix import Node, RadixTree
-from k3.rollout.sampler import sample, sample_generator
+from k3.rollout.sampler import NextLogits, next_logits, sample, sample_generator
 from k3.rollout.spec.decode import SpecDecoder
 from k3.rollout.sequence import GenRequest, RunningSeq
 from k3.rollout.types import (KIND_DECODE, KIND_PREFILL_END, Completion, SamplingParams, checked_requests,
@@ -320,10 +320,10 @@ class Engine(Admission):
         self.stats["forwards"] += 1
         if capture is not None:   # the trained drafter's features of the prompts ending here
             self.spec.keep_prompt_features(rows, T, capture)
-        # the last position's logits and routed experts of every row in one device-to-host copy each: sampling
-        # and the recorded routing read them on the host, row by row (one copy and sync per row made a decode
-        # step's host time grow with its rows on CUDA); the values are the device's (fp32 of the logits' dtype)
-        logits = out.logits[:, -1].detach().float().cpu()
+        # the last position's logits: on CUDA each row's greedy pick on the device (one launch) and a host copy of
+        # the sampled rows only, in one copy; the routed experts in one copy (one copy and sync per row made a
+        # decode step's host time grow with its rows on CUDA)
+        logits = next_logits(out.logits[:, -1], [r is not None and r.req.params.temperature > 0 for r in rows])
         routed = out.routed_experts
         routing = (routed[:, -1].to(torch.int32).cpu() if routed is not None
                    else torch.zeros(len(rows), 0, 0, dtype=torch.int32))
@@ -342,7 +342,7 @@ class Engine(Admission):
         names = [None if r is None else r.req.params.adapter_id for r in rows]
         return lora.use(names if any(names) else None)
 
-    def _after_segment(self, s: RunningSeq, logits: torch.Tensor, routing: torch.Tensor) -> None:
+    def _after_segment(self, s: RunningSeq, logits: NextLogits, routing: torch.Tensor) -> None:
         last_kind = key_kind(s.key[s.pos - 1])
         if self.prefix_cache:
             prompt_end = last_kind == KIND_PREFILL_END
@@ -350,7 +350,7 @@ class Engine(Admission):
                 extra = None
                 if prompt_end:   # a hit on the whole prompt samples from these (and drafts from the features)
                     feat = self.spec.prompt_features.get(s.req) if self.spec is not None else None
-                    extra = (logits.detach().clone(), routing.detach().clone(), feat)
+                    extra = (logits.clone(), routing.detach().clone(), feat)
                 self._checkpoint(s, extra)
         if s.pending == 0:
             if not s.sampling:
@@ -368,7 +368,7 @@ class Engine(Admission):
             raise
         self.stats["checkpoints"] += 1
 
-    def _start_sampling(self, s: RunningSeq, logits: torch.Tensor, routing: torch.Tensor) -> None:
+    def _start_sampling(self, s: RunningSeq, logits: NextLogits, routing: torch.Tensor) -> None:
         """The prompt is done: fork the n samples here (they share the prompt's pages; copy its state)."""
         s.sampling = True
         req = s.req
@@ -387,7 +387,7 @@ class Engine(Admission):
             if sib.sampling and not sib.out_tokens:
                 self._sample_next(sib, logits, routing)
 
-    def _sample_next(self, s: RunningSeq, logits: torch.Tensor, routing: torch.Tensor) -> None:
+    def _sample_next(self, s: RunningSeq, logits: NextLogits, routing: torch.Tensor) -> None:
         tok, lp, slp = sample(logits, s.req.params, s.gen)
         self._emit(s, tok, lp, slp, routing)
 

@@ -3,6 +3,7 @@ on its own logits and seed (never on what else is in the batch)."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,7 +39,7 @@ def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> tuple[tor
     """logits [vocab] -> (log-softmax at temperature 1, log of the distribution sampled from: tempered by
     `params.temperature` > 0, truncated by top-k and top-p). Speculative acceptance (k3.rollout.spec.accept) reads
     the same tensors, so equal tokens get bitwise equal log-probs."""
-    x = logits.detach().float().cpu()
+    x = _host_logits(logits)
     full = torch.log_softmax(x, dim=-1)
     if params.temperature == 1.0 and not (params.top_k and params.top_k < x.numel()) and params.top_p >= 1.0:
         return full, full   # untempered, untruncated: the same tensor (x / 1.0 is x, bit for bit)
@@ -56,9 +57,57 @@ def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> tuple[tor
     return full, torch.log_softmax(z, dim=-1)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[int, float, float]:
+@dataclass(eq=False)
+class NextLogits:
+    """One position's next-token logits as the engine hands them to sampling: `row` [vocab] (on the device, or a
+    host copy) and, for CUDA rows, the greedy pick (token, log-prob) computed on the device with the other rows of
+    its call (`next_logits`). The host copy (fp32, what temperature > 0 samples from) is made on first need."""
+    row: torch.Tensor
+    greedy: tuple[int, float] | None = None
+    _host: torch.Tensor | None = field(default=None, repr=False)
+
+    def host(self) -> torch.Tensor:
+        if self._host is None:
+            self._host = self.row.detach().float().cpu()
+        return self._host
+
+    def clone(self) -> "NextLogits":
+        """A copy that outlives the forward's output (the prefix cache keeps a prompt end's logits)."""
+        return NextLogits(self.row.detach().clone(), self.greedy, self._host)
+
+
+def next_logits(rows: torch.Tensor, on_host: list[bool]) -> list[NextLogits]:
+    """rows [R, vocab] of one forward (or one acceptance-walk depth) -> one NextLogits per row. On CUDA every row's
+    greedy pick comes from one `k3_kernels.sampling.greedy_pick` launch (a row's pick does not depend on the other
+    rows, so plain decoding and speculative verifies report the same bits) and only the rows with `on_host[r]`
+    (temperature > 0) are copied to the host, in one copy. On CPU the rows are the host copy and greedy picks are
+    made by `sample` from it (argmax, log-softmax)."""
+    if not rows.is_cuda:
+        host = rows.detach().float()
+        return [NextLogits(host[r], None, host[r]) for r in range(rows.shape[0])]
+    from k3_kernels.sampling import greedy_pick
+    tok, lp = greedy_pick(rows)
+    picks = list(zip(tok.cpu().tolist(), lp.cpu().tolist()))
+    want = [r for r, h in enumerate(on_host) if h]
+    host = rows[want].detach().float().cpu() if want else None
+    out = [NextLogits(rows[r], picks[r]) for r in range(rows.shape[0])]
+    for i, r in enumerate(want):
+        out[r]._host = host[i]
+    return out
+
+
+def _host_logits(logits: "torch.Tensor | NextLogits") -> torch.Tensor:
+    return logits.host() if isinstance(logits, NextLogits) else logits.detach().float().cpu()
+
+
+def sample(logits: "torch.Tensor | NextLogits", params: SamplingParams, gen: torch.Generator
+           ) -> tuple[int, float, float]:
     """logits [vocab] -> (token, log p(token) under the full softmax at temperature 1, log p(token) under the
-    distribution sampled from: tempered and truncated; 0.0 for greedy)."""
+    distribution sampled from: tempered and truncated; 0.0 for greedy). Greedy from a NextLogits with a device pick
+    (CUDA) is that pick."""
+    if isinstance(logits, NextLogits) and params.temperature == 0.0 and logits.greedy is not None:
+        return logits.greedy[0], logits.greedy[1], 0.0
+    logits = _host_logits(logits)
     if params.temperature == 0.0:
         x = logits.detach().float().cpu()
         tok = int(torch.argmax(x))

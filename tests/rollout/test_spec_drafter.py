@@ -116,3 +116,37 @@ def test_group_proposals_are_the_rows_own(model, trained):
     for f, t, k, tree in zip(feats, last, limits, trees):
         alone = drafter.propose_tree(f, t, 2, k, 14) if k else None
         assert (tree.tokens, tree.parents) == ((alone.tokens, alone.parents) if k else ((), ()))
+
+
+def test_draft_vocabulary_restricts_what_is_drafted(model, trained, tmp_path):
+    """A drafter saved with a draft vocabulary (EAGLE-3's reduced vocabulary: the rollouts' most frequent tokens)
+    drafts only those tokens, and the same chains as the full head wherever the full head's choice is in it; the
+    engine with it stays bitwise plain decoding. A vocabulary that is not distinct in-range ids is named."""
+    import json
+    import shutil
+    from k3.rollout.spec.train_drafter import draft_vocabulary
+    prompts, sp, ref, path, _ = trained
+    assert draft_vocabulary([[3, 1, 3, 2], [2, 3]], 2) == [3, 2]   # by frequency, ties by id, cut at the limit
+    full = load_drafter(path, model)
+    g = torch.Generator().manual_seed(4)
+    feats = torch.randn(6, 3 * model.config.hidden_size, generator=g)
+    want = full.propose_chains(feats, [1, 2, 3, 4, 5, 6], [3] * 6)
+    vocab = sorted({t for c in want for t in c} | {7, 8})
+    small = tmp_path / "small"
+    shutil.copytree(path, small)
+    meta = json.loads((small / "drafter.json").read_text())
+    (small / "drafter.json").write_text(json.dumps({**meta, "draft_vocab": vocab}))
+    restricted = load_drafter(small, model)
+    assert restricted.propose_chains(feats, [1, 2, 3, 4, 5, 6], [3] * 6) == want
+    tiny_vocab = tmp_path / "tiny"
+    shutil.copytree(path, tiny_vocab)
+    (tiny_vocab / "drafter.json").write_text(json.dumps({**meta, "draft_vocab": [7, 8]}))
+    two = load_drafter(tiny_vocab, model)
+    assert {t for c in two.propose_chains(feats, [1, 2, 3, 4, 5, 6], [3] * 6) for t in c} <= {7, 8}
+    assert all(set(t.tokens) <= {7, 8} for t in two.propose_trees(feats, [1, 2, 3, 4, 5, 6], 2, [3] * 6, 14))
+    out = Engine(model, prefix_cache=False, speculative=SpecConfig(method="drafter", drafter_path=str(tiny_vocab)),
+                 **SMALL).generate(prompts, sp)
+    assert same(out, ref)
+    (tiny_vocab / "drafter.json").write_text(json.dumps({**meta, "draft_vocab": [7, 7]}))
+    with pytest.raises(ValueError, match="draft_vocab"):
+        load_drafter(tiny_vocab, model)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from k3.model import ops
+from k3.rollout.sampler import next_logits
 from k3.rollout.spec.accept import Emitted, accept_at_node
 from k3.rollout.spec.config import Acceptance, SpecConfig, SpecMethod, VerifyMode
 from k3.rollout.spec.ngram import NgramDrafter
@@ -183,17 +184,18 @@ class SpecDecoder:
             chains = all(t.is_chain() for t in trees)
             res = verify_batched(eng, group, [[rt] + list(t.tokens) for rt, t in zip(roots, trees)], capture,
                                  None if chains else [t.verify_parents() for t in trees])
-            # the walk over the computed positions (node i at position i + 1), depth by depth: one host copy of the
-            # rows' current logits per depth, as a decode step copies its rows' last logits (a tree's unwalked
-            # nodes never leave the device)
+            # the walk over the computed positions (node i at position i + 1), depth by depth: the rows' current
+            # logits picked as a decode step picks its rows' last logits (`next_logits`: greedy picks on the
+            # device, sampled rows copied to the host; a tree's unwalked nodes never leave the device)
             order = [[0] for _ in group]
             live, depth = list(range(len(group))), 0
             while live:
-                host = torch.stack([res.logits[r][order[r][-1]] for r in live]).detach().float().cpu()
+                picked = next_logits(torch.stack([res.logits[r][order[r][-1]] for r in live]),
+                                     [group[r].req.params.temperature > 0 for r in live])
                 still = []
                 for i, r in enumerate(live):
-                    res.logits[r][order[r][-1]] = host[i]
-                    if advance(r, depth, host[i]) is not None:
+                    res.logits[r][order[r][-1]] = picked[i]
+                    if advance(r, depth, picked[i]) is not None:
                         order[r].append(node[r] + 1)
                         still.append(r)
                 live, depth = still, depth + 1

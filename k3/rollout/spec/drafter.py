@@ -10,6 +10,12 @@ Its features come from forward hooks on the target (`FeatureCapture`): a row's f
 from the prompt's last position (captured in the prefill forward that ends the prompt, and kept with the prefix
 cache's whole-prompt entry for hits), every later step from the last committed position of its verify pass.
 Trained by `k3 train-drafter` (`train_drafter.py`) on the target's own rollouts, cached like the SFT base.
+
+Drafting scores a draft vocabulary only (EAGLE-3's reduced draft vocabulary, Li et al. 2025): the tokens of the
+training rollouts, most frequent first, up to `DrafterTrainConfig.draft_vocab`, scored with those rows of the frozen
+lm_head. The head trains against the target's full distribution; a token outside the draft vocabulary is never
+drafted (the target emits it as a correction). At K3's 163,840-token vocabulary the full head is 2.3 GB read per
+draft step, as much as a few-layer target's whole step.
 """
 from __future__ import annotations
 
@@ -98,8 +104,18 @@ class TrainedDrafter:
     a position."""
     needs_features = True
 
-    def __init__(self, head: DraftHead, target: K3ForCausalLM):
+    def __init__(self, head: DraftHead, target: K3ForCausalLM, draft_vocab: list[int] | None = None):
         self.head, self.target = head.eval(), target
+        w = target.lm_head.weight
+        self.vocab = None if draft_vocab is None else torch.tensor(draft_vocab, dtype=torch.long, device=w.device)
+        self.head_rows = w if self.vocab is None else w.detach()[self.vocab].contiguous()
+
+    def _top(self, h: torch.Tensor, k: int) -> torch.Tensor:
+        """The k best draft tokens of each hidden row [N, d] -> token ids [N, <= k] (argmax for k = 1)."""
+        scores = F.linear(self.head._norm(h).to(self.head_rows.dtype), self.head_rows).float()
+        k = min(k, scores.shape[-1])
+        idx = scores.argmax(-1, keepdim=True) if k == 1 else torch.topk(scores, k, dim=-1).indices
+        return idx if self.vocab is None else self.vocab[idx]
 
     @torch.no_grad()
     def propose_tokens(self, feat: torch.Tensor, last_token: int, k: int) -> list[int]:
@@ -108,7 +124,7 @@ class TrainedDrafter:
         tok, out = last_token, []
         for _ in range(k):
             h = self.head.step(h, emb[tok].float().view(1, -1))
-            tok = int(torch.argmax(self.head.logits(self.target, h)[0]))
+            tok = int(self._top(h, 1)[0, 0])
             out.append(tok)
         return out
 
@@ -124,7 +140,7 @@ class TrainedDrafter:
         steps = []
         for _ in range(max(ks)):
             h = self.head.step(h, emb[tok].float())
-            tok = torch.argmax(self.head.logits(self.target, h), dim=-1)
+            tok = self._top(h, 1)[:, 0]
             steps.append(tok)
         drafts = torch.stack(steps, 1).tolist()
         return [d[:k] for d, k in zip(drafts, ks)]
@@ -146,7 +162,7 @@ class TrainedDrafter:
                 break
             toks = torch.tensor([t for _, _, t, _ in frontier], device=emb.device)
             h = self.head.step(hid[[i for _, _, _, i in frontier]], emb[toks].float())
-            top = torch.topk(self.head.logits(self.target, h), branching, dim=-1).indices.tolist()
+            top = self._top(h, branching).tolist()
             nxt = []
             for i, ((r, node, _, _), cand) in enumerate(zip(frontier, top)):
                 for tok in cand:
@@ -175,7 +191,7 @@ class TrainedDrafter:
                 break
             toks = torch.tensor([t for _, t in frontier], device=emb.device)
             h = self.head.step(hid, emb[toks].float())
-            top = torch.topk(self.head.logits(self.target, h), branching, dim=-1).indices.tolist()
+            top = self._top(h, branching).tolist()
             nxt, rows = [], []
             for i, ((node, _), cand) in enumerate(zip(frontier, top)):
                 for tok in cand:
@@ -214,8 +230,13 @@ def load_drafter(path: str | Path | None, target: K3ForCausalLM) -> TrainedDraft
     if meta["hidden"] != target.config.hidden_size:
         raise ValueError(f"speculative.drafter_path: the drafter at {p} was trained for hidden size "
                          f"{meta['hidden']}, the target has {target.config.hidden_size}")
+    vocab = meta.get("draft_vocab")   # drafters saved before the draft vocabulary score the whole head
+    V = target.config.vocab_size
+    if vocab is not None and (not vocab or len(set(vocab)) != len(vocab) or min(vocab) < 0 or max(vocab) >= V):
+        raise ValueError(f"speculative.drafter_path: the drafter at {p} has a draft_vocab that is not distinct "
+                         f"token ids in [0, {V})")
     with torch.device("meta"):   # no random init of weights that are loaded next (2.4 s at K3's width on the host)
         head = DraftHead(meta["hidden"])
     head.load_state_dict(load_file(str(p / WEIGHTS)), assign=True)
     dev = next(target.parameters()).device
-    return TrainedDrafter(head.to(dev), target)
+    return TrainedDrafter(head.to(dev), target, vocab)

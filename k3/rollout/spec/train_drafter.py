@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -34,9 +35,10 @@ class DrafterTrainConfig:
     unroll: int = 3            # draft steps trained (the engine's default draft length)
     lr: float = 3e-3
     seed: int = 7
+    draft_vocab: int = 32768   # tokens the head drafts from: the rollouts' most frequent (EAGLE-3's reduced vocabulary)
 
     def validate(self) -> None:
-        for name in ("tasks", "group", "max_turn_tokens", "steps", "batch", "unroll"):
+        for name in ("tasks", "group", "max_turn_tokens", "steps", "batch", "unroll", "draft_vocab"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"drafter.{name}: must be an integer >= 1, got {v!r}")
@@ -117,6 +119,13 @@ def train_head(target: K3ForCausalLM, data: list[tuple], tcfg: DrafterTrainConfi
                          "positions": len(index)}
 
 
+def draft_vocabulary(seqs: list[list[int]], limit: int) -> list[int]:
+    """The draft vocabulary: the tokens of the training sequences, most frequent first (ties: smaller id), at most
+    `limit`."""
+    counts = Counter(t for s in seqs for t in s)
+    return [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:limit]]
+
+
 def default_drafter_dir(job_cfg, tcfg: DrafterTrainConfig | None = None) -> Path:
     """Where `ensure_drafter` caches the drafter of the job's SFT base."""
     from k3.jobs.sft import sft_key
@@ -143,5 +152,6 @@ def ensure_drafter(job_cfg, tcfg: DrafterTrainConfig | None = None, progress: bo
     if progress:
         print(f"drafter: {len(rollouts)} rollouts, {figures['positions']} positions, KL to the target "
               f"{figures['kl_first']:.3f} -> {figures['kl_last']:.3f} ({figures['seconds']} s)")
-    save_drafter(head, out, {"base": str(base), "train": asdict(tcfg), "figures": figures})
+    save_drafter(head, out, {"base": str(base), "train": asdict(tcfg), "figures": figures,
+                             "draft_vocab": draft_vocabulary([s for s, _ in rollouts], tcfg.draft_vocab)})
     return out, True

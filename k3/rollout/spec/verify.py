@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from k3.rollout.sampler import NextLogits, next_logits
 from k3.rollout.spec.scratch import ReplayScratch
 from k3.rollout.view import PoolView
 
@@ -122,7 +123,7 @@ class TreeSpecView(SpecView):
 
 @dataclass
 class VerifyResult:
-    logits: list[list[torch.Tensor]]    # [row][t] logits [vocab] after position t (t < len(tokens[row]))
+    logits: list[list]   # [row][t] logits after position t (t < len(tokens[row])): device rows [vocab], NextLogits once walked
     routing: list[list[torch.Tensor]]   # [row][t] routed experts of position t
     scratch: ReplayScratch
     forwards: int
@@ -142,12 +143,12 @@ def _at_positions(rows: list["RunningSeq"], offset: int):
             s.pos = p
 
 
-def _to_host(out) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A verify forward's logits (fp32) and routed experts (int32) on the host in one copy each, as plain decoding
-    copies its last logits (the acceptance walk and the sampler read them there; one copy per position was a device
-    sync per position)."""
+def _picked(out, seats: list["RunningSeq | None"]) -> tuple[list[NextLogits], torch.Tensor | None]:
+    """A decode-shaped verify forward's logits picked as plain decoding picks its rows' (`next_logits`), and its
+    routed experts (int32) on the host in one copy (one copy per position was a device sync per position)."""
     routed = out.routed_experts
-    return (out.logits.detach().float().cpu(),
+    on_host = [s is not None and s.req.params.temperature > 0 for s in seats]
+    return (next_logits(out.logits[:, 0], on_host),
             routed.to(torch.int32).cpu() if routed is not None else None)
 
 
@@ -195,16 +196,16 @@ def verify_walk(eng: "Engine", rows: list["RunningSeq"], roots: list[int], max_p
                 ids[b, 0] = fed[row_of_seat[b]]
         out, feats = _verify_forward(eng, seats, row_of_seat, ids, t, scratch, working, capture)
         forwards += 1
-        step_logits, step_routing = _to_host(out)
+        step_logits, step_routing = _picked(out, seats)
         for b, s in enumerate(seats):
             if s is None:
                 continue
             r = row_of_seat[b]
-            logits[r].append(step_logits[b, 0])
+            logits[r].append(step_logits[b])
             if feats is not None:
                 features[r].append(feats[b, 0])
             routing[r].append(step_routing[b, 0] if step_routing is not None else torch.zeros(0, dtype=torch.long))
-            nxt = advance(r, t, step_logits[b, 0])
+            nxt = advance(r, t, step_logits[b])
             if nxt is not None and t + 1 >= max_positions[r]:
                 raise RuntimeError(f"verify: row {r}'s walk went past its {max_positions[r]} prepared positions")
             fed[r] = nxt
