@@ -378,7 +378,7 @@ def gpu_section(repeats: int, budget_s: float, drafter_steps: int = 400, profile
         if time.perf_counter() - t_start > budget_s:
             rows.append({"batch": batch, "skipped": f"time budget {budget_s} s reached"})
             continue
-        prompts = prompts_all[:batch]
+        prompts = prompts_all[:max(batch, 8)]   # batch 1: eight prompts decoded one at a time
         plain, ref = _run(model, prompts, sp, None, batch, repeats=repeats, warmup=1)
         refs = [p + c.token_ids for p, c in zip(prompts, ref)]
         row = {"batch": batch, "plain": plain}
@@ -398,14 +398,16 @@ def gpu_section(repeats: int, budget_s: float, drafter_steps: int = 400, profile
               flush=True)
         if sink is not None:
             sink(section)
-        if profile and batch == 8:   # where a speculative step's host time goes (stdout only)
+        if profile and batch == 8:   # where a plain and a speculative step's host time goes (stdout only)
             import cProfile
             import pstats
-            prof = cProfile.Profile()
-            prof.enable()
-            _run(model, prompts, sp, methods[2][1], batch)
-            prof.disable()
-            pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
+            for spec in (None, methods[2][1]):
+                prof = cProfile.Profile()
+                prof.enable()
+                _run(model, prompts, sp, spec, batch)
+                prof.disable()
+                print("profile", "plain" if spec is None else "drafter_batched", flush=True)
+                pstats.Stats(prof).sort_stats("tottime").print_stats(30)
     B, T, H, K = 8, 4, 96, 128
     dev = "cuda"
     args = (torch.randn(B, H, K, K, device=dev), torch.randn(T, B, H, K, device=dev).bfloat16(),
