@@ -303,35 +303,46 @@ def sft_k3_width_model(steps: int, lr: float, budget_s: float, batch: int = 32, 
     return model, fig
 
 
-def gpu_drafter(model, out_dir: Path, tasks: int, steps: int, sp: SamplingParams) -> tuple[Path, dict]:
+def gpu_drafter(model, out_dir: Path, tasks: int, steps: int, sp: SamplingParams, episodes: bool
+                ) -> tuple[Path, dict]:
     """The trained drafter for the K3-width GPU model, as `k3 train-drafter` trains the CPU one: the target's own
-    greedy rollouts of calculator training prompts (sampling `sp`: the benchmark's, so stopping where it stops),
-    teacher-forced features and log-probs, KL-trained head (train_drafter.train_head), draft vocabulary from the
-    rollouts. Each sequence is cut to its generated span (plus the prompt's last position, where the first draft
-    starts), which is all the head trains on."""
+    greedy rollouts of calculator training tasks -- `episodes`: whole episodes, every turn (k3.jobs.episodes, the
+    main job's rollouts, greedy, turns of at most `sp.max_tokens`); else turn 0 sampled with `sp` -- teacher-forced
+    features and log-probs over the draft vocabulary (the rollouts' tokens), KL-trained head over it
+    (train_drafter.train_head). Each sequence is kept from the prompt's second-to-last position (the first draft
+    starts at its last), and the head trains where the model generated the next token."""
     from k3.envs import CalculatorEnv
     from k3.envs.calc_task import train_tasks
+    from k3.jobs.episodes import run_episodes
     from k3.rollout.spec.drafter import save_drafter
     from k3.rollout.spec.train_drafter import DrafterTrainConfig, draft_vocabulary, target_features, train_head
     t0 = time.perf_counter()
     env = CalculatorEnv()
-    prompts = [env.prompt(t) for t in train_tasks(7, tasks)]
-    outs = Engine(model, prefix_cache=False, decode_batch=16, max_running=32, device_states=64,
-                  device_pages=8192).generate(prompts, sp)
-    seqs = [p + c.token_ids for p, c in zip(prompts, outs)]
-    feats = target_features(model, seqs)
-    data = []
-    for p, seq, (f, lp) in zip(prompts, seqs, feats):
-        cut = len(p) - 2
-        mask = [i >= len(p) for i in range(len(seq))]
-        data.append((seq[cut:], f[cut:].clone(), lp[cut:].clone(), mask[cut:]))
-    del feats
+    task_list = train_tasks(7, tasks)
+    prompts = [env.prompt(t) for t in task_list]
+    if episodes:
+        eng = Engine(model, prefix_cache=True, decode_batch=64, max_running=128, device_states=512,
+                     device_pages=16384)
+        rs = run_episodes(eng, env, task_list, 1, temperature=0.0, top_p=1.0, top_k=0, max_turn_tokens=sp.max_tokens,
+                          seed=7)
+        seqs = [list(r.episode.tokens) for r in rs]
+        masks = [list(r.episode.model_mask) for r in rs]
+    else:
+        outs = Engine(model, prefix_cache=False, decode_batch=16, max_running=32, device_states=64,
+                      device_pages=8192).generate(prompts, sp)
+        seqs = [p + c.token_ids for p, c in zip(prompts, outs)]
+        masks = [[i >= len(p) for i in range(len(q))] for p, q in zip(prompts, seqs)]
     tcfg = DrafterTrainConfig(steps=steps, batch=256, unroll=3)
-    head, figures = train_head(model, data, tcfg)
     vocab = draft_vocabulary(seqs, tcfg.draft_vocab)
-    figures.update(sequences=len(seqs), seconds=round(time.perf_counter() - t0, 1),
-                   distinct_continuations=len({tuple(c.token_ids) for c in outs}), draft_vocab=len(vocab),
-                   mean_new_tokens=sum(len(c.token_ids) for c in outs) / len(outs))
+    starts = [len(p) - 2 for p in prompts]
+    feats = target_features(model, seqs, starts, vocab)
+    data = [(q[a:], f, lp, m[a:]) for q, m, a, (f, lp) in zip(seqs, masks, starts, feats)]
+    del feats
+    head, figures = train_head(model, data, tcfg, vocab)
+    generated = [sum(m) for m in masks]
+    figures.update(sequences=len(seqs), seconds=round(time.perf_counter() - t0, 1), episodes=episodes,
+                   distinct_continuations=len({tuple(q[len(p):]) for p, q in zip(prompts, seqs)}),
+                   draft_vocab=len(vocab), mean_generated_tokens=sum(generated) / len(generated))
     save_drafter(head, out_dir, {"base": "k3-width GPU benchmark model", "train": vars(tcfg), "figures": figures,
                                  "draft_vocab": vocab})
     return out_dir, figures
@@ -339,7 +350,7 @@ def gpu_drafter(model, out_dir: Path, tasks: int, steps: int, sp: SamplingParams
 
 def gpu_section(repeats: int, budget_s: float, drafter_steps: int = 400, profile: bool = False,
                 target: str = "random", sft_steps: int = 300, sft_lr: float = 1e-4, sft_budget: float = 150.0,
-                sink=None, batches: tuple[int, ...] = (1, 8, 32)) -> dict:
+                sink=None, batches: tuple[int, ...] = (1, 8, 32), drafter_tasks: int = 1024) -> dict:
     """`target`: "random" (random weights; greedy, 32 new tokens, no stop) or "sft" (trained on the calculator
     demonstrations here, `sft_k3_width_model`; greedy, stopping at the task's stop tokens, at most 32 new tokens,
     as the CPU section's workload). `sink(partial)` gets the section after each batch row."""
@@ -358,8 +369,9 @@ def gpu_section(repeats: int, budget_s: float, drafter_steps: int = 400, profile
     else:
         model = k3_width_model()
         sp = SamplingParams(temperature=0.0, max_tokens=32)
-    drafter_dir, drafter_fig = gpu_drafter(model, Path(tempfile.mkdtemp()) / "drafter", 256 if target == "sft" else 64,
-                                           drafter_steps, sp)
+    drafter_dir, drafter_fig = gpu_drafter(model, Path(tempfile.mkdtemp()) / "drafter",
+                                           drafter_tasks if target == "sft" else 64, drafter_steps, sp,
+                                           episodes=target == "sft")
     print("drafter", json.dumps(drafter_fig), flush=True)
     prompts_all = [env.prompt(t) for t in heldout_tasks()][:32]
     warm = SamplingParams(temperature=0.0, max_tokens=6)   # kernel builds (decode, verify widths) before timing
@@ -432,8 +444,8 @@ def gpu_section(repeats: int, budget_s: float, drafter_steps: int = 400, profile
     return {**section, "model": f"K3 width, 4 layers (3 KDA + 1 MLA), 16 experts top-8, {weights}, bf16",
             "workload": f"held-out calculator prompts (264 tokens; as many as the batch), greedy, at most 32 new "
                         f"tokens, {stop}",
-            "drafter": {"trained_on": "the model's own greedy rollouts of calculator training prompts, sampled as "
-                                      "the workload", **drafter_fig},
+            "drafter": {"trained_on": "the model's own greedy rollouts of calculator training tasks (sft: whole "
+                                      "episodes; random: turn 0 as the workload)", **drafter_fig},
             "replay_commit": {"shape": f"B={B} T={T} H={H} K=V={K}, 3 accepted, bf16 k/v", "triton_ms_median": tri,
                               "torch_fold_ms_median": ref, "speedup": ref / tri},
             "tree_verify": {"shape": f"B={B}, 2x3 tree (pending + 14 nodes), H={H} K=V={K}, bf16 q/k/v",
@@ -447,7 +459,8 @@ def main() -> None:
     ap.add_argument("--gpu", action="store_true")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--gpu-budget", type=float, default=200.0)
-    ap.add_argument("--drafter-steps", type=int, default=400, help="GPU drafter training steps")
+    ap.add_argument("--drafter-steps", type=int, default=600, help="GPU drafter training steps")
+    ap.add_argument("--drafter-tasks", type=int, default=1024, help="GPU drafter: training tasks rolled out (sft)")
     ap.add_argument("--profile", action="store_true", help="GPU: cProfile one drafter run at batch 8")
     ap.add_argument("--target", choices=("random", "sft"), default="sft", help="GPU target model")
     ap.add_argument("--sft-steps", type=int, default=300)
@@ -471,7 +484,8 @@ def main() -> None:
         def sink(partial):   # a run cut off at the device's limit still leaves its finished rows
             write_results(a.out, {**res, "gpu": {**partial, "partial": True}})
         res["gpu"] = gpu_section(a.repeats, a.gpu_budget, a.drafter_steps, a.profile, a.target, a.sft_steps,
-                                 a.sft_lr, a.sft_budget, sink, tuple(int(b) for b in a.batches.split(",")))
+                                 a.sft_lr, a.sft_budget, sink, tuple(int(b) for b in a.batches.split(",")),
+                                 a.drafter_tasks)
     print(json.dumps(res["memory_table_k3_dims_per_sequence_per_kda_layer"], indent=1))
     print("wrote", write_results(a.out, res))
 

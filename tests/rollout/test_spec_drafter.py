@@ -150,3 +150,21 @@ def test_draft_vocabulary_restricts_what_is_drafted(model, trained, tmp_path):
     (tiny_vocab / "drafter.json").write_text(json.dumps({**meta, "draft_vocab": [7, 7]}))
     with pytest.raises(ValueError, match="draft_vocab"):
         load_drafter(tiny_vocab, model)
+
+
+def test_features_and_training_over_a_draft_vocabulary(model):
+    """The GPU benchmark keeps only each rollout's tail and the draft vocabulary's log-prob columns (a thousand
+    prompts' full log-probs at K3's vocabulary would not fit on the device) and trains the head on the target's
+    distribution renormalised over that vocabulary: the kept slices are the full ones', and training lowers the KL."""
+    from k3.rollout.spec.train_drafter import draft_vocabulary
+    seqs = [rand_tokens(30, 400 + i) for i in range(2)]
+    starts = [5, 7]
+    full = target_features(model, seqs)
+    vocab = draft_vocabulary(seqs, 1000)
+    cut = target_features(model, seqs, starts, vocab)
+    for (f, lp), (cf, clp), a in zip(full, cut, starts):
+        assert torch.equal(cf, f[a:])
+        assert clp.shape == (30 - a, len(vocab)) and torch.allclose(clp, lp[a:, vocab])
+    tcfg = DrafterTrainConfig(steps=60, batch=32, lr=1e-2)
+    _, fig = train_head(model, [(s[a:], f, lp) for s, a, (f, lp) in zip(seqs, starts, cut)], tcfg, vocab)
+    assert fig["kl_last"] < 0.5 * fig["kl_first"]

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from k3.model import K3ForCausalLM
 from k3.rollout.spec.drafter import META, WEIGHTS, DraftHead, FeatureCapture, save_drafter
@@ -70,20 +71,28 @@ def rollout_sequences(target: K3ForCausalLM, job_cfg, tcfg: DrafterTrainConfig
 
 
 @torch.no_grad()
-def target_features(target: K3ForCausalLM, seqs: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per sequence: (features [L, 3d] fp32, the target's log-probs [L, vocab] fp32), teacher forced."""
+def target_features(target: K3ForCausalLM, seqs: list[list[int]], starts: list[int] | None = None,
+                    vocab: list[int] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per sequence: (features [L, 3d] fp32, the target's log-probs [L, vocab] fp32), teacher forced; from position
+    `starts[i]` on (default 0) and, with `vocab`, only those columns (at K3's vocabulary a position's log-probs are
+    655 KB: a thousand rollouts' prompts would not fit on the device)."""
     out = []
+    cols = None if vocab is None else torch.tensor(vocab, dtype=torch.long, device=target.lm_head.weight.device)
     with FeatureCapture(target) as cap:
-        for s in seqs:
+        for i, s in enumerate(seqs):
             logits = target(torch.tensor([s], device=target.lm_head.weight.device), use_cache=False).logits[0]
-            out.append((cap.features()[0], torch.log_softmax(logits.float(), -1)))
+            a = 0 if starts is None else starts[i]
+            lp = torch.log_softmax(logits[a:].float(), -1)
+            out.append((cap.features()[0, a:].clone(), lp if cols is None else lp[:, cols].contiguous()))
     return out
 
 
-def train_head(target: K3ForCausalLM, data: list[tuple], tcfg: DrafterTrainConfig) -> tuple[DraftHead, dict]:
+def train_head(target: K3ForCausalLM, data: list[tuple], tcfg: DrafterTrainConfig, vocab: list[int] | None = None
+               ) -> tuple[DraftHead, dict]:
     """data: (tokens, features, target log-probs[, generated mask]) per sequence; with the mask, only positions t
-    whose next token x[t+1] was generated are trained on (where the engine drafts). Returns the head and training
-    figures."""
+    whose next token x[t+1] was generated are trained on (where the engine drafts). With `vocab` (the draft
+    vocabulary) the log-probs hold those columns only, and the head learns the target's distribution renormalised
+    over them, scored as it drafts (those lm_head rows). Returns the head and training figures."""
     g = torch.Generator().manual_seed(tcfg.seed)
     torch.manual_seed(tcfg.seed)
     U = tcfg.unroll
@@ -94,6 +103,7 @@ def train_head(target: K3ForCausalLM, data: list[tuple], tcfg: DrafterTrainConfi
         raise ValueError("drafter: rollouts too short to train on")
     emb = target.model.embed_tokens.weight.detach().float()
     head = DraftHead(target.config.hidden_size).to(emb.device)
+    rows = None if vocab is None else target.lm_head.weight.detach()[torch.tensor(vocab, device=emb.device)]
     opt = torch.optim.AdamW(head.parameters(), lr=tcfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / tcfg.steps))
     losses = []
@@ -106,9 +116,14 @@ def train_head(target: K3ForCausalLM, data: list[tuple], tcfg: DrafterTrainConfi
             toks = torch.tensor([data[index[p][0]][0][index[p][1] + j] for p in pick], device=emb.device)
             h = head.step(h, emb[toks])
             want_log = torch.stack([data[index[p][0]][2][index[p][1] + j] for p in pick])
+            if rows is None:
+                scores = head.logits(target, h)
+            else:
+                want_log = torch.log_softmax(want_log, -1)   # renormalised over the draft vocabulary
+                scores = F.linear(head._norm(h).to(rows.dtype), rows).float()
             want = want_log.exp()
             # KL(target || head): the soft cross-entropy less the target's entropy (its floor)
-            kl = (want * (want_log - torch.log_softmax(head.logits(target, h), -1))).sum(-1)
+            kl = (want * (want_log - torch.log_softmax(scores, -1))).sum(-1)
             loss = loss + kl.mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
