@@ -1,15 +1,18 @@
 """Where a decode step's time goes on the GPU (stdout only, no results JSON): the K3-width model of
-benchmarks/spec_decode.py, plain decoding at batch 1 / 8 / 32 and a speculative step, under cProfile (host
-functions by own time) and torch.profiler (device kernels and host ops). `--sft-probe N`: N calculator SFT steps of a
-trainable K3-width model on the device (step time, peak memory, loss), to size the trained GPU target.
+benchmarks/spec_decode.py (random weights), plain decoding and a batched chain-3 speculative step (n-gram drafter)
+at the given batches: decode ms per step, then torch.profiler over a run of `--tokens` and a run of one token --
+the decode steps' device kernel time (the difference) against their wall time (is the step host-bound?), the
+kernels by device time and the host ops by own time.
+`--sft-probe N`: N calculator SFT steps of a trainable K3-width model on the device (step time, peak memory).
 
-    . benchmarks/device_env.sh && python3 -m benchmarks.decode_profile --batches 1,8,32 --sft-probe 5
+    . benchmarks/device_env.sh && python3 -m benchmarks.decode_profile --batches 8 --spec > $OUT/profile.txt
+
+(write to a file, not through a pipe that buffers until the end: a call cut off at its limit keeps what was
+printed.)
 """
 from __future__ import annotations
 
 import argparse
-import cProfile
-import pstats
 import time
 
 import torch
@@ -28,30 +31,37 @@ def _prompts(n):
 
 def profile_decode(model, batch: int, spec: SpecConfig | None, tokens: int) -> None:
     prompts = _prompts(batch)
-    sp = SamplingParams(temperature=0.0, max_tokens=tokens)
 
-    def run():
+    def run(max_tokens=tokens):
         eng = Engine(model, prefix_cache=False, speculative=spec, decode_batch=batch, max_running=max(32, batch),
                      device_states=max(256, 2 * batch + 2), device_pages=8192)
         timer = _DecodeTimer(eng)
-        eng.generate(prompts, sp)
+        eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
         return timer, eng
+
+    def profiled(max_tokens):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as tp:
+            run(max_tokens)
+            torch.cuda.synchronize()
+        events = tp.key_averages()
+        kernel_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events
+                        if e.device_type == torch.autograd.DeviceType.CUDA)
+        return events, kernel_us
     run()   # kernel builds
     timer, eng = run()
     n = eng.stats["spec_emitted_tokens"] if spec is not None else timer.tokens
     steps = eng.stats["spec_verifies"] / max(batch, 1) if spec is not None else tokens - 1
     print(f"== batch {batch} spec {spec and spec.shape}: decode {timer.seconds * 1e3:.1f} ms for {n} tokens, "
           f"{timer.seconds / max(steps, 1) * 1e3:.2f} ms per step", flush=True)
-    prof = cProfile.Profile()
-    prof.enable()
-    run()
-    prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as tp:
-        run()
-    print(tp.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
-    print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+    _, prefill_us = profiled(1)
+    events, all_us = profiled(tokens)
+    print(f"   device kernel time of the decode steps (run of {tokens} tokens less a run of 1): "
+          f"{(all_us - prefill_us) / 1e3:.1f} ms, against {timer.seconds * 1e3:.1f} ms of decode wall time",
+          flush=True)
+    sort = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    print(events.table(sort_by=sort, row_limit=15), flush=True)
+    print(events.table(sort_by="self_cpu_time_total", row_limit=20), flush=True)
 
 
 def sft_probe(steps: int, lr: float) -> None:
@@ -98,8 +108,8 @@ def sft_probe(steps: int, lr: float) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--batches", default="8")
+    ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--spec", action="store_true", help="also an n-gram batched chain-3 step at each batch")
     ap.add_argument("--sft-probe", type=int, default=0)
     ap.add_argument("--lr", type=float, default=3e-4)

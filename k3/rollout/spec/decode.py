@@ -256,10 +256,14 @@ def replay_step_inputs(mod, scratch: ReplayScratch, ki: int, window: torch.Tenso
     return tuple(torch.stack(x) for x in (ks, vs, gs, bs))
 
 
-def commit(eng: "Engine", rows: list["RunningSeq"], scratch: ReplayScratch, n_commit: list[int]) -> None:
+def commit(eng: "Engine", rows: list["RunningSeq"], scratch: ReplayScratch, n_commit: list[int],
+           fold_layers: bool | None = None) -> None:
     """Keep the first n_commit[r] verify positions of row r (its accepted path): ReplaySSM fold of every KDA layer's
-    rebuilt step inputs from the committed state (at the decode batch size, rows in the seats they verified in),
-    conv windows rolled forward, MLA pages past the new length released."""
+    rebuilt step inputs from the committed state, conv windows rolled forward, MLA pages past the new length
+    released. The step inputs are rebuilt layer by layer at the decode batch size, rows in the seats they verified
+    in (as decode computes them). CPU folds each layer at that batch size too (decode's own step, bit for bit);
+    with `fold_layers` (default: on CUDA) the layers' folds, conv rolls, state gathers and writes run together
+    (`_fold_layers_together`), a handful of launches per group of layers instead of per layer."""
     B, R = eng.cfg.decode_batch, len(rows)
     dev = eng.device
     slots = torch.tensor([eng.states.slot(s.state) for s in rows], dtype=torch.long, device=dev)
@@ -267,21 +271,23 @@ def commit(eng: "Engine", rows: list["RunningSeq"], scratch: ReplayScratch, n_co
     n_seat[:R] = torch.tensor(n_commit, dtype=torch.long)
     steps = max(n_commit)
     rec_store, conv_store = eng.states.dev["rec"], eng.states.dev["conv"]
-    layer_of = {ki: layer for layer, ki in eng.kda_index.items()}
-    new_states = []
-    for ki in range(len(eng.kda_index)):   # computed in full before anything is written
-        S0 = rec_store.new_zeros(B, *rec_store.shape[2:])
-        S0[:R] = rec_store[slots, ki]
-        window = conv_store.new_zeros(B, *conv_store.shape[2:])
-        window[:R] = conv_store[slots, ki]
-        mod = eng.model.model.layers[layer_of[ki]].self_attn
-        k, v, g, beta = replay_step_inputs(mod, scratch, ki, window, steps, n_seat, B)
-        S = ops.kda_replay_commit(S0, k, v, g, beta, n_seat)
-        conv = naive_conv_roll(window[:R], scratch.bufs[ki]["conv_in"].transpose(0, 1), n_seat[:R])
-        new_states.append((S[:R], conv))
-    for ki, (S, conv) in enumerate(new_states):
-        rec_store[slots, ki] = S.to(torch.float32)
-        conv_store[slots, ki] = conv.to(conv_store.dtype)
+    if fold_layers if fold_layers is not None else dev.type == "cuda":
+        rec, conv = _fold_layers_together(eng, scratch, slots, n_seat, steps, R)
+    else:
+        layer_of = {ki: layer for layer, ki in eng.kda_index.items()}
+        recs, convs = [], []
+        for ki in range(len(eng.kda_index)):   # computed in full before anything is written
+            S0 = rec_store.new_zeros(B, *rec_store.shape[2:])
+            S0[:R] = rec_store[slots, ki]
+            window = conv_store.new_zeros(B, *conv_store.shape[2:])
+            window[:R] = conv_store[slots, ki]
+            mod = eng.model.model.layers[layer_of[ki]].self_attn
+            k, v, g, beta = replay_step_inputs(mod, scratch, ki, window, steps, n_seat, B)
+            recs.append(ops.kda_replay_commit(S0, k, v, g, beta, n_seat)[:R])
+            convs.append(naive_conv_roll(window[:R], scratch.bufs[ki]["conv_in"].transpose(0, 1), n_seat[:R]))
+        rec, conv = torch.stack(recs, 1), torch.stack(convs, 1)
+    rec_store[slots] = rec.to(torch.float32)
+    conv_store[slots] = conv.to(conv_store.dtype)
     P = eng.cfg.page_size
     for s, n in zip(rows, n_commit):
         keep = math.ceil((s.pos + n) / P)
@@ -289,3 +295,40 @@ def commit(eng: "Engine", rows: list["RunningSeq"], scratch: ReplayScratch, n_co
             eng.pages.unpin(p)
             eng.pages.decref(p)
         del s.bt[keep:]
+
+
+LAYERS_PER_FOLD = 16   # bounds the gathered states: R x 16 x 6.3 MB at K3's dims
+
+
+def _fold_layers_together(eng: "Engine", scratch: ReplayScratch, slots: torch.Tensor, n_seat: torch.Tensor,
+                          steps: int, R: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The commit's folds with the layers side by side: up to LAYERS_PER_FOLD layers' states of the R rows in one
+    replay call ([R x layers] rows: the Triton fold runs one program per row, head and value block, so a row's bits
+    do not depend on the rows beside it), their conv windows rolled in one call, the states and windows gathered
+    once. The step inputs are still rebuilt per layer at the decode batch size (each layer's own weights) from the
+    committed windows. Returns the new states [R, L, H, K, V] and windows [R, L, 3, C, W-1]."""
+    B = eng.cfg.decode_batch
+    rec_store, conv_store = eng.states.dev["rec"], eng.states.dev["conv"]
+    layer_of = {ki: layer for layer, ki in eng.kda_index.items()}
+    L = len(eng.kda_index)
+    windows = conv_store.new_zeros(B, L, *conv_store.shape[2:])
+    windows[:R] = conv_store[slots]
+    n_rows = n_seat[:R]
+    recs, convs = [], []
+    for l0 in range(0, L, LAYERS_PER_FOLD):
+        group = range(l0, min(L, l0 + LAYERS_PER_FOLD))
+        n = len(group)
+        inputs = []
+        for ki in group:
+            mod = eng.model.model.layers[layer_of[ki]].self_attn
+            k, v, g, beta = replay_step_inputs(mod, scratch, ki, windows[:, ki], steps, n_seat, B)
+            inputs.append((k[:, :R], v[:, :R], g[:, :R], beta[:, :R]))
+        # row r * n + j: request r, layer l0 + j (position-major inputs [steps, R * n, ...])
+        k, v, g, beta = (torch.stack(xs, 2).flatten(1, 2) for xs in zip(*inputs))
+        n_accept = n_rows.repeat_interleave(n)
+        S0 = rec_store[slots, l0:l0 + n].flatten(0, 1)
+        recs.append(ops.kda_replay_commit(S0, k, v, g, beta, n_accept).view(R, n, *S0.shape[1:]))
+        conv_in = torch.stack([scratch.bufs[ki]["conv_in"] for ki in group], 1).flatten(0, 1)   # [R * n, T, 3, C]
+        rolled = naive_conv_roll(windows[:R, l0:l0 + n].flatten(0, 1), conv_in.transpose(0, 1), n_accept)
+        convs.append(rolled.view(R, n, *rolled.shape[1:]))
+    return torch.cat(recs, 1), torch.cat(convs, 1)
