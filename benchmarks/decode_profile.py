@@ -3,7 +3,6 @@ benchmarks/spec_decode.py (random weights), plain decoding and a batched chain-3
 at the given batches: decode ms per step, then torch.profiler over a run of `--tokens` and a run of one token --
 the decode steps' device kernel time (the difference) against their wall time (is the step host-bound?), the
 kernels by device time and the host ops by own time.
-`--sft-probe N`: N calculator SFT steps of a trainable K3-width model on the device (step time, peak memory).
 
     . benchmarks/device_env.sh && python3 -m benchmarks.decode_profile --batches 8 --spec > $OUT/profile.txt
 
@@ -13,7 +12,6 @@ printed.)
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
@@ -64,66 +62,17 @@ def profile_decode(model, batch: int, spec: SpecConfig | None, tokens: int) -> N
     print(events.table(sort_by="self_cpu_time_total", row_limit=20), flush=True)
 
 
-def sft_probe(steps: int, lr: float) -> None:
-    import dataclasses
-    import random
-    from k3.config import K3Config
-    from k3.envs import CalculatorEnv, train_tasks
-    from k3.jobs.config import SFTSection
-    from k3.jobs.sft import demonstration_row, masked_next_token_loss, pack
-    from k3.model import K3ForCausalLM, K3State
-    base = K3Config.preset("k3")
-    cfg = dataclasses.replace(base, num_hidden_layers=4, num_experts=16, num_experts_per_token=8,
-                              linear_attn_config={**base.linear_attn_config, "kda_layers": [1, 2, 3],
-                                                  "full_attn_layers": [4]}, attn_res_block_size=2)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = K3ForCausalLM(cfg)
-    model.model.embed_tokens.weight.requires_grad_(False)
-    model.lm_head.weight.requires_grad_(False)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
-    env = CalculatorEnv()
-    rng = random.Random(1)
-    tasks = train_tasks(1, 4096)
-    sft = SFTSection()
-    system = torch.tensor([env.system], device="cuda")
-    S = len(env.system)
-    for i in range(steps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        eps = [demonstration_row(env, tasks, rng, sft) for _ in range(32)]
-        with torch.no_grad():
-            _, prefix = model.extend(system)
-        ids, mask = pack([e.tokens[S:] for e in eps], [e.model_mask[S:] for e in eps])
-        loss = masked_next_token_loss(model, ids.cuda(), mask.cuda(), K3State.concat([prefix] * len(eps)))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        torch.cuda.synchronize()
-        print(f"sft step {i}: {time.perf_counter() - t:.2f} s, loss {loss.item():.3f}, tokens {ids.numel()}, "
-              f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB, system {S}", flush=True)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="8")
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--spec", action="store_true", help="also an n-gram batched chain-3 step at each batch")
-    ap.add_argument("--sft-probe", type=int, default=0)
-    ap.add_argument("--lr", type=float, default=3e-4)
     a = ap.parse_args()
-    if a.batches:
-        model = k3_width_model()
-        for b in (int(x) for x in a.batches.split(",")):
-            profile_decode(model, b, None, a.tokens)
-            if a.spec:
-                profile_decode(model, b, SpecConfig(draft_len=3, verify="batched"), a.tokens)
-        del model
-        torch.cuda.empty_cache()
-    if a.sft_probe:
-        sft_probe(a.sft_probe, a.lr)
+    model = k3_width_model()
+    for b in (int(x) for x in a.batches.split(",")):
+        profile_decode(model, b, None, a.tokens)
+        if a.spec:
+            profile_decode(model, b, SpecConfig(draft_len=3, verify="batched"), a.tokens)
 
 
 if __name__ == "__main__":
