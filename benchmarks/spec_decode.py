@@ -11,10 +11,13 @@ one intra-op thread as `k3` runs):
     Also on the job's own rollouts (k3.jobs.episodes.run_episodes: G = 4 samples per task, all turns, temperature
     1, prefix cache on) with MATCH acceptance, so spec and plain produce the same episodes.
   * ReplaySSM commit time of the reference fold (torch, CPU) at the tiny model's dims.
-GPU (`--gpu`): a K3-width model with 4 layers (3 KDA + 1 MLA, 96 heads x 128, hidden 7168, 16 experts top-8; random
-  weights, bf16): decode tokens/s at batch 1, 8, 32 for plain, spec exact and spec batched with an oracle drafter
-  (plain decoding's own greedy continuation, one draft token in three corrupted: accept length measured, not set)
-  and n-gram (batched); the Triton replay kernel against the torch fold at K3's dims.
+GPU (`--gpu`): a K3-width model with 4 layers (3 KDA + 1 MLA, 96 heads x 128, hidden 7168, 16 experts top-8, bf16),
+  by default trained here on the calculator demonstrations (`--target sft`, `sft_k3_width_model`; `--target random`:
+  random weights), its drafter trained here on its own greedy episodes (`gpu_drafter`): decode tokens/s at batch 1,
+  8, 32 (held-out prompts, greedy, stop tokens; at least 16 prompts) for plain, the trained drafter (chain 3 and
+  tree 2x3 batched, chain 3 exact), n-gram and an oracle drafter (plain decoding's own greedy continuation, one
+  draft token in three corrupted: accept length measured, not set); the Triton replay kernel against the torch fold
+  at K3's dims. Rows are written as they finish (a call cut off at its limit keeps them, marked `partial`).
   Token trees (2x3: top-2 at each of 3 depths, <= 14 nodes): n-gram and drafter rows on CPU (exact: the walk;
   batched: one forward under the tree mask), n-gram batched on the GPU, and the Triton tree verify vs its reference.
 Both: the memory table (spec scratch bytes per sequence per KDA layer at K3 dims vs fp32 snapshots), from the
@@ -390,7 +393,7 @@ def gpu_section(repeats: int, budget_s: float, drafter_steps: int = 400, profile
         if time.perf_counter() - t_start > budget_s:
             rows.append({"batch": batch, "skipped": f"time budget {budget_s} s reached"})
             continue
-        prompts = prompts_all[:max(batch, 8)]   # batch 1: eight prompts decoded one at a time
+        prompts = prompts_all[:max(batch, 16)]   # batch 1 and 8: sixteen prompts (8 gave 51 decode tokens)
         plain, ref = _run(model, prompts, sp, None, batch, repeats=repeats, warmup=1)
         refs = [p + c.token_ids for p, c in zip(prompts, ref)]
         row = {"batch": batch, "plain": plain}
