@@ -116,7 +116,7 @@ class K3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, state: K3State | CacheView | None = None, *,
                 routed_experts: torch.Tensor | None = None, return_routed_experts: bool = False,
-                use_cache: bool = True) -> K3Output:
+                use_cache: bool = True, check_ids: bool = True) -> K3Output:
         """input_ids [B, T] continuing `state` (None = from scratch): a K3State (not modified; the output holds
         the new state) or an engine's CacheView (written in place; output state None). routed_experts
         [B, T, n_moe, k] forces the routing of every MoE layer (Router Replay); -1 rows route freely."""
@@ -124,7 +124,9 @@ class K3ForCausalLM(nn.Module):
             raise ValueError(f"input_ids: expected [B, T] with T >= 1, got {tuple(input_ids.shape)}")
         B, T = input_ids.shape
         cfg = self.config
-        if int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size:
+        # (two host syncs on CUDA: `check_ids=False` from callers that range-checked the ids on the host -- the
+        # engine, whose prompts are checked at submission and whose fed tokens are sampled or checked drafts)
+        if check_ids and (int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size):
             raise ValueError(f"input_ids: token ids must be in [0, {cfg.vocab_size}), "
                              f"got range [{int(input_ids.min())}, {int(input_ids.max())}]")
         if isinstance(state, K3State) and state.layers and state.batch_size != B:

@@ -80,8 +80,9 @@ class RoutedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, latent, inter))
         self.beta, self.linear_beta = beta, linear_beta
 
-    def forward(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """z [N, L]; idx, w [N, k] -> sum_i w_i E_{idx_i}(z) [N, L].
+    def forward(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ids_checked: bool = False) -> torch.Tensor:
+        """z [N, L]; idx, w [N, k] -> sum_i w_i E_{idx_i}(z) [N, L]. `ids_checked`: idx is known to lie in [0, E)
+        (the router's own top-k), so the fused kernels' range check, a host sync on CUDA, is skipped.
 
         Each (token, slot) output is written once (no scatter-add), then summed over slots in a fixed order:
         the result does not depend on the batch composition or on the device's atomics. With the fused kernels
@@ -89,7 +90,8 @@ class RoutedExperts(nn.Module):
         compute the same sum (k3_kernels.moe), with the same promises."""
         if ops.fused_moe(z) and "project" not in vars(self) and getattr(type(self), "project", None) is \
                 RoutedExperts.project:
-            return ops.moe_experts(z, idx, w, self.w1, self.w3, self.w2, self.beta, self.linear_beta)
+            return ops.moe_experts(z, idx, w, self.w1, self.w3, self.w2, self.beta, self.linear_beta,
+                                   ids_checked=ids_checked)
         N, k = idx.shape
         out = z.new_zeros(N, k, z.shape[-1])
         flat = idx.reshape(-1)
@@ -137,7 +139,8 @@ class LatentMoE(nn.Module):
             forced = forced.reshape(B * T, -1)
         idx, w = self.gate(flat, forced)
         z = self.routed_expert_down_proj(flat) if self.is_latent else flat
-        u = self.experts(z, idx, w)
+        # the router's own ids are in range; forced ones (Router Replay) keep the experts' check
+        u = self.experts(z, idx, w, ids_checked=True) if forced is None else self.experts(z, idx, w)
         if self.is_latent:
             if self.routed_expert_norm is not None:
                 u = self.routed_expert_norm(u)

@@ -312,10 +312,11 @@ def moe_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def moe_experts(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-                w2: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
-    """sum_j w[t, j] E_{idx[t, j]}(z[t]) on the grouped-GEMM kernels (bf16; forward and backward)."""
+                w2: torch.Tensor, beta: float, linear_beta: float, ids_checked: bool = False) -> torch.Tensor:
+    """sum_j w[t, j] E_{idx[t, j]}(z[t]) on the grouped-GEMM kernels (bf16; forward and backward). `ids_checked`:
+    the ids are known to lie in [0, E) (not read back: no host sync)."""
     from k3_kernels.moe.layer import moe_experts as fused_moe_experts
-    return fused_moe_experts(z, idx, w, w1, w3, w2, beta, linear_beta)
+    return fused_moe_experts(z, idx, w, w1, w3, w2, beta, linear_beta, ids_checked=ids_checked)
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16

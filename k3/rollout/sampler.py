@@ -87,7 +87,8 @@ def next_logits(rows: torch.Tensor, on_host: list[bool]) -> list[NextLogits]:
         return [NextLogits(host[r], None, host[r]) for r in range(rows.shape[0])]
     from k3_kernels.sampling import greedy_pick
     tok, lp = greedy_pick(rows)
-    picks = list(zip(tok.cpu().tolist(), lp.cpu().tolist()))
+    both = torch.stack([tok.to(torch.float64), lp.to(torch.float64)]).cpu()   # one copy (ids < 2^53, fp32 exact)
+    picks = [(int(t), float(p)) for t, p in zip(both[0].tolist(), both[1].tolist())]
     want = [r for r, h in enumerate(on_host) if h]
     host = rows[want].detach().float().cpu() if want else None
     out = [NextLogits(rows[r], picks[r]) for r in range(rows.shape[0])]

@@ -86,8 +86,9 @@ class _ExpertsFn(torch.autograd.Function):
 
 
 def check_expert_args(z: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-                      w2: torch.Tensor, precision: Precision) -> None:
-    """Clear errors, naming the tensor, before any kernel runs."""
+                      w2: torch.Tensor, precision: Precision, ids_checked: bool = False) -> None:
+    """Clear errors, naming the tensor, before any kernel runs. `ids_checked`: the caller guarantees the ids lie in
+    [0, E) (a router's own top-k, or ids it has range-checked), so their values are not read (a host sync on CUDA)."""
     if z.dim() != 2:
         raise ValueError(f"z: expected [N, L], got shape {tuple(z.shape)}")
     N, L = z.shape
@@ -117,15 +118,16 @@ def check_expert_args(z: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w1: t
     if precision is Precision.FP8 and (L % QUANT_BLOCK or I % QUANT_BLOCK):
         raise ValueError(f"w1: FP8 needs latent and intermediate sizes divisible by {QUANT_BLOCK}, got {L}, {I}")
     # (on CUDA one host sync: an id out of range would send the kernels outside the weights)
-    if ids.numel() and bool(((ids < 0) | (ids >= E)).any()):
+    if not ids_checked and ids.numel() and bool(((ids < 0) | (ids >= E)).any()):
         raise ValueError(f"ids: expert ids must lie in [0, {E}), got [{int(ids.min())}, {int(ids.max())}]")
 
 
 def moe_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                 w2: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0,
-                precision: Precision = Precision.BF16) -> torch.Tensor:
-    """sum_j weights[t, j] E_{ids[t, j]}(z[t]) -> [N, L] in z's dtype (differentiable in z, weights, w1, w3, w2)."""
-    check_expert_args(z, ids, weights, w1, w3, w2, precision)
+                precision: Precision = Precision.BF16, ids_checked: bool = False) -> torch.Tensor:
+    """sum_j weights[t, j] E_{ids[t, j]}(z[t]) -> [N, L] in z's dtype (differentiable in z, weights, w1, w3, w2).
+    `ids_checked`: see `check_expert_args`."""
+    check_expert_args(z, ids, weights, w1, w3, w2, precision, ids_checked)
     if beta <= 0 or linear_beta <= 0:
         raise ValueError(f"beta, linear_beta: must be > 0, got {beta}, {linear_beta}")
     # (inside a Function's forward, needs_input_grad says True even under no_grad: decide here what to save)

@@ -1,8 +1,8 @@
 """Permutation of (token, slot) pairs into expert order and the combine back (Triton), deterministic.
 
 `plan_routing` sorts the pairs by expert with a stable sort (within an expert by pair id = t k + j), so each
-permuted row's place depends only on the routing, and builds the grouped GEMMs' tile table on the device (no host
-sync). `permute_rows` gathers rows (optionally quantising them to FP8 e4m3 with 1 x 128 scales in the same pass)
+permuted row's place depends only on the routing, and counts the experts' rows and builds the grouped GEMMs' tile
+table on the device (no host sync). `permute_rows` gathers rows (optionally quantising them to FP8 e4m3 with 1 x 128 scales in the same pass)
 into new tensors or into caller-given buffers at a row offset (the staging the EP dispatch of issue #29 uses).
 `combine` sums a token's k rows in slot order in fp32 (no atomics, no scatter-add); `combine_backward` gives the
 rows' gradients and the gate weights' gradients. Spec: naive.py (naive_permutation, naive_permute, naive_combine).
@@ -63,7 +63,12 @@ def plan_routing(idx: torch.Tensor, n_experts: int) -> RoutingPlan:
     order = torch.sort(flat, stable=True).indices
     pos = torch.empty_like(order)
     pos[order] = torch.arange(order.numel(), device=idx.device)
-    counts = torch.bincount(flat, minlength=n_experts)[:n_experts]
+    # integer scatter-add (exact in any order): torch.bincount sizes its output from the ids' maximum, read on the
+    # host -- a device sync in every MoE layer of every forward. Ids outside [0, E) (unchecked callers on CUDA) land
+    # in a spare bin that is dropped, as bincount's [:E] dropped ids >= E, instead of a device-side assert.
+    binned = torch.where((flat >= 0) & (flat < n_experts), flat, n_experts)
+    counts = torch.zeros(n_experts + 1, dtype=torch.long, device=idx.device).scatter_add_(
+        0, binned, torch.ones_like(binned))[:n_experts]
     offsets = torch.zeros(n_experts + 1, dtype=torch.long, device=idx.device)
     offsets[1:] = torch.cumsum(counts, 0)
     return RoutingPlan(order, pos.view(idx.shape), offsets, counts, n_experts, idx.shape[1])

@@ -35,7 +35,7 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 class EPRoutedExperts(RoutedExperts):
     ep_group = None
 
-    def forward(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def forward(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ids_checked: bool = False) -> torch.Tensor:
         group = self.ep_group
         n, rank = dist.get_world_size(group), dist.get_rank(group)
         N, k = idx.shape

@@ -233,6 +233,27 @@ def test_failed_verify_harms_no_later_call(model, plain, monkeypatch):
     assert same(_turns(eng), out)
 
 
+def test_a_draft_outside_the_vocabulary_is_refused(model, plain):
+    """The engine feeds its forwards ids it range-checked on the host (the model's own check reads them back: two
+    device syncs a forward on CUDA), so a drafter's token outside the vocabulary must be refused before the verify
+    runs: the request fails naming the drafter, nothing is left half-applied, the next call is plain decoding's."""
+    out, refs, _ = plain
+
+    class OutOfVocabulary:
+        def propose(self, context, k):
+            return [model.config.vocab_size] * k
+    eng = _spec_engine(model, refs)
+    good = eng.spec.drafter
+    eng.spec.drafter = OutOfVocabulary()
+    with pytest.raises(RequestFailed) as err:
+        eng.generate(_prompts(), GREEDY)
+    assert "drafter" in str(err.value) + str(err.value.__cause__) and "vocabulary" in str(err.value.__cause__)
+    eng.check()
+    assert not eng.running
+    eng.spec.drafter = good
+    assert same(_turns(eng), out)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("prefix_cache, spec", [(False, "ngram:3"), (True, "ngram:3"), (True, "ngram:2x3"),
                                                 (False, "ngram:3:batched"), (True, "ngram:3:batched"),

@@ -100,8 +100,9 @@ class SpecDecoder:
             if feat is None:
                 return DraftTree()
             if cfg.branching == 1:
-                return DraftTree.chain(self.drafter.propose_tokens(feat, key_token(s.key[s.pos]), k))
-            tree = self.drafter.propose_tree(feat, key_token(s.key[s.pos]), cfg.branching, k, nodes)
+                tree = DraftTree.chain(self.drafter.propose_tokens(feat, key_token(s.key[s.pos]), k))
+            else:
+                tree = self.drafter.propose_tree(feat, key_token(s.key[s.pos]), cfg.branching, k, nodes)
         else:
             context = [key_token(x) for x in s.key]
             if cfg.branching == 1 or not hasattr(self.drafter, "propose_tree"):   # chains; chain-only drafters
@@ -135,11 +136,17 @@ class SpecDecoder:
         return trees
 
     def _checked(self, tree: DraftTree, k: int) -> DraftTree:
+        """The drafter's tree, refused (ValueError naming the drafter) outside the configured shape or with a token
+        outside the vocabulary: the verify forward feeds drafts unchecked (the engine range-checks ids on the host)."""
         cfg = self.cfg
         nodes = cfg.tree_nodes if cfg.branching > 1 else k
         if not tree.fits(cfg.branching, k) or len(tree) > nodes:
             raise ValueError(f"drafter: proposed a tree of {len(tree)} nodes, depth {tree.depth}, outside the "
                              f"speculative shape {cfg.shape} (draft limit {k})")
+        V = self.eng.model.config.vocab_size
+        bad = [t for t in tree.tokens if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"drafter: proposed token ids outside the vocabulary [0, {V}): {bad[:4]}")
         return tree
 
     # ------------------------------------------------------------------ one decode group
