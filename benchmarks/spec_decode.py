@@ -260,8 +260,8 @@ def sft_k3_width_model(steps: int, lr: float, budget_s: float, batch: int = 32, 
     import random
     from k3.envs import CalculatorEnv, train_tasks
     from k3.jobs.config import SFTSection
-    from k3.jobs.sft import demonstration_row, masked_next_token_loss, pack
-    from k3.model import K3ForCausalLM, K3State
+    from k3.jobs.sft import sft_step
+    from k3.model import K3ForCausalLM
     t0 = time.perf_counter()
     torch.manual_seed(0)
     with torch.device(device):
@@ -273,24 +273,13 @@ def sft_k3_width_model(steps: int, lr: float, budget_s: float, batch: int = 32, 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 10))
     env, sft, rng = CalculatorEnv(), SFTSection(), random.Random(1)
     tasks = train_tasks(1, 4096)
-    system = torch.tensor([env.system], device=device)
     peak = (lambda: torch.cuda.max_memory_allocated() / 2**30) if device == "cuda" else (lambda: 0.0)
-    S = len(env.system)
     losses, done = [], 0
     for i in range(steps):
         if time.perf_counter() - t0 > budget_s:
             break
-        eps = [demonstration_row(env, tasks, rng, sft) for _ in range(batch)]
-        with torch.no_grad():
-            _, prefix = model.extend(system)
-        ids, mask = pack([e.tokens[S:] for e in eps], [e.model_mask[S:] for e in eps])
-        loss = masked_next_token_loss(model, ids.to(device), mask.to(device), K3State.concat([prefix] * batch))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        losses.append(sft_step(model, env, tasks, rng, sft, batch, params, opt).item())
         sched.step()
-        losses.append(loss.item())
         done = i + 1
         if i % 20 == 0:
             print(f"sft step {i}: loss {losses[-1]:.3f}, {time.perf_counter() - t0:.0f} s, peak {peak():.1f} GiB",

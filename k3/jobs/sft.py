@@ -93,26 +93,35 @@ def train_sft(cfg: JobConfig, progress: bool = True) -> K3ForCausalLM:
                          f"{len(env.tok)}")
     rng = random.Random(cfg.sft.seed)
     tasks = train_tasks(cfg.sft.seed, 4096)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr, weight_decay=0.0)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=cfg.sft.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / cfg.sft.steps))
-    system = torch.tensor([env.system])
-    S = len(env.system)
     bar = tqdm(range(cfg.sft.steps), desc="sft", disable=not progress)
     for _ in bar:
-        eps = [demonstration_row(env, tasks, rng, cfg.sft) for _ in range(cfg.sft.batch_size)]
-        # every demonstration starts with the same system prompt: compute its state once per step (no gradient
-        # through it) and train on the rest of each episode from there
-        with torch.no_grad():
-            _, prefix = model.extend(system)
-        ids, mask = pack([e.tokens[S:] for e in eps], [e.model_mask[S:] for e in eps])
-        loss = masked_next_token_loss(model, ids, mask, K3State.concat([prefix] * len(eps)))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss = sft_step(model, env, tasks, rng, cfg.sft, cfg.sft.batch_size, params, opt)
         sched.step()
         bar.set_postfix(loss=f"{loss.item():.3f}")
     return model.eval()
+
+
+def sft_step(model: K3ForCausalLM, env: CalculatorEnv, tasks: list[Task], rng: random.Random, sft: SFTSection,
+             batch_size: int, params: list[torch.nn.Parameter], opt: torch.optim.Optimizer) -> torch.Tensor:
+    """One SFT step on `batch_size` demonstration rows (on the model's device): masked next-token loss, gradients
+    clipped to norm 1 over `params` (the trained ones), one optimizer step. Returns the loss."""
+    device = next(model.parameters()).device
+    eps = [demonstration_row(env, tasks, rng, sft) for _ in range(batch_size)]
+    S = len(env.system)
+    # every demonstration starts with the same system prompt: compute its state once per step (no gradient
+    # through it) and train on the rest of each episode from there
+    with torch.no_grad():
+        _, prefix = model.extend(torch.tensor([env.system], device=device))
+    ids, mask = pack([e.tokens[S:] for e in eps], [e.model_mask[S:] for e in eps])
+    loss = masked_next_token_loss(model, ids.to(device), mask.to(device), K3State.concat([prefix] * len(eps)))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    return loss
 
 
 def ensure_base(cfg: JobConfig, progress: bool = True) -> tuple[Path, bool]:

@@ -108,9 +108,8 @@ def sample(logits: "torch.Tensor | NextLogits", params: SamplingParams, gen: tor
     (CUDA) is that pick."""
     if isinstance(logits, NextLogits) and params.temperature == 0.0 and logits.greedy is not None:
         return logits.greedy[0], logits.greedy[1], 0.0
-    logits = _host_logits(logits)
     if params.temperature == 0.0:
-        x = logits.detach().float().cpu()
+        x = _host_logits(logits)
         tok = int(torch.argmax(x))
         return tok, float(torch.log_softmax(x, dim=-1)[tok]), 0.0
     full, logp = sampling_logprobs(logits, params)

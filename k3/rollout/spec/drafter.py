@@ -92,11 +92,17 @@ class DraftHead(nn.Module):
         u = self.mix(torch.cat([self._norm(h), self._norm(tok_emb)], dim=-1))
         return u + self.down(F.silu(self.up(self._norm(u))))
 
-    def logits(self, target: K3ForCausalLM, h: torch.Tensor) -> torch.Tensor:
-        """Through the target's lm_head in its own dtype (a bf16 K3 head is 2.3 GB: an fp32 copy per draft step
-        cost more than the step), fp32 out."""
-        w = target.lm_head.weight
-        return F.linear(self._norm(h).to(w.dtype), w).float()
+    def scores(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Scores of the hidden rows h [N, d] against lm_head rows [n, d] (`lm_head_rows`: all, or the draft
+        vocabulary's), in the head weight's own dtype (a bf16 K3 head is 2.3 GB: an fp32 copy per draft step cost
+        more than the step), fp32 out [N, n]."""
+        return F.linear(self._norm(h).to(rows.dtype), rows).float()
+
+
+def lm_head_rows(target: K3ForCausalLM, vocab: list[int] | None) -> torch.Tensor:
+    """The target's frozen lm_head rows a draft head scores: all of them, or the draft vocabulary's in its order."""
+    w = target.lm_head.weight.detach()
+    return w if vocab is None else w[torch.tensor(vocab, dtype=torch.long, device=w.device)].contiguous()
 
 
 class TrainedDrafter:
@@ -106,13 +112,13 @@ class TrainedDrafter:
 
     def __init__(self, head: DraftHead, target: K3ForCausalLM, draft_vocab: list[int] | None = None):
         self.head, self.target = head.eval(), target
-        w = target.lm_head.weight
-        self.vocab = None if draft_vocab is None else torch.tensor(draft_vocab, dtype=torch.long, device=w.device)
-        self.head_rows = w if self.vocab is None else w.detach()[self.vocab].contiguous()
+        self.rows = lm_head_rows(target, draft_vocab)
+        self.vocab = None if draft_vocab is None else torch.tensor(draft_vocab, dtype=torch.long,
+                                                                   device=self.rows.device)
 
     def _top(self, h: torch.Tensor, k: int) -> torch.Tensor:
         """The k best draft tokens of each hidden row [N, d] -> token ids [N, <= k] (argmax for k = 1)."""
-        scores = F.linear(self.head._norm(h).to(self.head_rows.dtype), self.head_rows).float()
+        scores = self.head.scores(h, self.rows)
         k = min(k, scores.shape[-1])
         idx = scores.argmax(-1, keepdim=True) if k == 1 else torch.topk(scores, k, dim=-1).indices
         return idx if self.vocab is None else self.vocab[idx]

@@ -20,10 +20,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from k3.model import K3ForCausalLM
-from k3.rollout.spec.drafter import META, WEIGHTS, DraftHead, FeatureCapture, save_drafter
+from k3.rollout.spec.drafter import META, WEIGHTS, DraftHead, FeatureCapture, lm_head_rows, save_drafter
 
 
 @dataclass(frozen=True)
@@ -103,7 +102,7 @@ def train_head(target: K3ForCausalLM, data: list[tuple], tcfg: DrafterTrainConfi
         raise ValueError("drafter: rollouts too short to train on")
     emb = target.model.embed_tokens.weight.detach().float()
     head = DraftHead(target.config.hidden_size).to(emb.device)
-    rows = None if vocab is None else target.lm_head.weight.detach()[torch.tensor(vocab, device=emb.device)]
+    rows = lm_head_rows(target, vocab)
     opt = torch.optim.AdamW(head.parameters(), lr=tcfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / tcfg.steps))
     losses = []
@@ -116,14 +115,11 @@ def train_head(target: K3ForCausalLM, data: list[tuple], tcfg: DrafterTrainConfi
             toks = torch.tensor([data[index[p][0]][0][index[p][1] + j] for p in pick], device=emb.device)
             h = head.step(h, emb[toks])
             want_log = torch.stack([data[index[p][0]][2][index[p][1] + j] for p in pick])
-            if rows is None:
-                scores = head.logits(target, h)
-            else:
+            if vocab is not None:
                 want_log = torch.log_softmax(want_log, -1)   # renormalised over the draft vocabulary
-                scores = F.linear(head._norm(h).to(rows.dtype), rows).float()
             want = want_log.exp()
             # KL(target || head): the soft cross-entropy less the target's entropy (its floor)
-            kl = (want * (want_log - torch.log_softmax(scores, -1))).sum(-1)
+            kl = (want * (want_log - torch.log_softmax(head.scores(h, rows), -1))).sum(-1)
             loss = loss + kl.mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
