@@ -387,8 +387,13 @@ def gpu_section(repeats: int, budget_s: float, drafter_steps: int = 400, profile
         refs = [p + c.token_ids for p, c in zip(prompts, ref)]
         row = {"batch": batch, "plain": plain}
         for name, spec, oracle in methods:
-            r, out = _run(model, prompts, sp, spec, batch, oracle_refs=refs if oracle else None, repeats=repeats,
-                          warmup=1)
+            try:
+                r, out = _run(model, prompts, sp, spec, batch, oracle_refs=refs if oracle else None,
+                              repeats=repeats, warmup=1)
+            except Exception as e:   # recorded, so one broken method does not lose the other rows of a device call
+                row[name] = {"error": f"{type(e).__name__}: {e}"}
+                print("error", name, row[name]["error"], flush=True)
+                continue
             r["bitwise_equal_to_plain"] = _same(out, ref)
             r["speedup_vs_plain"] = (r["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
                                      if plain["decode_tokens_per_s"] else None)
