@@ -1,6 +1,6 @@
 """Where a decode step's time goes on the GPU (stdout only, no results JSON): the K3-width model of
 benchmarks/spec_decode.py (random weights), plain decoding and a batched chain-3 speculative step (n-gram drafter)
-at the given batches: decode ms per step, then torch.profiler over a run of `--tokens` and a run of one token --
+at the given batches (the speculative step always drafts 3 tokens, `FullDrafts`): decode ms per step, then torch.profiler over a run of `--tokens` and a run of one token --
 the decode steps' device kernel time (the difference) against their wall time (is the step host-bound?), the
 kernels by device time and the host ops by own time.
 
@@ -27,12 +27,22 @@ def _prompts(n):
     return [env.prompt(t) for t in heldout_tasks()][:n]
 
 
+class FullDrafts:
+    """Always drafts k tokens (the last token repeated): every verify step runs at its full width, whatever the
+    random target accepts, so the step's cost is the chain's."""
+
+    def propose(self, context, k):
+        return [context[-1]] * k
+
+
 def profile_decode(model, batch: int, spec: SpecConfig | None, tokens: int) -> None:
     prompts = _prompts(batch)
 
     def run(max_tokens=tokens):
         eng = Engine(model, prefix_cache=False, speculative=spec, decode_batch=batch, max_running=max(32, batch),
                      device_states=max(256, 2 * batch + 2), device_pages=8192)
+        if spec is not None:
+            eng.spec.drafter = FullDrafts()
         timer = _DecodeTimer(eng)
         eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
         return timer, eng
