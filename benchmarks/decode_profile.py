@@ -35,7 +35,7 @@ class FullDrafts:
         return [context[-1]] * k
 
 
-def profile_decode(model, batch: int, spec: SpecConfig | None, tokens: int) -> None:
+def profile_decode(model, batch: int, spec: SpecConfig | None, tokens: int, stacks: bool = False) -> None:
     prompts = _prompts(batch)
 
     def run(max_tokens=tokens):
@@ -49,7 +49,7 @@ def profile_decode(model, batch: int, spec: SpecConfig | None, tokens: int) -> N
 
     def profiled(max_tokens):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as tp:
+                                                torch.profiler.ProfilerActivity.CUDA], with_stack=stacks) as tp:
             run(max_tokens)
             torch.cuda.synchronize()
         events = tp.key_averages()
@@ -70,19 +70,69 @@ def profile_decode(model, batch: int, spec: SpecConfig | None, tokens: int) -> N
     sort = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
     print(events.table(sort_by=sort, row_limit=15), flush=True)
     print(events.table(sort_by="self_cpu_time_total", row_limit=20), flush=True)
+    if stacks:   # host time by the Python lines that called each op
+        print(tp.key_averages(group_by_stack_n=4).table(sort_by="self_cpu_time_total", row_limit=25,
+                                                         max_name_column_width=60), flush=True)
+
+
+def spec_phases(model, batch: int, tokens: int) -> None:
+    """Wall time of each phase of the batched chain-3 speculative step (device synchronised around each, so a
+    phase's figure includes its device work): drafting, the verify forward, the acceptance walk's picks, the
+    commit; against a plain decode step's forward. Prints ms per step."""
+    import collections
+    import time
+    import k3.rollout.spec.decode as decode_module
+    spent = collections.Counter()
+    sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            sync()
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            sync()
+            spent[name] += time.perf_counter() - t
+            return out
+        return wrapper
+    saved = {n: getattr(decode_module, n) for n in ("verify_batched", "commit", "next_logits")}
+    for n, fn in saved.items():
+        setattr(decode_module, n, timed(n, fn))
+    try:
+        spec = SpecConfig(draft_len=3, verify="batched")
+        for rep in range(2):   # the first run builds kernels
+            spent.clear()
+            eng = Engine(model, prefix_cache=False, speculative=spec, decode_batch=batch, max_running=max(32, batch),
+                         device_states=max(256, 2 * batch + 2), device_pages=8192)
+            eng.spec.drafter = FullDrafts()
+            eng.spec._propose_group = timed("propose", eng.spec._propose_group)
+            timer = _DecodeTimer(eng)
+            eng.generate(_prompts(batch), SamplingParams(temperature=0.0, max_tokens=tokens))
+        steps = max(1, eng.stats["spec_verifies"] // max(batch, 1))
+        parts = {k: round(v / steps * 1e3, 2) for k, v in spent.items()}
+        rest = timer.seconds / steps * 1e3 - sum(parts.values())
+        print(f"== phases, batch {batch}: step {timer.seconds / steps * 1e3:.2f} ms = {parts} + rest {rest:.2f} ms",
+              flush=True)
+    finally:
+        for n, fn in saved.items():
+            setattr(decode_module, n, fn)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="8")
     ap.add_argument("--tokens", type=int, default=8)
-    ap.add_argument("--spec", action="store_true", help="also an n-gram batched chain-3 step at each batch")
+    ap.add_argument("--spec", action="store_true", help="also a batched chain-3 step at each batch")
+    ap.add_argument("--phases", action="store_true", help="only the speculative step's phases (spec_phases)")
+    ap.add_argument("--stacks", action="store_true", help="also the host ops grouped by their Python call sites")
     a = ap.parse_args()
     model = k3_width_model()
     for b in (int(x) for x in a.batches.split(",")):
-        profile_decode(model, b, None, a.tokens)
+        if a.phases:
+            spec_phases(model, b, a.tokens)
+            continue
+        profile_decode(model, b, None, a.tokens, a.stacks)
         if a.spec:
-            profile_decode(model, b, SpecConfig(draft_len=3, verify="batched"), a.tokens)
+            profile_decode(model, b, SpecConfig(draft_len=3, verify="batched"), a.tokens, a.stacks)
 
 
 if __name__ == "__main__":
