@@ -1,8 +1,10 @@
 """Where a decode step's time goes on the GPU (stdout only, no results JSON): the K3-width model of
-benchmarks/spec_decode.py (random weights), plain decoding and a batched chain-3 speculative step (n-gram drafter)
-at the given batches (the speculative step always drafts 3 tokens, `FullDrafts`): decode ms per step, then torch.profiler over a run of `--tokens` and a run of one token --
-the decode steps' device kernel time (the difference) against their wall time (is the step host-bound?), the
-kernels by device time and the host ops by own time.
+benchmarks/spec_decode.py (random weights), plain decoding and a batched chain-3 speculative step at the given
+batches (the speculative step always drafts 3 tokens, `FullDrafts`): first the wall ms per step of every
+configuration, then torch.profiler over a run of `--tokens` and a run of one token -- the decode steps' device kernel
+time (the difference; against the wall time: is the step host-bound?), the kernels by device time, the host ops by
+own time (`--stacks`: by Python call site). The timings come first: once the profiler has run in a process, its
+launches stay slower (they measured 2x). `--phases`: the speculative step's phases instead.
 
     . benchmarks/device_env.sh && python3 -m benchmarks.decode_profile --batches 8 --spec > $OUT/profile.txt
 
@@ -35,7 +37,8 @@ class FullDrafts:
         return [context[-1]] * k
 
 
-def profile_decode(model, batch: int, spec: SpecConfig | None, tokens: int, stacks: bool = False) -> None:
+def profile_decode(model, batch: int, spec: SpecConfig | None, tokens: int, stacks: bool = False,
+                   profile: bool = True) -> None:
     prompts = _prompts(batch)
 
     def run(max_tokens=tokens):
@@ -55,24 +58,28 @@ def profile_decode(model, batch: int, spec: SpecConfig | None, tokens: int, stac
         events = tp.key_averages()
         kernel_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events
                         if e.device_type == torch.autograd.DeviceType.CUDA)
-        return events, kernel_us
-    run()   # kernel builds
-    timer, eng = run()
-    n = eng.stats["spec_emitted_tokens"] if spec is not None else timer.tokens
-    steps = eng.stats["spec_verifies"] / max(batch, 1) if spec is not None else tokens - 1
-    print(f"== batch {batch} spec {spec and spec.shape}: decode {timer.seconds * 1e3:.1f} ms for {n} tokens, "
-          f"{timer.seconds / max(steps, 1) * 1e3:.2f} ms per step", flush=True)
-    _, prefill_us = profiled(1)
-    events, all_us = profiled(tokens)
-    print(f"   device kernel time of the decode steps (run of {tokens} tokens less a run of 1): "
-          f"{(all_us - prefill_us) / 1e3:.1f} ms, against {timer.seconds * 1e3:.1f} ms of decode wall time",
+        stack_table = (tp.key_averages(group_by_stack_n=4).table(sort_by="self_cpu_time_total", row_limit=25,
+                                                                 max_name_column_width=60) if stacks else None)
+        return events, kernel_us, stack_table
+    if not profile:   # timing only: a process that has run the profiler launches slower afterwards (CUPTI)
+        run()   # kernel builds
+        timer, eng = run()
+        n = eng.stats["spec_emitted_tokens"] if spec is not None else timer.tokens
+        steps = eng.stats["spec_verifies"] / max(batch, 1) if spec is not None else tokens - 1
+        print(f"== batch {batch} spec {spec and spec.shape}: decode {timer.seconds * 1e3:.1f} ms for {n} tokens, "
+              f"{timer.seconds / max(steps, 1) * 1e3:.2f} ms per step", flush=True)
+        return
+    run()
+    _, prefill_us, _ = profiled(1)
+    events, all_us, stack_table = profiled(tokens)
+    print(f"== batch {batch} spec {spec and spec.shape}: device kernel time of the decode steps (run of {tokens} "
+          f"tokens less a run of 1): {(all_us - prefill_us) / 1e3:.1f} ms (wall time: the timing lines above)",
           flush=True)
     sort = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
     print(events.table(sort_by=sort, row_limit=15), flush=True)
     print(events.table(sort_by="self_cpu_time_total", row_limit=20), flush=True)
-    if stacks:   # host time by the Python lines that called each op
-        print(tp.key_averages(group_by_stack_n=4).table(sort_by="self_cpu_time_total", row_limit=25,
-                                                         max_name_column_width=60), flush=True)
+    if stack_table is not None:   # host time by the Python lines that called each op
+        print(stack_table, flush=True)
 
 
 def spec_phases(model, batch: int, tokens: int) -> None:
@@ -126,13 +133,16 @@ def main() -> None:
     ap.add_argument("--stacks", action="store_true", help="also the host ops grouped by their Python call sites")
     a = ap.parse_args()
     model = k3_width_model()
-    for b in (int(x) for x in a.batches.split(",")):
-        if a.phases:
+    batches = [int(x) for x in a.batches.split(",")]
+    specs = [None] + ([SpecConfig(draft_len=3, verify="batched")] if a.spec else [])
+    if a.phases:
+        for b in batches:
             spec_phases(model, b, a.tokens)
-            continue
-        profile_decode(model, b, None, a.tokens, a.stacks)
-        if a.spec:
-            profile_decode(model, b, SpecConfig(draft_len=3, verify="batched"), a.tokens, a.stacks)
+        return
+    for profile in (False, True):   # every timing before the first profiler session
+        for b in batches:
+            for spec in specs:
+                profile_decode(model, b, spec, a.tokens, a.stacks, profile)
 
 
 if __name__ == "__main__":
