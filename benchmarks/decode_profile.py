@@ -37,23 +37,40 @@ class FullDrafts:
         return [context[-1]] * k
 
 
-def profile_decode(model, batch: int, spec: SpecConfig | None, tokens: int, stacks: bool = False,
-                   profile: bool = True) -> None:
-    prompts = _prompts(batch)
+def _run(model, batch: int, spec: SpecConfig | None, max_tokens: int):
+    """One greedy run of `batch` held-out prompts at decode batch `batch` -> (its _DecodeTimer, the engine)."""
+    eng = Engine(model, prefix_cache=False, speculative=spec, decode_batch=batch, max_running=max(32, batch),
+                 device_states=max(256, 2 * batch + 2), device_pages=8192)
+    if spec is not None:
+        eng.spec.drafter = FullDrafts()
+    timer = _DecodeTimer(eng)
+    eng.generate(_prompts(batch), SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    return timer, eng
 
-    def run(max_tokens=tokens):
-        eng = Engine(model, prefix_cache=False, speculative=spec, decode_batch=batch, max_running=max(32, batch),
-                     device_states=max(256, 2 * batch + 2), device_pages=8192)
-        if spec is not None:
-            eng.spec.drafter = FullDrafts()
-        timer = _DecodeTimer(eng)
-        eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
-        return timer, eng
 
+def _steps(eng: Engine, batch: int, spec: SpecConfig | None, tokens: int) -> float:
+    return eng.stats["spec_verifies"] / max(batch, 1) if spec is not None else tokens - 1
+
+
+def time_decode(model, batch: int, spec: SpecConfig | None, tokens: int) -> None:
+    """Wall ms per decode step (a first run builds the kernels). Run before any profiler session in the process:
+    launches stay slower after one (CUPTI)."""
+    _run(model, batch, spec, tokens)
+    timer, eng = _run(model, batch, spec, tokens)
+    n = eng.stats["spec_emitted_tokens"] if spec is not None else timer.tokens
+    print(f"== batch {batch} spec {spec and spec.shape}: decode {timer.seconds * 1e3:.1f} ms for {n} tokens, "
+          f"{timer.seconds / max(_steps(eng, batch, spec, tokens), 1) * 1e3:.2f} ms per step", flush=True)
+
+
+def profile_decode(model, batch: int, spec: SpecConfig | None, tokens: int, stacks: bool = False) -> None:
+    """torch.profiler over a run of `tokens` and a run of one: the decode steps' device kernel time (the
+    difference), the kernels by device time, the host ops by own time (`stacks`: by Python call site)."""
     def profiled(max_tokens):
+        verbose = torch._C._profiler._ExperimentalConfig(verbose=True) if stacks else None   # Python call sites
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA], with_stack=stacks) as tp:
-            run(max_tokens)
+                                                torch.profiler.ProfilerActivity.CUDA], with_stack=stacks,
+                                    experimental_config=verbose) as tp:
+            _run(model, batch, spec, max_tokens)
             torch.cuda.synchronize()
         events = tp.key_averages()
         kernel_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events
@@ -61,15 +78,7 @@ def profile_decode(model, batch: int, spec: SpecConfig | None, tokens: int, stac
         stack_table = (tp.key_averages(group_by_stack_n=4).table(sort_by="self_cpu_time_total", row_limit=25,
                                                                  max_name_column_width=60) if stacks else None)
         return events, kernel_us, stack_table
-    if not profile:   # timing only: a process that has run the profiler launches slower afterwards (CUPTI)
-        run()   # kernel builds
-        timer, eng = run()
-        n = eng.stats["spec_emitted_tokens"] if spec is not None else timer.tokens
-        steps = eng.stats["spec_verifies"] / max(batch, 1) if spec is not None else tokens - 1
-        print(f"== batch {batch} spec {spec and spec.shape}: decode {timer.seconds * 1e3:.1f} ms for {n} tokens, "
-              f"{timer.seconds / max(steps, 1) * 1e3:.2f} ms per step", flush=True)
-        return
-    run()
+    _run(model, batch, spec, tokens)   # kernel builds
     _, prefill_us, _ = profiled(1)
     events, all_us, stack_table = profiled(tokens)
     print(f"== batch {batch} spec {spec and spec.shape}: device kernel time of the decode steps (run of {tokens} "
@@ -78,14 +87,14 @@ def profile_decode(model, batch: int, spec: SpecConfig | None, tokens: int, stac
     sort = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
     print(events.table(sort_by=sort, row_limit=15), flush=True)
     print(events.table(sort_by="self_cpu_time_total", row_limit=20), flush=True)
-    if stack_table is not None:   # host time by the Python lines that called each op
+    if stack_table is not None:
         print(stack_table, flush=True)
 
 
 def spec_phases(model, batch: int, tokens: int) -> None:
-    """Wall time of each phase of the batched chain-3 speculative step (device synchronised around each, so a
+    """Wall time of each phase of the batched chain-3 speculative step (the device synchronised around each, so a
     phase's figure includes its device work): drafting, the verify forward, the acceptance walk's picks, the
-    commit; against a plain decode step's forward. Prints ms per step."""
+    commit, and the rest of the step. Prints ms per step."""
     import collections
     import time
     import k3.rollout.spec.decode as decode_module
@@ -101,27 +110,25 @@ def spec_phases(model, batch: int, tokens: int) -> None:
             spent[name] += time.perf_counter() - t
             return out
         return wrapper
+    spec = SpecConfig(draft_len=3, verify="batched")
     saved = {n: getattr(decode_module, n) for n in ("verify_batched", "commit", "next_logits")}
+    propose = decode_module.SpecDecoder._propose_group
     for n, fn in saved.items():
         setattr(decode_module, n, timed(n, fn))
+    decode_module.SpecDecoder._propose_group = timed("propose", propose)
     try:
-        spec = SpecConfig(draft_len=3, verify="batched")
-        for rep in range(2):   # the first run builds kernels
-            spent.clear()
-            eng = Engine(model, prefix_cache=False, speculative=spec, decode_batch=batch, max_running=max(32, batch),
-                         device_states=max(256, 2 * batch + 2), device_pages=8192)
-            eng.spec.drafter = FullDrafts()
-            eng.spec._propose_group = timed("propose", eng.spec._propose_group)
-            timer = _DecodeTimer(eng)
-            eng.generate(_prompts(batch), SamplingParams(temperature=0.0, max_tokens=tokens))
-        steps = max(1, eng.stats["spec_verifies"] // max(batch, 1))
-        parts = {k: round(v / steps * 1e3, 2) for k, v in spent.items()}
-        rest = timer.seconds / steps * 1e3 - sum(parts.values())
-        print(f"== phases, batch {batch}: step {timer.seconds / steps * 1e3:.2f} ms = {parts} + rest {rest:.2f} ms",
-              flush=True)
+        _run(model, batch, spec, tokens)   # kernel builds
+        spent.clear()
+        timer, eng = _run(model, batch, spec, tokens)
     finally:
         for n, fn in saved.items():
             setattr(decode_module, n, fn)
+        decode_module.SpecDecoder._propose_group = propose
+    steps = max(1.0, _steps(eng, batch, spec, tokens))
+    parts = {k: round(v / steps * 1e3, 2) for k, v in spent.items()}
+    rest = timer.seconds / steps * 1e3 - sum(parts.values())
+    print(f"== phases, batch {batch}: step {timer.seconds / steps * 1e3:.2f} ms = {parts} + rest {rest:.2f} ms",
+          flush=True)
 
 
 def main() -> None:
@@ -139,10 +146,12 @@ def main() -> None:
         for b in batches:
             spec_phases(model, b, a.tokens)
         return
-    for profile in (False, True):   # every timing before the first profiler session
-        for b in batches:
-            for spec in specs:
-                profile_decode(model, b, spec, a.tokens, a.stacks, profile)
+    for b in batches:   # every timing before the first profiler session
+        for spec in specs:
+            time_decode(model, b, spec, a.tokens)
+    for b in batches:
+        for spec in specs:
+            profile_decode(model, b, spec, a.tokens, a.stacks)
 
 
 if __name__ == "__main__":
