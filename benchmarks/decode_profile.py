@@ -1,9 +1,9 @@
 """Where a decode step's time goes on the GPU (stdout only, no results JSON): the K3-width model of
 benchmarks/spec_decode.py (random weights), plain decoding and a batched chain-3 speculative step at the given
 batches (the speculative step always drafts 3 tokens, `FullDrafts`): first the wall ms per step of every
-configuration, then torch.profiler over a run of `--tokens` and a run of one token -- the decode steps' device kernel
-time (the difference; against the wall time: is the step host-bound?), the kernels by device time, the host ops by
-own time (`--stacks`: by Python call site). The timings come first: once the profiler has run in a process, its
+configuration, eager and with the decode forwards as CUDA graphs (k3.rollout.graphs), then torch.profiler over
+eager runs of `--tokens` and of one token -- the decode steps' device kernel time (the difference; against the
+wall time: is the step host-bound?), the kernels by device time, the host ops by own time (`--stacks`: by Python call site). The timings come first: once the profiler has run in a process, its
 launches stay slower (they measured 2x). `--phases`: the speculative step's phases instead.
 
     . benchmarks/device_env.sh && python3 -m benchmarks.decode_profile --batches 8 --spec > $OUT/profile.txt
@@ -37,29 +37,37 @@ class FullDrafts:
         return [context[-1]] * k
 
 
-def _run(model, batch: int, spec: SpecConfig | None, max_tokens: int):
-    """One greedy run of `batch` held-out prompts at decode batch `batch` -> (its _DecodeTimer, the engine)."""
+def _engine(model, batch: int, spec: SpecConfig | None, graphs: bool = True):
+    """An engine at decode batch `batch` (CUDA graphs on or off) and its _DecodeTimer."""
     eng = Engine(model, prefix_cache=False, speculative=spec, decode_batch=batch, max_running=max(32, batch),
-                 device_states=max(256, 2 * batch + 2), device_pages=8192)
+                 device_states=max(256, 2 * batch + 2), device_pages=8192, cuda_graphs=graphs)
     if spec is not None:
         eng.spec.drafter = FullDrafts()
-    timer = _DecodeTimer(eng)
+    return _DecodeTimer(eng), eng
+
+
+def _run(model, batch: int, spec: SpecConfig | None, max_tokens: int, graphs: bool = True, reuse=None):
+    """One greedy run of `batch` held-out prompts at decode batch `batch` -> (its _DecodeTimer, counting this run
+    only, and the engine). `reuse`: the (timer, engine) of an earlier run (its graphs are captured)."""
+    timer, eng = reuse if reuse is not None else _engine(model, batch, spec, graphs)
+    timer.reset()
     eng.generate(_prompts(batch), SamplingParams(temperature=0.0, max_tokens=max_tokens))
     return timer, eng
 
 
-def _steps(eng: Engine, batch: int, spec: SpecConfig | None, tokens: int) -> float:
-    return eng.stats["spec_verifies"] / max(batch, 1) if spec is not None else tokens - 1
+def _steps(timer, batch: int, spec: SpecConfig | None, tokens: int) -> float:
+    return timer.counted("spec_verifies") / max(batch, 1) if spec is not None else tokens - 1
 
 
-def time_decode(model, batch: int, spec: SpecConfig | None, tokens: int) -> None:
-    """Wall ms per decode step (a first run builds the kernels). Run before any profiler session in the process:
-    launches stay slower after one (CUPTI)."""
-    _run(model, batch, spec, tokens)
-    timer, eng = _run(model, batch, spec, tokens)
-    n = eng.stats["spec_emitted_tokens"] if spec is not None else timer.tokens
-    print(f"== batch {batch} spec {spec and spec.shape}: decode {timer.seconds * 1e3:.1f} ms for {n} tokens, "
-          f"{timer.seconds / max(_steps(eng, batch, spec, tokens), 1) * 1e3:.2f} ms per step", flush=True)
+def time_decode(model, batch: int, spec: SpecConfig | None, tokens: int, graphs: bool = True) -> None:
+    """Wall ms per decode step, on the second run of one engine (the first builds the kernels and captures the
+    graphs). Run before any profiler session in the process: launches stay slower after one (CUPTI)."""
+    timer, eng = _run(model, batch, spec, tokens, graphs)
+    timer, eng = _run(model, batch, spec, tokens, reuse=(timer, eng))
+    n = timer.counted("spec_emitted_tokens") if spec is not None else timer.tokens
+    captured = f", {eng.graphs.stats['captures']} graphs" if eng.graphs is not None else ", eager"
+    print(f"== batch {batch} spec {spec and spec.shape}{captured}: decode {timer.seconds * 1e3:.1f} ms for {n} "
+          f"tokens, {timer.seconds / max(_steps(timer, batch, spec, tokens), 1) * 1e3:.2f} ms per step", flush=True)
 
 
 def profile_decode(model, batch: int, spec: SpecConfig | None, tokens: int, stacks: bool = False) -> None:
@@ -70,7 +78,7 @@ def profile_decode(model, batch: int, spec: SpecConfig | None, tokens: int, stac
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA], with_stack=stacks,
                                     experimental_config=verbose) as tp:
-            _run(model, batch, spec, max_tokens)
+            _run(model, batch, spec, max_tokens, graphs=False)
             torch.cuda.synchronize()
         events = tp.key_averages()
         kernel_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events
@@ -78,7 +86,7 @@ def profile_decode(model, batch: int, spec: SpecConfig | None, tokens: int, stac
         stack_table = (tp.key_averages(group_by_stack_n=4).table(sort_by="self_cpu_time_total", row_limit=25,
                                                                  max_name_column_width=60) if stacks else None)
         return events, kernel_us, stack_table
-    _run(model, batch, spec, tokens)   # kernel builds
+    _run(model, batch, spec, tokens, graphs=False)   # kernel builds
     _, prefill_us, _ = profiled(1)
     events, all_us, stack_table = profiled(tokens)
     print(f"== batch {batch} spec {spec and spec.shape}: device kernel time of the decode steps (run of {tokens} "
@@ -117,14 +125,14 @@ def spec_phases(model, batch: int, tokens: int) -> None:
         setattr(decode_module, n, timed(n, fn))
     decode_module.SpecDecoder._propose_group = timed("propose", propose)
     try:
-        _run(model, batch, spec, tokens)   # kernel builds
+        timer, eng = _run(model, batch, spec, tokens)   # kernel builds, graph captures
         spent.clear()
-        timer, eng = _run(model, batch, spec, tokens)
+        timer, eng = _run(model, batch, spec, tokens, reuse=(timer, eng))
     finally:
         for n, fn in saved.items():
             setattr(decode_module, n, fn)
         decode_module.SpecDecoder._propose_group = propose
-    steps = max(1.0, _steps(eng, batch, spec, tokens))
+    steps = max(1.0, _steps(timer, batch, spec, tokens))
     parts = {k: round(v / steps * 1e3, 2) for k, v in spent.items()}
     rest = timer.seconds / steps * 1e3 - sum(parts.values())
     print(f"== phases, batch {batch}: step {timer.seconds / steps * 1e3:.2f} ms = {parts} + rest {rest:.2f} ms",
@@ -138,6 +146,7 @@ def main() -> None:
     ap.add_argument("--spec", action="store_true", help="also a batched chain-3 step at each batch")
     ap.add_argument("--phases", action="store_true", help="only the speculative step's phases (spec_phases)")
     ap.add_argument("--stacks", action="store_true", help="also the host ops grouped by their Python call sites")
+    ap.add_argument("--no-profile", action="store_true", help="the timings only")
     a = ap.parse_args()
     model = k3_width_model()
     batches = [int(x) for x in a.batches.split(",")]
@@ -148,7 +157,10 @@ def main() -> None:
         return
     for b in batches:   # every timing before the first profiler session
         for spec in specs:
-            time_decode(model, b, spec, a.tokens)
+            for graphs in (False, True):
+                time_decode(model, b, spec, a.tokens, graphs)
+    if a.no_profile:
+        return
     for b in batches:
         for spec in specs:
             profile_decode(model, b, spec, a.tokens, a.stacks)

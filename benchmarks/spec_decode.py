@@ -60,7 +60,8 @@ class _DecodeTimer:
     """Wall time inside an engine's decode work: plain decode forwards, or speculative steps."""
 
     def __init__(self, eng: Engine):
-        self.eng, self.seconds, self.tokens = eng, 0.0, 0   # tokens: plain decode's (spec: its stats)
+        self.eng = eng
+        self.reset()   # seconds, tokens (plain decode's; spec: the engine's counters)
         sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
         if eng.spec is not None:
             step = eng.spec.step
@@ -86,6 +87,15 @@ class _DecodeTimer:
                     self.tokens += sum(r is not None for r in rows)
             eng._forward = timed_forward
 
+    def reset(self) -> None:
+        """A new run on the same engine: time and tokens from zero, the engine's counters from now."""
+        self.seconds, self.tokens = 0.0, 0
+        self._start = dict(self.eng.stats)
+
+    def counted(self, name: str) -> int:
+        """The engine's counter `name` since the last reset."""
+        return self.eng.stats.get(name, 0) - self._start.get(name, 0)
+
 
 class Oracle:
     """Drafts plain decoding's own continuation, corrupting one draft token in three (see the module docstring)."""
@@ -106,22 +116,28 @@ class Oracle:
 
 def _run(model, prompts, sp, spec, batch, oracle_refs=None, repeats=1, drive=None, warmup=0) -> dict:
     """`drive(engine) -> completions` (default: one generate of `prompts` with `sp`). The first `warmup` runs are
-    not timed (on the GPU a batch size's first run compiles its kernels)."""
-    times, out, stats = [], None, None
+    not timed (on the GPU a batch size's first run compiles its kernels and captures its CUDA graphs). Without
+    `drive` (no prefix cache) every run goes through one engine, as a serving engine lives on: its captured
+    graphs are replayed by the timed runs; `drive` runs (prefix cache on) get a fresh engine each."""
+    times, out, stats, eng = [], None, None, None
     for i in range(warmup + repeats):
-        eng = Engine(model, prefix_cache=drive is not None, speculative=spec, decode_batch=batch,
-                     max_running=max(32, batch), device_states=max(256, 2 * batch + 2), device_pages=8192)
+        if eng is None or drive is not None:
+            eng = Engine(model, prefix_cache=drive is not None, speculative=spec, decode_batch=batch,
+                         max_running=max(32, batch), device_states=max(256, 2 * batch + 2), device_pages=8192)
+            timer = _DecodeTimer(eng)
         if oracle_refs is not None:
-            eng.spec.drafter = Oracle(oracle_refs, model.config.vocab_size)
-        timer = _DecodeTimer(eng)
+            eng.spec.drafter = Oracle(oracle_refs, model.config.vocab_size)   # its corruption count from 0
+        timer.reset()
         out = drive(eng) if drive is not None else eng.generate(prompts, sp)
         if i >= warmup:
             times.append(timer.seconds)
-        stats = eng.stats
+        stats = {k: timer.counted(k) if not k.endswith("_max") else v for k, v in eng.stats.items()}
     tokens = stats["spec_emitted_tokens"] if spec is not None else timer.tokens
     med = statistics.median(times)
     row = {"decode_tokens": tokens, "decode_seconds_median": med, "decode_seconds": times,
            "decode_tokens_per_s": tokens / med if med else None, "forwards": stats["forwards"]}
+    if eng.graphs is not None:
+        row["cuda_graphs"] = len(eng.graphs.shapes)
     if spec is not None:
         row.update(accept_length=stats["spec_emitted_tokens"] / max(stats["spec_verifies"], 1),
                    acceptance_rate=stats["spec_accepted_tokens"] / max(stats["spec_draft_tokens"], 1),

@@ -60,6 +60,7 @@ class RolloutSection:
     kv_pages: int = 8192         # MLA latent pages of 16 tokens (device tier; as many again on the host tier)
     speculative: str = "off"     # speculative decoding: "off" or "METHOD[:DRAFT[:VERIFY[:ACCEPTANCE]]]", "ngram:3", "ngram:2x3"
     backend: str = "embedded"    # who rolls out: "embedded" (k3.rollout.Engine) or "vllm" (k3_vllm, pip install .[vllm])
+    cuda_graphs: bool = True     # the embedded engine's decode steps as CUDA graphs on a GPU (k3.rollout.graphs)
 
 
 @dataclass
@@ -160,6 +161,7 @@ _RULES: dict[str, Rule] = {
     "rollout.top_p": ((lambda v: 0.0 < v <= 1.0), "must be in (0, 1] (1 = off)"),
     "rollout.top_k": ((lambda v: v >= 0), "must be >= 0 (0 = off)"),
     "rollout.prefix_cache": _ANY,
+    "rollout.cuda_graphs": _ANY,                # a bool: the engine's check (engine_config())
     "rollout.checkpoint_every": _at_least(1),  # and what the engine requires: engine_config()
     "rollout.state_slots": _at_least(1),       # and room for one request: _check_pools()
     "rollout.kv_pages": _at_least(1),
@@ -238,7 +240,8 @@ def _check_type(name: str, want: type, value: Any) -> None:
 # the host tier as on the device). One table, so an engine error names the job field the user can change.
 ENGINE_FIELDS = {"checkpoint_interval": "rollout.checkpoint_every",
                  "device_states": "rollout.state_slots", "host_states": "rollout.state_slots",
-                 "device_pages": "rollout.kv_pages", "host_pages": "rollout.kv_pages"}
+                 "device_pages": "rollout.kv_pages", "host_pages": "rollout.kv_pages",
+                 "cuda_graphs": "rollout.cuda_graphs"}
 
 
 def _get(cfg: JobConfig, dotted: str) -> Any:

@@ -264,13 +264,14 @@ def attnres_bank_row(x: torch.Tensor) -> torch.Tensor:
 
 
 def kda_replay_commit(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                      n_accept: torch.Tensor) -> torch.Tensor:
+                      n_accept: torch.Tensor, n_accept_checked: bool = False) -> torch.Tensor:
     """ReplaySSM commit (speculative decoding): fold each row's first n_accept[b] stored step inputs
     (k, v, g, beta: [T, B, ...]) into its committed state [B, HV, K, V] fp32 -> the state decode would reach. CUDA:
-    the Triton fold, op for op the decode kernel's state update; CPU: the reference (decode's own step)."""
+    the Triton fold, op for op the decode kernel's state update (`n_accept_checked`: its range was checked on the
+    host, no device read-back); CPU: the reference (decode's own step)."""
     if _on_cuda(state):
         from k3_kernels.replay_ssm.replay import replay_commit
-        return replay_commit(state, k, v, g, beta, n_accept)
+        return replay_commit(state, k, v, g, beta, n_accept, n_accept_checked)
     from k3_kernels.replay_ssm.naive import naive_replay_commit
     return naive_replay_commit(state, k, v, g, beta, n_accept)
 

@@ -41,6 +41,7 @@ class EngineConfig:
     seed: int = 0                  # seeds requests that give none
     prefix_match: PrefixMatch = PrefixMatch.EXACT
     speculative: SpecConfig | None = None   # speculative decoding (k3.rollout.spec); a str like "ngram:3" is parsed
+    cuda_graphs: bool = True       # decode steps as captured CUDA graphs on a CUDA engine (k3.rollout.graphs)
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative, str):
@@ -56,6 +57,10 @@ class EngineConfig:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.name in ("prefix_match", "speculative"):
+                continue
+            if f.name == "cuda_graphs":
+                if not isinstance(v, bool):
+                    raise ValueError(f"cuda_graphs: expected a bool, got {type(v).__name__} ({v!r})")
                 continue
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ValueError(f"{f.name}: expected an integer, got {type(v).__name__} ({v!r})")

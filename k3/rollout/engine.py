@@ -26,6 +26,7 @@ import torch
 from k3.model import K3ForCausalLM
 from k3.rollout.admission import Admission
 from k3.rollout.config import EngineConfig, PrefixMatch, RequestFailed
+from k3.rollout.graphs import DecodeGraphs
 from k3.rollout.pools import TieredPool
 from k3.rollout.radix import Node, RadixTree
 from k3.rollout.sampler import NextLogits, next_logits, sample, sample_generator
@@ -72,10 +73,10 @@ class Engine(Admission):
         D = mc.kv_lora_rank + mc.qk_rope_head_dim
         H, K, W = mc.kda_num_heads, mc.kda_head_dim, mc.conv_kernel_size
         self.pages = TieredPool("mla_pages", {"kv": ((len(self.mla_index), cfg.page_size, D), self.dtype)},
-                                cfg.device_pages, cfg.host_pages, self.device)
+                                cfg.device_pages, cfg.host_pages, self.device, spare=1)
         self.states = TieredPool("kda_states", {"rec": ((len(self.kda_index), H, K, K), torch.float32),
                                                 "conv": ((len(self.kda_index), 3, H * K, W - 1), self.dtype)},
-                                 cfg.device_states, cfg.host_states, self.device)
+                                 cfg.device_states, cfg.host_states, self.device, spare=1)
         self.tree = RadixTree(cfg.page_size, retain_pages=lambda ps: [self.pages.incref(x) for x in ps],
                               release_pages=lambda ps: [self.pages.decref(x) for x in ps],
                               release_state=self.states.decref)
@@ -88,6 +89,8 @@ class Engine(Admission):
         self.stats = {"requests": 0, "prompt_tokens": 0, "hit_tokens": 0, "prefix_tokens": 0, "computed_tokens": 0,
                       "recomputed_tokens": 0, "resumes": 0, "resume_recomputed_tokens": 0, "generated_tokens": 0,
                       "checkpoints": 0, "forwards": 0, "failed_calls": 0}
+        # decode steps, chain verifies and their commits as CUDA graphs (k3.rollout.graphs); eager on CPU
+        self.graphs = DecodeGraphs(self) if cfg.cuda_graphs and self.device.type == "cuda" else None
         self.spec = None if cfg.speculative is None else SpecDecoder(self, cfg.speculative)
 
     @property
@@ -311,12 +314,15 @@ class Engine(Admission):
             for p in s.bt:
                 self.pages.touch(p)
             self.states.touch(s.state)
-        ids = torch.tensor([[0] * T if r is None else [key_token(k) for k in r.key[r.pos:r.pos + T]] for r in rows],
-                           dtype=torch.long, device=self.device)
-        view = PoolView(self, rows, T)
         capture = self.spec.prefill_capture(rows, T) if self.spec is not None else None
-        with self._adapters_for(rows), capture or contextlib.nullcontext():
-            out = self.model(ids, view, return_routed_experts=True, check_ids=False)   # ids checked on the host
+        if capture is None and self.graphs is not None and self.graphs.accepts(rows, T):
+            out = self.graphs.forward(rows, T)   # a decode step: replay of its captured forward
+        else:
+            ids = torch.tensor([[0] * T if r is None else [key_token(k) for k in r.key[r.pos:r.pos + T]]
+                                for r in rows], dtype=torch.long, device=self.device)
+            view = PoolView(self, rows, T)
+            with self._adapters_for(rows), capture or contextlib.nullcontext():
+                out = self.model(ids, view, return_routed_experts=True, check_ids=False)   # ids checked on the host
         self.stats["forwards"] += 1
         if capture is not None:   # the trained drafter's features of the prompts ending here
             self.spec.keep_prompt_features(rows, T, capture)

@@ -27,17 +27,23 @@ class _Item:
 
 
 class TieredPool:
-    """`shapes`: name -> (per-item shape, dtype). Device storage `dev[name]` is [device_capacity, *shape]."""
+    """`shapes`: name -> (per-item shape, dtype). Device storage `dev[name]` is [device_capacity + spare, *shape]:
+    the last `spare` rows (`spare_slots`) belong to no item and are never allocated -- scratch rows a fixed-shape
+    forward points its idle seats at (k3.rollout.graphs), outside the pool's accounting."""
 
     def __init__(self, name: str, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], device_capacity: int,
-                 host_capacity: int, device: torch.device | str):
+                 host_capacity: int, device: torch.device | str, spare: int = 0):
         if device_capacity < 1:
             raise ValueError(f"{name}: device capacity must be >= 1, got {device_capacity}")
         if host_capacity < 0:
             raise ValueError(f"{name}: host capacity must be >= 0, got {host_capacity}")
+        if spare < 0:
+            raise ValueError(f"{name}: spare slots must be >= 0, got {spare}")
         self.name = name
         self.device = torch.device(device)
-        self.dev = {k: torch.zeros((device_capacity, *s), dtype=dt, device=self.device) for k, (s, dt) in shapes.items()}
+        self.dev = {k: torch.zeros((device_capacity + spare, *s), dtype=dt, device=self.device)
+                    for k, (s, dt) in shapes.items()}
+        self.spare_slots = range(device_capacity, device_capacity + spare)
         pin = self.device.type == "cuda"
         self.host = {k: torch.zeros((host_capacity, *s), dtype=dt, pin_memory=pin) for k, (s, dt) in shapes.items()}
         self.free = {"device": list(range(device_capacity - 1, -1, -1)), "host": list(range(host_capacity - 1, -1, -1))}

@@ -45,10 +45,11 @@ def _replay_commit(state, k, v, g, beta, n_accept, out, B, H, HV, K, V, BK: tl.c
 
 
 def replay_commit(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  n_accept: torch.Tensor) -> torch.Tensor:
+                  n_accept: torch.Tensor, n_accept_checked: bool = False) -> torch.Tensor:
     """Same contract as `naive_replay_commit`: state [B, HV, K, V] fp32 (not modified); k [T, B, H, K];
-    v [T, B, HV, V]; g [T, B, HV, K]; beta [T, B, HV]; n_accept [B] -> the new state [B, HV, K, V]."""
-    check_replay_inputs(state, k, v, g, beta, n_accept)
+    v [T, B, HV, V]; g [T, B, HV, K]; beta [T, B, HV]; n_accept [B] -> the new state [B, HV, K, V].
+    `n_accept_checked`: see `check_replay_inputs` (then nothing syncs: the call can be captured)."""
+    check_replay_inputs(state, k, v, g, beta, n_accept, n_accept_checked)
     B, HV, K, V = state.shape
     H = k.shape[2]
     if not (1 <= K <= 256 and 1 <= V <= 256):

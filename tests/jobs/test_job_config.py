@@ -44,6 +44,7 @@ def test_defaults_and_example_load():
     ({"model.seed": 2 ** 63}, "model.seed"), ({"sft.cache_dir": ""}, "sft.cache_dir"),
     ({"rl.router_replay": 1}, "rl.router_replay"), ({"updates": 0}, "updates"), ({"eval.samples": 0}, "eval.samples"),
     ({"sync.zstd_level": 23}, "sync.zstd_level"), ({"rollout.top_k": -1}, "rollout.top_k"),
+    ({"rollout.cuda_graphs": "no"}, "rollout.cuda_graphs"),
     # the pools must hold a request of eval.samples samples too (evaluation is a request of that many)
     ({"eval.samples": 600}, "rollout.kv_pages"),
     # overrides that do not fit the schema: not a TypeError
@@ -75,7 +76,8 @@ def test_validate_checks_types_of_a_config_built_in_code():
 
 
 def test_engine_config_is_built_from_the_job_fields():
-    cfg = load_config(None, {"rollout.checkpoint_every": 128, "rollout.state_slots": 40, "rollout.kv_pages": 900})
+    cfg = load_config(None, {"rollout.checkpoint_every": 128, "rollout.state_slots": 40, "rollout.kv_pages": 900,
+                             "rollout.cuda_graphs": False})
     ec = engine_config(cfg)
     for engine_field, job_field in ENGINE_FIELDS.items():
         section, name = job_field.split(".")

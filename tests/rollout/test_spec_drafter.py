@@ -47,6 +47,24 @@ def test_engine_with_the_drafter_is_bitwise_plain_decoding(model, trained, branc
     assert st["spec_accepted_tokens"] > (0.3 if branching == 1 else 0.08) * st["spec_draft_tokens"], st
 
 
+def test_static_verify_with_features_is_bitwise_plain_decoding(model, trained):
+    """The batched chain verify as a fixed-shape forward (k3.rollout.graphs, run eagerly here: on the GPU it is
+    captured) returns the drafter's features of every position from inside the forward: same tokens, same
+    acceptance as the eager verify."""
+    from k3.rollout.graphs import DecodeGraphs
+    prompts, sp, ref, path, _ = trained
+    cfg = SpecConfig(method="drafter", drafter_path=str(path), verify="batched")
+    eager = Engine(model, prefix_cache=True, speculative=cfg, **SMALL)
+    assert same(eager.generate(prompts, sp), ref)
+    eng = Engine(model, prefix_cache=True, speculative=cfg, **SMALL)
+    eng.graphs = DecodeGraphs(eng, capture=False)
+    eng.spec.drafter.capture_chains(capture=False)   # the draft steps through CapturedCall
+    assert same(eng.generate(prompts, sp), ref)
+    assert any(k.verify and k.features for k in eng.graphs.shapes) and eng.graphs.commits
+    assert eng.spec.drafter.captured
+    assert eng.stats["spec_accepted_tokens"] == eager.stats["spec_accepted_tokens"] > 0
+
+
 def test_tree_proposals_fit_the_shape(model, trained):
     prompts, _, ref, path, _ = trained
     drafter = load_drafter(path, model)

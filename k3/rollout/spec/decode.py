@@ -46,6 +46,8 @@ class SpecDecoder:
         else:
             from k3.rollout.spec.drafter import load_drafter
             self.drafter = load_drafter(cfg.drafter_path, eng.model)
+            if eng.graphs is not None:   # the chain's draft steps as CUDA graphs too
+                self.drafter.capture_chains()
         self.features: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # seq -> its latest features
         # request -> its prompt's last-position features (what a row's first decode step of a turn drafts from)
         self.prompt_features: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -270,7 +272,11 @@ def commit(eng: "Engine", rows: list["RunningSeq"], scratch: ReplayScratch, n_co
     released. The step inputs are rebuilt layer by layer at the decode batch size, rows in the seats they verified
     in (as decode computes them). CPU folds each layer at that batch size too (decode's own step, bit for bit);
     with `fold_layers` (default: on CUDA) the layers' folds, conv rolls, state gathers and writes run together
-    (`_fold_layers_together`), a handful of launches per group of layers instead of per layer."""
+    (`_fold_layers_together`), a handful of launches per group of layers instead of per layer. After a captured
+    verify (k3.rollout.graphs) that fold over every seat is a captured graph too."""
+    if eng.graphs is not None and eng.graphs.commit(rows, scratch, n_commit):
+        _release_rejected_pages(eng, rows, n_commit)   # the captured commit wrote the states
+        return
     B, R = eng.cfg.decode_batch, len(rows)
     dev = eng.device
     slots = torch.tensor([eng.states.slot(s.state) for s in rows], dtype=torch.long, device=dev)
@@ -279,22 +285,28 @@ def commit(eng: "Engine", rows: list["RunningSeq"], scratch: ReplayScratch, n_co
     steps = max(n_commit)
     rec_store, conv_store = eng.states.dev["rec"], eng.states.dev["conv"]
     if fold_layers if fold_layers is not None else dev.type == "cuda":
-        rec, conv = _fold_layers_together(eng, scratch, slots, n_seat, steps, R)
-    else:
-        layer_of = {ki: layer for layer, ki in eng.kda_index.items()}
-        recs, convs = [], []
-        for ki in range(len(eng.kda_index)):   # computed in full before anything is written
-            S0 = rec_store.new_zeros(B, *rec_store.shape[2:])
-            S0[:R] = rec_store[slots, ki]
-            window = conv_store.new_zeros(B, *conv_store.shape[2:])
-            window[:R] = conv_store[slots, ki]
-            mod = eng.model.model.layers[layer_of[ki]].self_attn
-            k, v, g, beta = replay_step_inputs(mod, scratch, ki, window, steps, n_seat, B)
-            recs.append(ops.kda_replay_commit(S0, k, v, g, beta, n_seat)[:R])
-            convs.append(naive_conv_roll(window[:R], scratch.bufs[ki]["conv_in"].transpose(0, 1), n_seat[:R]))
-        rec, conv = torch.stack(recs, 1), torch.stack(convs, 1)
+        fold_and_write(eng, scratch, slots, n_seat, steps, R)
+        _release_rejected_pages(eng, rows, n_commit)
+        return
+    layer_of = {ki: layer for layer, ki in eng.kda_index.items()}
+    recs, convs = [], []
+    for ki in range(len(eng.kda_index)):   # computed in full before anything is written
+        S0 = rec_store.new_zeros(B, *rec_store.shape[2:])
+        S0[:R] = rec_store[slots, ki]
+        window = conv_store.new_zeros(B, *conv_store.shape[2:])
+        window[:R] = conv_store[slots, ki]
+        mod = eng.model.model.layers[layer_of[ki]].self_attn
+        k, v, g, beta = replay_step_inputs(mod, scratch, ki, window, steps, n_seat, B)
+        recs.append(ops.kda_replay_commit(S0, k, v, g, beta, n_seat)[:R])
+        convs.append(naive_conv_roll(window[:R], scratch.bufs[ki]["conv_in"].transpose(0, 1), n_seat[:R]))
+    rec, conv = torch.stack(recs, 1), torch.stack(convs, 1)
     rec_store[slots] = rec.to(torch.float32)
     conv_store[slots] = conv.to(conv_store.dtype)
+    _release_rejected_pages(eng, rows, n_commit)
+
+
+def _release_rejected_pages(eng: "Engine", rows: list["RunningSeq"], n_commit: list[int]) -> None:
+    """MLA pages past each row's new length (rejected positions) go back to the pool."""
     P = eng.cfg.page_size
     for s, n in zip(rows, n_commit):
         keep = math.ceil((s.pos + n) / P)
@@ -305,6 +317,17 @@ def commit(eng: "Engine", rows: list["RunningSeq"], scratch: ReplayScratch, n_co
 
 
 LAYERS_PER_FOLD = 16   # bounds the gathered states: R x 16 x 6.3 MB at K3's dims
+
+
+def fold_and_write(eng: "Engine", scratch: ReplayScratch, slots: torch.Tensor, n_seat: torch.Tensor, steps: int,
+                   R: int) -> None:
+    """`_fold_layers_together` for the rows in the first R seats (state slots `slots` [R], accepted counts
+    `n_seat` [decode_batch]), then the new states and windows written to their slots. No host sync: the engine's
+    captured commit (k3.rollout.graphs) is this call over every seat."""
+    rec, conv = _fold_layers_together(eng, scratch, slots, n_seat, steps, R)
+    rec_store, conv_store = eng.states.dev["rec"], eng.states.dev["conv"]
+    rec_store[slots] = rec.to(torch.float32)
+    conv_store[slots] = conv.to(conv_store.dtype)
 
 
 def _fold_layers_together(eng: "Engine", scratch: ReplayScratch, slots: torch.Tensor, n_seat: torch.Tensor,
@@ -334,7 +357,8 @@ def _fold_layers_together(eng: "Engine", scratch: ReplayScratch, slots: torch.Te
         k, v, g, beta = (torch.stack(xs, 2).flatten(1, 2) for xs in zip(*inputs))
         n_accept = n_rows.repeat_interleave(n)
         S0 = rec_store[slots, l0:l0 + n].flatten(0, 1)
-        recs.append(ops.kda_replay_commit(S0, k, v, g, beta, n_accept).view(R, n, *S0.shape[1:]))
+        recs.append(ops.kda_replay_commit(S0, k, v, g, beta, n_accept, n_accept_checked=True)
+                    .view(R, n, *S0.shape[1:]))   # (n_commit is built on the host within [0, steps])
         conv_in = torch.stack([scratch.bufs[ki]["conv_in"] for ki in group], 1).flatten(0, 1)   # [R * n, T, 3, C]
         rolled = naive_conv_roll(windows[:R, l0:l0 + n].flatten(0, 1), conv_in.transpose(0, 1), n_accept)
         convs.append(rolled.view(R, n, *rolled.shape[1:]))

@@ -115,6 +115,15 @@ class TrainedDrafter:
         self.rows = lm_head_rows(target, draft_vocab)
         self.vocab = None if draft_vocab is None else torch.tensor(draft_vocab, dtype=torch.long,
                                                                    device=self.rows.device)
+        # (rows, steps) -> the chain's draft steps as a CUDA graph (`capture_chains`); None: eager
+        self.captured: dict[tuple[int, int], object] | None = None
+
+    def capture_chains(self, capture: bool = True) -> None:
+        """Run `propose_chains`' draft steps as CUDA graphs (k3.rollout.graphs.CapturedCall), one per (rows,
+        steps), made on first use: the same kernels, hence the same drafts, without the host issuing ~20 launches
+        a step (`capture=False`: the same path run eagerly, for CPU tests)."""
+        self.captured = {}
+        self._capture = capture
 
     def _top(self, h: torch.Tensor, k: int) -> torch.Tensor:
         """The k best draft tokens of each hidden row [N, d] -> token ids [N, <= k] (argmax for k = 1)."""
@@ -141,15 +150,30 @@ class TrainedDrafter:
         if not ks or max(ks) <= 0:
             return [[] for _ in ks]
         emb = self.target.model.embed_tokens.weight
-        h = self.head.fuse(feats.float().view(len(ks), -1))
+        feats = feats.float().view(len(ks), -1)
         tok = torch.tensor(last_tokens, dtype=torch.long, device=emb.device)
-        steps = []
-        for _ in range(max(ks)):
+        steps = max(ks)
+        if self.captured is None:
+            drafts = self._chain_steps(feats, tok, steps)
+        else:
+            from k3.rollout.graphs import CapturedCall
+            call = self.captured.get((len(ks), steps))
+            if call is None:
+                call = self.captured[(len(ks), steps)] = CapturedCall(
+                    lambda f, t: self._chain_steps(f, t, steps), (feats, tok), capture=self._capture)
+            drafts = call(feats, tok)
+        return [d[:k] for d, k in zip(drafts.tolist(), ks)]
+
+    def _chain_steps(self, feats: torch.Tensor, tok: torch.Tensor, steps: int) -> torch.Tensor:
+        """Greedy draft tokens [R, steps] from the features [R, 3d] and the rows' last tokens [R]."""
+        emb = self.target.model.embed_tokens.weight
+        h = self.head.fuse(feats)
+        out = []
+        for _ in range(steps):
             h = self.head.step(h, emb[tok].float())
             tok = self._top(h, 1)[:, 0]
-            steps.append(tok)
-        drafts = torch.stack(steps, 1).tolist()
-        return [d[:k] for d, k in zip(drafts, ks)]
+            out.append(tok)
+        return torch.stack(out, 1)
 
     @torch.no_grad()
     def propose_trees(self, feats: torch.Tensor, last_tokens: list[int], branching: int, depths: list[int],

@@ -68,10 +68,27 @@ class ReplayScratch:
                                  f"(a cast would change the replayed bits)")
             buf[name][idx, t0:t0 + T] = x
 
+    def store_seats(self, ki: int, conv_in: torch.Tensor, f: torch.Tensor, b: torch.Tensor) -> None:
+        """Positions [0, T) of every row from one forward's [rows, T, ...] tensors (a fixed-shape verify whose
+        seats are the scratch's rows: k3.rollout.graphs; no index tensor, so it can be captured)."""
+        buf = self.bufs[ki]
+        for name, x in (("conv_in", conv_in), ("f", f), ("b", b)):
+            if x.dtype != buf[name].dtype or x.shape[0] != self.rows:
+                raise ValueError(f"ReplayScratch.store_seats: {name} is {x.dtype} {tuple(x.shape)}, the scratch "
+                                 f"holds {self.rows} rows of {buf[name].dtype}")
+            buf[name][:, :x.shape[1]] = x
+
+    def first_rows(self, rows: int) -> "ReplayScratch":
+        """The first `rows` rows (views, no copy)."""
+        return ReplayScratch([{name: t[:rows] for name, t in layer.items()} for layer in self.bufs], rows,
+                             self.positions)
+
     def seats(self, ki: int, name: str, seat_of_row: list[int], n_seats: int) -> torch.Tensor:
         """Position-major [T, n_seats, ...] contiguous, request r at seat seat_of_row[r], zeros in empty seats (the
         replay runs at the decode batch size, as decode does)."""
         src = self.bufs[ki][name]
+        if len(seat_of_row) == n_seats == self.rows and seat_of_row == list(range(n_seats)):   # every seat a row
+            return src.transpose(0, 1).contiguous()   # (no index tensor: a captured commit takes this path)
         out = src.new_zeros(self.positions, n_seats, *src.shape[2:])
         out[:, seat_of_row] = src.transpose(0, 1)
         return out

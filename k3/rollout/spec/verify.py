@@ -56,40 +56,41 @@ class SpecView(PoolView):
         self.scratch.store(self.eng.kda_index[layer], self.rec_rows, self.t0, conv_in[s], f[s], b[s])
 
 
-class TreeSpecView(SpecView):
-    """SpecView of one batched token-tree verify: verify position i of row b is tree node i - 1 (position 0 the
-    pending token), parents[b][i] its parent position (-1: the committed state). MLA: each position sees the row's
-    prefix and its ancestors (`attention_mask`, the latents of all positions go into the row's pages at pos + i);
-    KDA (`kda_tree`): each node's short conv runs over the window along its own path and its recurrence starts from
-    its parent's state (k3_kernels.replay_ssm tree verify: inputs only, no state per node); the pool is not written."""
+def tree_tensors(parents: list[list[int]], T: int, W1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batched tree verify's layout from each seat's parent positions `parents[b]` (T each; -1: the committed
+    state) -> (parents [B, T] int64, ancestors [B, T, T] bool: position i sees j iff j is i or an ancestor,
+    window columns [B, T, W1] int64: the short-conv window of position i as columns of [committed window | the
+    call's inputs] -- the committed window, then its ancestors' inputs, the last W1)."""
+    B = len(parents)
+    anc = torch.zeros(B, T, T, dtype=torch.bool)
+    cols = torch.zeros(B, T, W1, dtype=torch.long)
+    for b, par in enumerate(parents):
+        for i in range(T):
+            path, j = [], i
+            while j >= 0:
+                anc[b, i, j] = True
+                path.append(j)
+                j = par[j]
+            c = list(range(W1)) + [W1 + a for a in reversed(path[1:])]   # committed window, then ancestors
+            cols[b, i] = torch.tensor(c[len(c) - W1:], dtype=torch.long)
+    return torch.tensor(parents, dtype=torch.long), anc, cols
 
-    def __init__(self, eng: "Engine", rows: list["RunningSeq | None"], T: int, scratch: ReplayScratch,
-                 row_of_seat: list[int | None], parents: list[list[int]]):
-        super().__init__(eng, rows, T, 0, scratch, row_of_seat, {})
-        self.parents = torch.tensor(parents, dtype=torch.long)
-        anc = torch.zeros(len(rows), T, T, dtype=torch.bool)
-        self.window_cols: list[list[list[int]]] = []   # [b][i]: the W-1 conv-window columns before position i
-        W1 = eng.model.config.conv_kernel_size - 1
-        for b, par in enumerate(parents):
-            cols_b = []
-            for i in range(T):
-                path, j = [], i
-                while j >= 0:
-                    anc[b, i, j] = True
-                    path.append(j)
-                    j = par[j]
-                cols = list(range(W1)) + [W1 + a for a in reversed(path[1:])]   # committed window, then ancestors
-                cols_b.append(cols[len(cols) - W1:])
-            self.window_cols.append(cols_b)
-        self.anc = anc
-        self.kda_tree = self
+
+class TreeOps:
+    """The token-tree parts of a batched verify view, over its `tree_parents` [B, T], `anc` [B, T, T] bool,
+    `window_cols` [B, T, W-1] and `past` [B] (host tensors: TreeSpecView; static device buffers:
+    k3.rollout.graphs.StaticTreeView). MLA: each position sees the row's prefix and its ancestors
+    (`attention_mask`); KDA (`kda_tree`): each node's short conv over the window along its own path and its
+    recurrence from its parent's state (k3_kernels.replay_ssm tree verify: inputs only, no state per node); the
+    pool is not written."""
 
     def attention_mask(self, S: int) -> torch.Tensor:
-        B, T = self.anc.shape[:2]
-        s = torch.arange(S).view(1, 1, S)
-        past = self.past.view(B, 1, 1)
+        anc = self.anc
+        B, T = anc.shape[:2]
+        s = torch.arange(S, device=anc.device).view(1, 1, S)
+        past = self.past.to(anc.device).view(B, 1, 1)
         rel = (s - past).clamp(0, T - 1).expand(B, T, S)
-        return (s < past) | ((s >= past) & (s < past + T) & torch.gather(self.anc, 2, rel))
+        return (s < past) | ((s >= past) & (s < past + T) & torch.gather(anc, 2, rel))
 
     def step_inputs(self, mod, xq, xk, xv, f, b, conv):
         B, T, C = xq.shape
@@ -97,8 +98,8 @@ class TreeSpecView(SpecView):
         if conv is None:
             conv = xq.new_zeros(B, 3, C, W1)
         src = torch.cat([conv.to(xq.dtype), torch.stack([xq, xk, xv], dim=1).transpose(2, 3)], dim=-1)
-        cols = torch.tensor(self.window_cols, dtype=torch.long, device=src.device)   # [B, T, W-1]
-        idx = cols.view(B, 1, 1, T * W1).expand(B, 3, C, T * W1)
+        cols = self.window_cols.to(src.device)   # [B, T, W-1]
+        idx = cols.reshape(B, 1, 1, T * W1).expand(B, 3, C, T * W1)
         windows = torch.gather(src, 3, idx).view(B, 3, C, T, W1).permute(0, 3, 1, 2, 4).reshape(B * T, 3, C, W1)
         one = lambda x: x.reshape(B * T, 1, x.shape[-1])   # noqa: E731 (every node a one-token row)
         q, k, v, g, beta, _ = mod.step_inputs(one(xq), one(xk), one(xv), one(f), one(b), windows)
@@ -108,7 +109,7 @@ class TreeSpecView(SpecView):
 
     def mix(self, q, k, v, g, beta, h0):
         node_major = [x.transpose(0, 1) for x in (q, k, v, g, beta)]
-        parents = self.parents.to(q.device)
+        parents = self.tree_parents.to(q.device)
         if q.is_cuda:
             from k3_kernels.replay_ssm.tree import tree_verify
             o, _ = tree_verify(h0.float(), *node_major, parents)
@@ -119,6 +120,19 @@ class TreeSpecView(SpecView):
 
     def set_kda(self, layer, recurrent, conv):
         pass   # the committed state stays; the commit folds the accepted path
+
+
+class TreeSpecView(TreeOps, SpecView):
+    """SpecView of one batched token-tree verify: verify position i of row b is tree node i - 1 (position 0 the
+    pending token), parents[b][i] its parent position (-1: the committed state); the latents of all positions go
+    into the row's pages at pos + i (TreeOps for the rest)."""
+
+    def __init__(self, eng: "Engine", rows: list["RunningSeq | None"], T: int, scratch: ReplayScratch,
+                 row_of_seat: list[int | None], parents: list[list[int]]):
+        super().__init__(eng, rows, T, 0, scratch, row_of_seat, {})
+        W1 = eng.model.config.conv_kernel_size - 1
+        self.tree_parents, self.anc, self.window_cols = tree_tensors(parents, T, W1)
+        self.kda_tree = self
 
 
 @dataclass
@@ -222,18 +236,23 @@ def verify_batched(eng: "Engine", rows: list["RunningSeq"], tokens: list[list[in
     if len(rows) > B:
         raise ValueError(f"verify: {len(rows)} rows exceed decode_batch {B}")
     T = max(len(t) for t in tokens)
-    scratch = ReplayScratch.allocate(eng.model.config, len(eng.kda_index), eng.dtype, len(rows), T, eng.device)
     row_of_seat: list[int | None] = list(range(len(rows))) + [None] * (B - len(rows))
     seats = list(rows) + [None] * (B - len(rows))
+    par = None if parents is None else [
+        list(parents[r]) + list(range(len(parents[r]) - 1, T - 1)) if r < len(rows) else list(range(-1, T - 1))
+        for r in range(B)]
+    graphed = eng.graphs is not None and eng.graphs.accepts_verify(seats, tree=par is not None)
+    scratch = None if graphed else ReplayScratch.allocate(eng.model.config, len(eng.kda_index), eng.dtype,
+                                                          len(rows), T, eng.device)
     ids = torch.zeros(B, T, dtype=torch.long)
     for r, toks in enumerate(tokens):
         ids[r, :len(toks)] = torch.tensor(toks, dtype=torch.long)
         ids[r, len(toks):] = toks[-1]
-    if parents is None:
+    if graphed:   # a captured verify (k3.rollout.graphs)
+        out, scratch, feats = eng.graphs.verify(seats, ids, features=capture is not None, parents=par)
+    elif parents is None:
         out, feats = _verify_forward(eng, seats, row_of_seat, ids, 0, scratch, {}, capture)
     else:
-        par = [list(parents[r]) + list(range(len(parents[r]) - 1, T - 1)) if r < len(rows) else list(range(-1, T - 1))
-               for r in range(B)]
         with _at_positions(rows, 0):
             view = TreeSpecView(eng, seats, T, scratch, row_of_seat, par)
             with eng._adapters_for(seats), (capture if capture is not None else contextlib.nullcontext()):
