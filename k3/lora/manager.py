@@ -45,8 +45,11 @@ class _Plan:
     shape: tuple[int, int] = (0, 0)
     groups: tuple[tuple[int, LoRAAdapter], ...] = ()
     # fused path (ops.fused_multi_lora): per set of groups, the device tensors mapping a slot + 1 to its stack
-    # index (-1: no delta) and the stacked adapters' scales; built once per forward
+    # index (-1: no delta) and the stacked adapters' scales; built once per forward (a captured plan: once)
     stacks: dict = field(default_factory=dict)
+    # a captured forward's plan (`LoRAManager.captured_plan`): `slots` is rewritten between forwards, so nothing
+    # derived from its values is memoised and the fused path takes the per-token kernel (no host read)
+    captured: bool = False
 
     def slots_for(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """The slot of each row of a projection input x: [B, T, in] or [B*T, in] are the forward's tokens;
@@ -58,7 +61,7 @@ class _Plan:
             if self.row_slots is None:
                 raise LoRAError(f"{name} reads {x.shape[1]} positions per row (cached tokens): a selection with "
                                 f"several adapters inside one row cannot be applied to it; use one adapter per row")
-            return self.row_slots.repeat_interleave(x.shape[1])
+            return self.row_slots[:, None].expand(B, x.shape[1]).reshape(-1)   # (no host sync: capturable)
         raise LoRAError(f"{name}: input of shape {tuple(x.shape)} does not match the forward's tokens {(B, T)}")
 
 
@@ -76,6 +79,7 @@ class LoRAManager:
         self._next_slot = 0
         self._selection: Selection = None
         self._plan: _Plan | None = None
+        self._fixed_plan: _Plan | None = None   # use_plan's (a captured forward's)
         self._hooked: set[str] = set()
         self._handles: list = []
         self._experts: dict[str, RoutedExperts] = {}
@@ -205,8 +209,54 @@ class LoRAManager:
             raise LoRAError(f"adapter selection must be None, a name, a per-row list or a [B, T] slot tensor, "
                             f"got {type(selection).__name__}")
 
+    # ------------------------------------------------------------------ captured forwards (k3.rollout.graphs)
+    def capturable(self) -> bool:
+        """Whether forwards through the adapters can be captured as CUDA graphs: none targets routed experts (their
+        per-expert path reads the routing on the host)."""
+        return all(t.kind == "linear" for ad in self._adapters.values() for t in ad.targets.values())
+
+    def signature(self) -> tuple[int, ...] | None:
+        """What a captured forward's adapter path depends on besides the adapters' values (read in place at every
+        replay): the added adapters' slots (a slot is never reused, so adding or removing one changes it); None
+        when an adapter is merged (the served weights are the whole model: no adapter path)."""
+        return None if self._merged is not None else tuple(sorted(self._slots.values()))
+
+    def captured_plan(self, slots: torch.Tensor, rows: int, tokens: int) -> _Plan:
+        """A plan for forwards over input_ids [rows, tokens] whose per-token adapter slots (-1 = none; one adapter
+        a row) are read from `slots` [rows * tokens], a device tensor the caller rewrites between forwards (a CUDA
+        graph's static input). Every added adapter is in it and nothing reads the slots on the host; run forwards
+        under `use_plan`. Valid while `signature()` is unchanged."""
+        if not self.capturable():
+            raise LoRAError("captured_plan: an adapter targets routed experts, whose path reads the routing on the "
+                            "host; such forwards run eagerly")
+        if self._merged is not None:
+            raise LoRAError(f"captured_plan: adapter {self._merged!r} is merged; the base model serves")
+        if slots.shape != (rows * tokens,) or slots.dtype != torch.long:
+            raise LoRAError(f"captured_plan: slots must be an int64 [{rows * tokens}] tensor, got {slots.dtype} "
+                            f"{tuple(slots.shape)}")
+        by_slot = {v: k for k, v in self._slots.items()}
+        return _Plan(slots=slots, row_slots=slots.view(rows, tokens)[:, 0], shape=(rows, tokens), captured=True,
+                     groups=tuple((s, self._adapters[by_slot[s]]) for s in sorted(by_slot)))
+
+    @contextlib.contextmanager
+    def use_plan(self, plan: _Plan) -> Iterator[None]:
+        """Forwards inside take `plan` (from `captured_plan`) instead of resolving a selection."""
+        prev = self._fixed_plan
+        self._fixed_plan = plan
+        try:
+            yield
+        finally:
+            self._fixed_plan = prev
+
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Resolve the selection against this forward's input_ids [B, T] (the embedding's input) into a plan."""
+        if self._fixed_plan is not None:
+            ids = args[0] if args else kwargs.get("input_ids")
+            if tuple(ids.shape) != self._fixed_plan.shape:
+                raise LoRAError(f"input_ids {tuple(ids.shape)} do not match the captured plan's "
+                                f"{self._fixed_plan.shape}")
+            self._plan = self._fixed_plan
+            return
         sel = self._selection
         if sel is None or (self._merged is not None and sel == self._merged):
             self._plan = None
@@ -385,6 +435,9 @@ def _fused_lowrank(plan: _Plan, name: str, x: torch.Tensor, base: torch.Tensor, 
         pad = rank - a.shape[0]
         a_list.append((torch.nn.functional.pad(a, (0, 0, 0, pad)) if pad else a).to(dtype))
         b_list.append((torch.nn.functional.pad(b, (0, pad)) if pad else b).to(dtype))
+    if plan.captured:   # slots rewritten between replays: mapped in every forward, the per-token kernel
+        return ops.multi_lora_per_token(x.contiguous(), base.contiguous(), torch.stack(a_list), torch.stack(b_list),
+                                        lut[slots + 1], scale)
     if slots is plan.slots:   # every projection over the forward's tokens: one mapped tensor (its segments memoised)
         if ("slots", key) not in plan.stacks:
             plan.stacks[("slots", key)] = lut[slots + 1]

@@ -276,10 +276,14 @@ def kda_replay_commit(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     return naive_replay_commit(state, k, v, g, beta, n_accept)
 
 
+# Set to True (tests) to run the multi-LoRA kernels (k3_kernels.lora) on CPU tensors too, in Triton's interpreter.
+LORA_KERNELS_ON_CPU = False
+
+
 def fused_multi_lora(x: torch.Tensor) -> bool:
     """Whether multi-LoRA rows of x's device go through `multi_lora` (adapters stacked, one shrink/expand pair per
     projection) instead of k3.lora.LoRAManager's per-adapter torch loop, which stays the CPU path (bit for bit)."""
-    return _on_cuda(x)
+    return _on_cuda(x) or LORA_KERNELS_ON_CPU
 
 
 def multi_lora(x: torch.Tensor, base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, slots: torch.Tensor,
@@ -287,9 +291,19 @@ def multi_lora(x: torch.Tensor, base: torch.Tensor, lora_a: torch.Tensor, lora_b
     """base + per-token LoRA over stacked adapters (k3_kernels.lora's spec): x [N, in], base [N, out],
     A [S, r, in], B [S, out, r], slots [N] (-1 = none), scale [S]; differentiable in x, base, A and B.
     CUDA: the SGMV/BGMV Triton kernels (deterministic, a row depends only on itself); elsewhere the reference."""
-    if _on_cuda(x):
+    if _on_cuda(x) or LORA_KERNELS_ON_CPU:
         from k3_kernels.lora.sgmv import sgmv_lora
         return sgmv_lora(x, base, lora_a, lora_b, slots, scale)
+    return naive_multi_lora(x, base, lora_a, lora_b, slots, scale)
+
+
+def multi_lora_per_token(x: torch.Tensor, base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                         slots: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`multi_lora` for inference with no host read of the slots (a captured forward's, k3.rollout.graphs): CUDA:
+    BGMV (one segment a token, built on the device; a row's bits are `multi_lora`'s); elsewhere the reference."""
+    if _on_cuda(x) or LORA_KERNELS_ON_CPU:
+        from k3_kernels.lora.sgmv import bgmv_lora
+        return bgmv_lora(x, base, lora_a, lora_b, slots, scale)
     return naive_multi_lora(x, base, lora_a, lora_b, slots, scale)
 
 

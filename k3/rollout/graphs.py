@@ -21,12 +21,20 @@ row, which changes nothing a real row computes: the linears give each row its ow
 (k3_kernels.batch_invariant; on CPU row blocks) and the per-query MLA kernel reads exactly each query's keys.
 `tests/rollout/test_graphs.py` checks it (eagerly on CPU, captured on the GPU).
 
-Not captured (eager as before): prefill chunks, forwards with LoRA adapters attached (the per-expert adapter loop
-reads routing on the host), exact-mode verify walks. Weights updated in place (`update_weights`, k3.sync
+Rows served through LoRA adapters (k3.lora) are captured with `DecodeGraphs(adapters=True)` (off in the engine until
+its capture has run on the GPU; tests turn it on): each token's adapter slot is one more part of the index buffer,
+the forward runs under the manager's captured plan (every added adapter stacked in the forward, so in-place
+adapter updates are read at every replay; the per-token BGMV kernel, whose launches do not depend on the slots),
+and the graphs are dropped when the adapter set changes (`LoRAManager.signature`). Forwards where no row has an
+adapter replay the base graphs.
+
+Not captured (eager as before): prefill chunks, adapters on routed experts (the per-expert adapter loop reads
+routing on the host), exact-mode verify walks. Weights updated in place (`update_weights`, k3.sync
 receivers) keep the graphs valid; replacing parameter tensors does not (call `reset`).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -40,6 +48,12 @@ from k3.rollout.types import key_token
 if TYPE_CHECKING:
     from k3.rollout.engine import Engine
     from k3.rollout.sequence import RunningSeq
+
+
+def adapter_slot(eng: "Engine", row: "RunningSeq") -> int:
+    """The LoRA slot a row's forward applies (-1: the base; also when an adapter is merged into the weights)."""
+    lora, name = eng.lora, row.req.params.adapter_id
+    return -1 if name is None or lora is None or lora.merged is not None else lora.slot(name)
 
 
 def page_bucket(pages: int) -> int:
@@ -88,21 +102,21 @@ class StaticView:
         self.spare_page = eng.pages.spare_slots[0]
         self.spare_state = eng.states.spare_slots[0]
         B, T = seats, tokens
-        self.index = IndexBuffer(eng.device, [B * T, B * T, B * T, B, B, B * pages])
-        ids, self.w_slot, self.w_off, self.past, self.s_slots, table = self.index.parts
+        self.index = IndexBuffer(eng.device, [B * T, B * T, B * T, B, B, B * pages, B * T])
+        ids, self.w_slot, self.w_off, self.past, self.s_slots, table, self.adapter_slots = self.index.parts
         self.ids, self.table = ids.view(B, T), table.view(B, pages)
 
     def pack(self, rows: list["RunningSeq | None"], ids: torch.Tensor | None = None) -> None:
         """This forward's indices into the host buffer: a row's fed tokens (its key's, or `ids` [seats, tokens]),
-        the page slot and offset of each of its new positions, its past length, its state slot and page slots;
-        idle seats (None) the spare page and state, past 0."""
+        the page slot and offset of each of its new positions, its past length, its state slot and page slots, its
+        LoRA adapter's slot (-1: none); idle seats (None) the spare page and state, past 0, no adapter."""
         eng, B, T, W = self.eng, self.seats, self.tokens, self.pages
         if len(rows) != B:
             raise ValueError(f"rows: expected {B} seats, got {len(rows)}")
         P = eng.cfg.page_size
         if ids is not None and tuple(ids.shape) != (B, T):
             raise ValueError(f"ids: expected [{B}, {T}], got {tuple(ids.shape)}")
-        fed, w_slot, w_off, past, s_slots, table = [], [], [], [], [], []
+        fed, w_slot, w_off, past, s_slots, table, adapters = [], [], [], [], [], [], []
         for r in rows:
             if r is None:
                 fed += [0] * T if ids is None else []
@@ -111,6 +125,7 @@ class StaticView:
                 past.append(0)
                 s_slots.append(self.spare_state)
                 table += [self.spare_page] * W
+                adapters += [-1] * T
                 continue
             n = math.ceil((r.pos + T) / P)
             if n > W:
@@ -122,9 +137,10 @@ class StaticView:
             past.append(r.pos)
             s_slots.append(eng.states.slot(r.state))
             table += slots + [self.spare_page] * (W - n)
+            adapters += [adapter_slot(eng, r)] * T
         if ids is not None:
             fed = ids.reshape(-1).tolist()
-        self.index.fill(fed + w_slot + w_off + past + s_slots + table)
+        self.index.fill(fed + w_slot + w_off + past + s_slots + table + adapters)
 
     def load(self) -> None:
         self.index.load()
@@ -209,6 +225,7 @@ class GraphShape:
     verify: bool = False   # a chain verify (StaticVerifyView) instead of a decode step
     features: bool = False  # also the drafter's features of every position (k3.rollout.spec.drafter)
     tree: bool = False     # a token-tree verify (StaticTreeView)
+    adapters: tuple[int, ...] | None = None   # the LoRA adapters' slots (LoRAManager.signature); None: the base
 
 
 @dataclass(frozen=True)
@@ -238,12 +255,14 @@ class DecodeGraphs:
     (a one-token prefill segment past a chunk boundary is a [1, 1] forward of the decode kind).
     `capture=False` runs the same fixed-shape forwards eagerly (CPU tests of the views; no CUDA graph)."""
 
-    def __init__(self, eng: "Engine", capture: bool = True, trees: bool = False):
-        """`trees`: capture token-tree verifies too (StaticTreeView; off in the engine until its capture has run on
-        the GPU -- tests turn it on)."""
+    def __init__(self, eng: "Engine", capture: bool = True, trees: bool = False, adapters: bool = False):
+        """`trees`: capture token-tree verifies too (StaticTreeView); `adapters`: rows served through LoRA adapters
+        too (a captured LoRAManager plan). Both are off in the engine until their capture has run on the GPU
+        (tests turn them on)."""
         if capture and eng.device.type != "cuda":
             raise ValueError(f"DecodeGraphs: capture needs a CUDA engine, this one is on {eng.device}")
-        self.eng, self.capture, self.trees = eng, capture, trees
+        self.eng, self.capture, self.trees, self.adapters = eng, capture, trees, adapters
+        self._signature: tuple[int, ...] | None = None   # the adapter set the graphs were made for
         self.shapes: dict[GraphShape, _Shape] = {}
         self.commits: dict[CommitShape, _Commit] = {}
         self._served: tuple[object, GraphShape] | None = None   # the last verify's scratch (handed out) and shape
@@ -258,15 +277,23 @@ class DecodeGraphs:
         return tokens == 1 and self.accepts_verify(rows)
 
     def accepts_verify(self, rows: list["RunningSeq | None"], tree: bool = False) -> bool:
-        """Rows past position 0 (a verify's always are) on the base model (no adapters attached); token trees
-        when `trees` is on."""
-        return ((self.trees or not tree) and self.eng.lora is None and any(r is not None for r in rows)
-                and all(r is None or r.pos > 0 for r in rows))
+        """Rows past position 0 (a verify's always are); token trees when `trees` is on; rows with a LoRA adapter
+        when `adapters` is on and no adapter targets routed experts."""
+        return ((self.trees or not tree) and any(r is not None for r in rows)
+                and all(r is None or r.pos > 0 for r in rows)
+                and (self._adapter_key(rows) is None or (self.adapters and self.eng.lora.capturable())))
+
+    def _adapter_key(self, rows: list["RunningSeq | None"]) -> tuple[int, ...] | None:
+        """GraphShape.adapters of a forward of `rows`: the adapter set when a row has an adapter, else None."""
+        if any(r is not None and adapter_slot(self.eng, r) >= 0 for r in rows):
+            return self.eng.lora.signature()
+        return None
 
     def forward(self, rows: list["RunningSeq | None"], tokens: int) -> K3Output:
         """The forward of `rows` (seats; None = idle) -> K3Output(logits [B, T, V], None, routed experts), copies
         that outlive the next replay."""
-        out, _ = self._replay(rows, GraphShape(len(rows), tokens, self._pages(rows, tokens)), None, None)
+        key = GraphShape(len(rows), tokens, self._pages(rows, tokens), adapters=self._adapter_key(rows))
+        out, _ = self._replay(rows, key, None, None)
         return out
 
     def verify(self, rows: list["RunningSeq | None"], ids: torch.Tensor, features: bool,
@@ -276,7 +303,8 @@ class DecodeGraphs:
         rows, the drafter features [seats, T, 3d] or None). The scratch is the graphs' own: read it (the commit)
         before the next verify."""
         T = ids.shape[1]
-        key = GraphShape(len(rows), T, self._pages(rows, T), True, features, parents is not None)
+        key = GraphShape(len(rows), T, self._pages(rows, T), True, features, parents is not None,
+                         self._adapter_key(rows))
         out, feats = self._replay(rows, key, ids, parents)
         live = sum(r is not None for r in rows)
         scratch = self.shapes[key].view.scratch.first_rows(live)
@@ -318,6 +346,11 @@ class DecodeGraphs:
         return page_bucket(max(math.ceil((r.pos + tokens) / P) for r in rows if r is not None))
 
     def _replay(self, rows, key: GraphShape, ids: torch.Tensor | None, parents: list[list[int]] | None):
+        lora = self.eng.lora
+        signature = lora.signature() if lora is not None else None
+        if signature != self._signature:   # adapters added, removed, merged: graphs of other sets are stale
+            self.reset()
+            self._signature = signature
         shape = self.shapes.get(key) or self._build(key)
         shape.view.pack(rows, ids)
         if key.tree:
@@ -350,16 +383,24 @@ class DecodeGraphs:
                                                                     self._verify_scratch(key.seats, key.tokens))
         else:
             view = StaticView(self.eng, key.seats, key.tokens, key.pages)
-        model = self.eng.model
+        model, lora = self.eng.model, self.eng.lora
+        if key.adapters is not None:   # each token's adapter slot read from the index buffer
+            plan = lora.captured_plan(view.adapter_slots, key.seats, key.tokens)
+            adapters = lambda: lora.use_plan(plan)   # noqa: E731
+        elif lora is not None and lora.merged is None:   # no row has an adapter: the base (as the eager engine)
+            adapters = lambda: lora.use(None)   # noqa: E731
+        else:
+            adapters = contextlib.nullcontext
 
         def run() -> tuple[K3Output, torch.Tensor | None]:
             view.clear_spare()
-            if not key.features:
-                return model(view.ids, view, return_routed_experts=True, check_ids=False), None
-            from k3.rollout.spec.drafter import FeatureCapture
-            with FeatureCapture(model) as capture:
-                out = model(view.ids, view, return_routed_experts=True, check_ids=False)
-            return out, capture.features()
+            with adapters():
+                if not key.features:
+                    return model(view.ids, view, return_routed_experts=True, check_ids=False), None
+                from k3.rollout.spec.drafter import FeatureCapture
+                with FeatureCapture(model) as capture:
+                    out = model(view.ids, view, return_routed_experts=True, check_ids=False)
+                return out, capture.features()
 
         shape = _Shape(view, run)
         if self.capture:

@@ -3,7 +3,11 @@ arXiv 2310.18547; S-LoRA's MBGMM). A decode batch is the BGMV case: every token 
 
 Each program owns BLOCK_M rows of one segment (and, for expand, BLOCK_O output columns) and reduces over the
 inner dimension in a fixed order with no atomics: results are deterministic, and a row's value depends only on
-its own inputs and its adapter. Spec: `naive.py` (tests/kernels/test_lora_sgmv.py, interpreter on CPU)."""
+its own inputs and its adapter. A segment of slot -1 is skipped (its rows keep the base). `sgmv_lora` builds the
+segments on the host from the slots (one device-to-host copy a forward); `bgmv_lora` (inference) builds one
+length-1 segment a token on the device, so its launches do not depend on the slots' values and a CUDA graph can
+replay it with new slots (k3.rollout.graphs). Spec: `naive.py` (tests/kernels/test_lora_sgmv.py, interpreter on
+CPU)."""
 from __future__ import annotations
 
 import weakref
@@ -24,7 +28,7 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, seg_ptr, K, R, x_stride, BLOCK_M: tl.con
     length = tl.load(seg_ptr + sid * 3 + 1)
     slot = tl.load(seg_ptr + sid * 3 + 2).to(tl.int64)
     m0 = tl.program_id(1) * BLOCK_M
-    if m0 < length:
+    if (m0 < length) & (slot >= 0):
         rows = m0 + tl.arange(0, BLOCK_M)
         rmask = rows < length
         r64 = (start + rows).to(tl.int64)
@@ -49,7 +53,7 @@ def _expand_kernel(h_ptr, b_ptr, base_ptr, y_ptr, seg_ptr, scale_ptr, O, R, base
     length = tl.load(seg_ptr + sid * 3 + 1)
     slot = tl.load(seg_ptr + sid * 3 + 2).to(tl.int64)
     m0 = tl.program_id(1) * BLOCK_M
-    if m0 < length:
+    if (m0 < length) & (slot >= 0):
         rows = m0 + tl.arange(0, BLOCK_M)
         rmask = rows < length
         r64 = (start + rows).to(tl.int64)
@@ -184,3 +188,26 @@ def sgmv_lora(x: torch.Tensor, base: torch.Tensor, a: torch.Tensor, b: torch.Ten
         raise ValueError("x, base: the last dimension must be contiguous")
     scale = scale.to(device=x.device, dtype=torch.float32).contiguous()
     return _SGMV.apply(x, base, a.contiguous(), b.contiguous(), slots.to(x.device), scale)
+
+
+def bgmv_lora(x: torch.Tensor, base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+              scale: torch.Tensor) -> torch.Tensor:
+    """`sgmv_lora`'s forward with one segment a token, built on the device: no host read of the slots, launches
+    fixed by the shapes alone (capturable in a CUDA graph whose slots change between replays). Inference only (no
+    autograd); the slots are not range-checked (callers build them from their own lookup: k3.lora.LoRAManager's
+    captured plan). A row's bits are `sgmv_lora`'s: each row is reduced alone in both."""
+    check_lora_args(x, a, b, slots, scale, check_values=False)
+    if base.shape != (x.shape[0], b.shape[1]):
+        raise ValueError(f"base: expected [{x.shape[0]}, {b.shape[1]}], got {tuple(base.shape)}")
+    if x.stride(1) != 1 or base.stride(1) != 1:
+        raise ValueError("x, base: the last dimension must be contiguous")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, base, a, b)):
+        raise ValueError("bgmv_lora: inference only (no autograd); training forwards take sgmv_lora")
+    N = x.shape[0]
+    if N == 0:
+        return base.contiguous().clone()
+    rows = torch.arange(N, device=x.device, dtype=torch.int32)
+    seg = torch.stack([rows, torch.ones_like(rows), slots.to(device=x.device, dtype=torch.int32)], dim=1)
+    a, b = a.contiguous(), b.contiguous()
+    scale = scale.to(device=x.device, dtype=torch.float32).contiguous()
+    return _expand(_shrink(x, a, seg, 1), b, base, seg, scale, 1)

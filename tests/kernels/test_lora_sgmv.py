@@ -9,7 +9,7 @@ if not torch.cuda.is_available():  # (tests/conftest.py sets it too, before anyt
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from k3_kernels.lora import naive_multi_lora, segments  # noqa: E402
-from k3_kernels.lora.sgmv import sgmv_lora  # noqa: E402
+from k3_kernels.lora.sgmv import bgmv_lora, sgmv_lora  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -43,6 +43,30 @@ def test_matches_reference_fp32(slots):
     assert torch.equal(got[s < 0], base[s < 0])           # rows without an adapter are bitwise the base
 
 
+@pytest.mark.parametrize("slots", [
+    [0] * 5 + [1] * 20 + [-1] * 3 + [2] * 9,
+    [2, 0, 1, -1, 1, 0, 2, 2],
+    [-1] * 4,
+])
+def test_bgmv_is_sgmv(slots):
+    """The per-token entry (one length-1 segment a token built on the device, the captured decode's path) gives
+    every row the bits the host-segmented SGMV gives it, and the reference's values; rows of slot -1 are the
+    base."""
+    x, base, a, b, s, scale = _case(len(slots), 40, 72, 8, 3, slots)
+    got = bgmv_lora(x, base, a, b, s, scale)
+    assert torch.equal(got, sgmv_lora(x, base, a, b, s, scale))
+    torch.testing.assert_close(got, naive_multi_lora(x, base, a, b, s, scale), atol=2e-5, rtol=2e-5)
+    assert torch.equal(got[s < 0], base[s < 0])
+
+
+def test_bgmv_is_inference_only():
+    x, base, a, b, s, scale = _case(4, 8, 8, 4, 2, [0, 1, -1, 0])
+    with pytest.raises(ValueError, match="inference only"):
+        bgmv_lora(x.requires_grad_(), base, a, b, s, scale)
+    with pytest.raises(ValueError, match="base"):
+        bgmv_lora(x.detach(), base[:, :4], a, b, s, scale)
+
+
 def test_padded_ranks_add_exact_zeros_and_runs_repeat_bitwise():
     slots = [0] * 6 + [1] * 6
     x, base, a, b, s, scale = _case(12, 24, 20, 8, 2, slots, seed=1)
@@ -74,6 +98,7 @@ def test_gpu_matches_reference():
         want = naive_multi_lora(x, base, a, b, s, scale)
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
         assert torch.equal(got, sgmv_lora(x, base, a, b, s, scale))
+        assert torch.equal(got, bgmv_lora(x, base, a, b, s, scale))   # the captured decode's path: same bits
 
 
 def _grads(fn, x, base, a, b, s, scale, dy):

@@ -58,6 +58,104 @@ def test_static_verify_is_the_eager_verify(model, spec):
     eng.check()
 
 
+@pytest.fixture(scope="module")
+def served():
+    """A tiny model with two adapters of different ranks on the default targets (attention and dense MLPs)."""
+    from k3.config import K3Config
+    from k3.lora import LoRAConfig, LoRAManager
+    from k3.model import K3ForCausalLM
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.preset("tiny")).eval()
+    lora = LoRAManager(model)
+    lora.create("a", LoRAConfig(rank=4, alpha=8.0, init_scale=0.05), seed=1)
+    lora.create("b", LoRAConfig(rank=2, alpha=4.0, init_scale=0.05), seed=2)
+    yield model, lora
+    lora.close()
+
+
+ADAPTERS = ["a", None, "b", "a", "b", None]
+
+
+def _adapter_turns(eng: Engine, greedy: bool = True, max_tokens: int = 7) -> list:
+    """Rows of adapters a, b and the base side by side, two turns, then a batch of base rows only."""
+    prompts = [rand_tokens(9 + 4 * i, 60 + i) for i in range(len(ADAPTERS))]
+    params = [SamplingParams(temperature=0.0 if greedy else 0.9, seed=70 + i, max_tokens=max_tokens, adapter_id=a)
+              for i, a in enumerate(ADAPTERS)]
+    out = eng.generate(prompts, params)
+    out += eng.generate([c.extend(rand_tokens(5, 90 + i)) for i, c in enumerate(out)], params)
+    return out + eng.generate(prompts[1::4], SamplingParams(temperature=0.0, max_tokens=4))
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_static_view_with_adapters_is_the_eager_engine(served, greedy):
+    """Multi-LoRA rows (`DecodeGraphs(adapters=True)`): each seat's adapter slot in the index buffer, the forward
+    under the manager's captured plan (every adapter in it) -- bitwise the eager engine's per-forward selection;
+    steps without an adapter row take the base shapes."""
+    model, _ = served
+    ref = _adapter_turns(Engine(model, prefix_cache=True, **SMALL), greedy)
+    eng = Engine(model, prefix_cache=True, **SMALL)
+    eng.graphs = DecodeGraphs(eng, capture=False, adapters=True)
+    assert same(_adapter_turns(eng, greedy), ref)
+    keys = {k.adapters for k in eng.graphs.shapes}
+    assert (0, 1) in keys and None in keys
+    eng.check()
+    if greedy:   # speculative chain verifies of adapter rows (drafts: the references' continuations)
+        from test_spec_engine import _spec_engine
+        spec = _spec_engine(model, [list(c.prompt) + c.token_ids for c in ref], spec="ngram:3:batched")
+        spec.graphs = DecodeGraphs(spec, capture=False, adapters=True)
+        assert same(_adapter_turns(spec), ref)
+        assert any(k.verify and k.adapters for k in spec.graphs.shapes) and spec.stats["spec_accepted_tokens"] > 0
+
+
+def test_adapter_set_changes_and_expert_adapters(served):
+    """Adding an adapter drops the graphs made for the old set (their plan stacks the adapters it had); an
+    adapter on routed experts (host-read routing) sends adapter rows to the eager path; both stay bitwise the
+    eager engine."""
+    from k3.lora import LoRAConfig
+    model, lora = served
+    eng = Engine(model, prefix_cache=False, **SMALL)
+    eng.graphs = DecodeGraphs(eng, capture=False, adapters=True)
+    ref = _adapter_turns(Engine(model, prefix_cache=False, **SMALL), max_tokens=4)
+    assert same(_adapter_turns(eng, max_tokens=4), ref)
+    lora.create("c", LoRAConfig(rank=2, alpha=2.0, init_scale=0.05), seed=3)
+    try:
+        assert same(_adapter_turns(eng, max_tokens=4), ref)   # "c" unused: the rows are unchanged
+        assert {k.adapters for k in eng.graphs.shapes} <= {None, (0, 1, 2)}
+    finally:
+        lora.remove("c")
+    lora.create("e", LoRAConfig(rank=2, alpha=2.0, targets=("experts",), init_scale=0.05), seed=4)
+    try:
+        assert not lora.capturable()
+        assert same(_adapter_turns(eng, max_tokens=4), ref)
+        assert {k.adapters for k in eng.graphs.shapes} <= {None}
+    finally:
+        lora.remove("e")
+    eng.check()
+
+
+def test_captured_plan_runs_the_per_token_kernel(served, monkeypatch):
+    """The captured plan's fused path (stacked adapters, the slot lookup in the forward, BGMV with no host read of
+    the slots) gives the eager plan's SGMV bits, in Triton's interpreter on CPU (the kernels the GPU runs)."""
+    from k3.model import ops
+    model, lora = served
+    monkeypatch.setattr(ops, "LORA_KERNELS_ON_CPU", True)
+    ids = torch.tensor([rand_tokens(2, 5), rand_tokens(2, 6)])
+    plan = lora.captured_plan(torch.tensor([lora.slot("b")] * 2 + [lora.slot("a")] * 2), 2, 2)
+    with torch.no_grad():
+        with lora.use(["b", "a"]):
+            eager = model(ids).logits
+        with lora.use_plan(plan):
+            captured = model(ids).logits
+        plan.slots.copy_(torch.tensor([lora.slot("a")] * 2 + [-1] * 2))   # the caller rewrites the slots
+        with lora.use_plan(plan):
+            again = model(ids).logits
+        with lora.use(["a", None]):
+            eager2 = model(ids).logits
+    assert torch.equal(captured, eager) and torch.equal(again, eager2) and not torch.equal(eager, eager2)
+    with pytest.raises(ValueError, match="captured plan"), torch.no_grad(), lora.use_plan(plan):
+        model(ids[:1])
+
+
 def test_long_decode_crosses_page_buckets(model):
     """One row decoding across several page-table widths at decode batch 1 and 4 (rows of different lengths
     side by side): bitwise the eager engine's."""
@@ -160,3 +258,42 @@ def test_gpu_graph_replays_are_the_eager_decode(batch):
         assert any(k.verify for k in spec.graphs.shapes) and spec.graphs.commits
         assert any(k.tree for k in spec.graphs.shapes) == (shape == "ngram:2x3:batched")
         assert spec.stats["spec_accepted_tokens"] > 0
+
+
+@pytest.mark.gpu
+def test_gpu_captured_adapters_are_the_eager_engine():
+    """On the GPU: multi-LoRA rows through captured graphs (`adapters=True`: the captured plan, BGMV) against
+    graphs off, bitwise, at decode batch 1 and 4, greedy and sampled; again after an in-place adapter update (the
+    graphs read the adapters at every replay); and speculative chain verifies of adapter rows."""
+    from k3.config import K3Config
+    from k3.lora import LoRAConfig, LoRAManager
+    from k3.model import K3ForCausalLM
+    from test_spec_engine import _spec_engine
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.preset("tiny")).cuda().eval()
+    lora = LoRAManager(model)
+    lora.create("a", LoRAConfig(rank=4, alpha=8.0, init_scale=0.05), seed=1)
+    lora.create("b", LoRAConfig(rank=2, alpha=4.0, init_scale=0.05), seed=2)
+    for batch in (1, 4):
+        cfg = {**SMALL, "decode_batch": batch}
+        eager = Engine(model, prefix_cache=True, cuda_graphs=False, **cfg)
+        graphed = Engine(model, prefix_cache=True, **cfg)
+        graphed.graphs = DecodeGraphs(graphed, adapters=True)
+        for greedy in (True, False):
+            assert same(_adapter_turns(graphed, greedy), _adapter_turns(eager, greedy))
+        assert any(k.adapters for k in graphed.graphs.shapes) and graphed.graphs.stats["captures"] >= 2
+        with torch.no_grad():   # new adapter values, written in place (as k3.sync's receiver does)
+            for t in lora.adapters["a"].tensors().values():
+                t.add_(0.01 * torch.randn_like(t))
+        for eng in (eager, graphed):
+            eng.update_weights(None, eng.version + 1)
+        captures = graphed.graphs.stats["captures"]
+        assert same(_adapter_turns(graphed), _adapter_turns(eager))
+        assert graphed.graphs.stats["captures"] == captures   # replayed, not re-captured
+        graphed.check()
+    ref = _adapter_turns(Engine(model, prefix_cache=False, cuda_graphs=False, **SMALL))
+    spec = _spec_engine(model, [list(c.prompt) + c.token_ids for c in ref], spec="ngram:3:batched")
+    spec.graphs = DecodeGraphs(spec, adapters=True)
+    assert same(_adapter_turns(spec), ref)
+    assert any(k.verify and k.adapters for k in spec.graphs.shapes) and spec.stats["spec_accepted_tokens"] > 0
+    lora.close()
