@@ -206,8 +206,8 @@ def test_captured_call_refuses_other_shapes():
 
 @pytest.mark.gpu
 def test_gpu_captured_drafts_are_the_eager_drafts():
-    """The trained drafter's chain steps as CUDA graphs draft exactly what the eager steps draft, for several
-    group sizes and draft lengths (graphs made on first use, replayed after)."""
+    """The trained drafter's chain steps and tree levels as CUDA graphs draft exactly what the eager steps draft,
+    for several group sizes and draft lengths (graphs made on first use, replayed after)."""
     from k3.config import K3Config
     from k3.model import K3ForCausalLM
     from k3.rollout.spec.drafter import DraftHead, TrainedDrafter
@@ -217,7 +217,7 @@ def test_gpu_captured_drafts_are_the_eager_drafts():
     head = DraftHead(d).cuda()
     eager = TrainedDrafter(head, model, draft_vocab=list(range(3, 40)))
     graphed = TrainedDrafter(head, model, draft_vocab=list(range(3, 40)))
-    graphed.capture_chains()
+    graphed.capture_graphs()
     g = torch.Generator(device="cuda").manual_seed(1)
     with torch.inference_mode():
         for rows, ks in ((1, [3]), (4, [3, 2, 3, 1]), (4, [3, 3, 3, 3]), (1, [3])):
@@ -225,7 +225,11 @@ def test_gpu_captured_drafts_are_the_eager_drafts():
                 feats = torch.randn(rows, 3 * d, device="cuda", generator=g)
                 last = torch.randint(3, 40, (rows,), generator=g, device="cuda").tolist()
                 assert graphed.propose_chains(feats, last, ks) == eager.propose_chains(feats, last, ks)
-    assert sorted(graphed.captured) == [(1, 3), (4, 3)]   # one graph per (rows, longest draft), reused
+                for tree, want in zip(graphed.propose_trees(feats, last, 2, ks, 14),
+                                      eager.propose_trees(feats, last, 2, ks, 14)):
+                    assert (tree.tokens, tree.parents) == (want.tokens, want.parents)
+    # one graph per (rows, longest draft), reused
+    assert sorted(graphed.captured) == [("chain", 1, 3), ("chain", 4, 3), ("tree", 1, 2, 3), ("tree", 4, 2, 3)]
 
 
 @pytest.mark.gpu

@@ -58,7 +58,7 @@ def test_static_verify_with_features_is_bitwise_plain_decoding(model, trained):
     assert same(eager.generate(prompts, sp), ref)
     eng = Engine(model, prefix_cache=True, speculative=cfg, **SMALL)
     eng.graphs = DecodeGraphs(eng, capture=False)
-    eng.spec.drafter.capture_chains(capture=False)   # the draft steps through CapturedCall
+    eng.spec.drafter.capture_graphs(capture=False)   # the draft steps through CapturedCall
     assert same(eng.generate(prompts, sp), ref)
     assert any(k.verify and k.features for k in eng.graphs.shapes) and eng.graphs.commits
     assert eng.spec.drafter.captured
@@ -72,6 +72,17 @@ def test_tree_proposals_fit_the_shape(model, trained):
     tree = drafter.propose_tree(feat, 5, 2, 3, 14)
     assert len(tree) == 14 and tree.fits(2, 3) and tree.depth == 3
     assert [tree.tokens[i] for i in tree.path(0)] == drafter.propose_tokens(feat, 5, 1)   # first child: the argmax
+    # the batched form: the full tree of every row at fixed shapes, each row keeping its breadth-first prefix
+    feats = torch.randn(4, 3 * model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    for graphs in (False, True):
+        if graphs:
+            drafter.capture_graphs(capture=False)   # the levels through CapturedCall
+        for branching, depths, nodes in ((2, [3, 2, 1, 0], 14), (2, [3, 3, 1, 2], 5), (3, [2, 1, 2, 2], 15)):
+            trees = drafter.propose_trees(feats, [5, 6, 7, 8], branching, depths, nodes)
+            for r, t in enumerate(trees):
+                one = drafter.propose_tree(feats[r], 5 + r, branching, depths[r], nodes)
+                assert t.parents == one.parents and t.tokens == one.tokens, (branching, depths, r)
+    assert {k[0] for k in drafter.captured} == {"tree"}
     ngram = NgramDrafter(4, 1)
     ctx = [1, 2, 3, 1, 2, 4, 1, 2, 5, 6, 1, 2]
     t = ngram.propose_tree(ctx, 2, 3, 14)

@@ -115,15 +115,27 @@ class TrainedDrafter:
         self.rows = lm_head_rows(target, draft_vocab)
         self.vocab = None if draft_vocab is None else torch.tensor(draft_vocab, dtype=torch.long,
                                                                    device=self.rows.device)
-        # (rows, steps) -> the chain's draft steps as a CUDA graph (`capture_chains`); None: eager
-        self.captured: dict[tuple[int, int], object] | None = None
+        # ("chain", rows, steps) / ("tree", rows, branching, depth) -> the draft steps as a CUDA graph
+        # (`capture_graphs`); None: eager
+        self.captured: dict[tuple, object] | None = None
+        self._capture_trees = False
 
-    def capture_chains(self, capture: bool = True) -> None:
-        """Run `propose_chains`' draft steps as CUDA graphs (k3.rollout.graphs.CapturedCall), one per (rows,
-        steps), made on first use: the same kernels, hence the same drafts, without the host issuing ~20 launches
-        a step (`capture=False`: the same path run eagerly, for CPU tests)."""
+    def capture_graphs(self, capture: bool = True, trees: bool = True) -> None:
+        """Run `propose_chains`' draft steps (and with `trees`, `propose_trees`' levels) as CUDA graphs
+        (k3.rollout.graphs.CapturedCall), one per shape, made on first use: the same kernels, hence the same
+        drafts, without the host issuing ~20 launches a step (`capture=False`: the same path run eagerly, for CPU
+        tests)."""
         self.captured = {}
         self._capture = capture
+        self._capture_trees = trees
+
+    def _call(self, key: tuple, fn, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """fn(*inputs) through the captured graph of `key` (made on first use)."""
+        from k3.rollout.graphs import CapturedCall
+        call = self.captured.get(key)
+        if call is None:
+            call = self.captured[key] = CapturedCall(fn, inputs, capture=self._capture)
+        return call(*inputs)
 
     def _top(self, h: torch.Tensor, k: int) -> torch.Tensor:
         """The k best draft tokens of each hidden row [N, d] -> token ids [N, <= k] (argmax for k = 1)."""
@@ -156,12 +168,7 @@ class TrainedDrafter:
         if self.captured is None:
             drafts = self._chain_steps(feats, tok, steps)
         else:
-            from k3.rollout.graphs import CapturedCall
-            call = self.captured.get((len(ks), steps))
-            if call is None:
-                call = self.captured[(len(ks), steps)] = CapturedCall(
-                    lambda f, t: self._chain_steps(f, t, steps), (feats, tok), capture=self._capture)
-            drafts = call(feats, tok)
+            drafts = self._call(("chain", len(ks), steps), lambda f, t: self._chain_steps(f, t, steps), (feats, tok))
         return [d[:k] for d, k in zip(drafts.tolist(), ks)]
 
     def _chain_steps(self, feats: torch.Tensor, tok: torch.Tensor, steps: int) -> torch.Tensor:
@@ -178,31 +185,50 @@ class TrainedDrafter:
     @torch.no_grad()
     def propose_trees(self, feats: torch.Tensor, last_tokens: list[int], branching: int, depths: list[int],
                       max_nodes: int) -> list[DraftTree]:
-        """`propose_tree` for several rows at once (feats [R, 3d]; row r's tree at most depths[r] deep): every
-        row's frontier goes through the head and the lm_head together, one pass per depth."""
+        """`propose_tree` for several rows at once (feats [R, 3d]; row r's tree at most depths[r] deep): the full
+        top-`branching` tree of every row to the deepest depth, one head + lm_head pass per level for all rows'
+        nodes (`_tree_steps`: fixed shapes, a CUDA graph with `capture_graphs`), then each row keeps its
+        breadth-first prefix -- the nodes above its depth, at most `max_nodes` -- as `propose_tree` grows it."""
+        depth = max(depths, default=0)
+        if depth <= 0:
+            return [DraftTree() for _ in depths]
         emb = self.target.model.embed_tokens.weight
-        R = len(depths)
-        tokens: list[list[int]] = [[] for _ in range(R)]
-        parents: list[list[int]] = [[] for _ in range(R)]
-        hid = self.head.fuse(feats.float().view(R, -1))
-        frontier = [(r, -1, t, r) for r, t in enumerate(last_tokens)]   # (row, node, its token, its row in hid)
-        for depth in range(max(depths, default=0)):
-            frontier = [f for f in frontier if depth < depths[f[0]] and len(tokens[f[0]]) < max_nodes]
-            if not frontier:
-                break
-            toks = torch.tensor([t for _, _, t, _ in frontier], device=emb.device)
-            h = self.head.step(hid[[i for _, _, _, i in frontier]], emb[toks].float())
-            top = self._top(h, branching).tolist()
-            nxt = []
-            for i, ((r, node, _, _), cand) in enumerate(zip(frontier, top)):
-                for tok in cand:
-                    if len(tokens[r]) >= max_nodes:
-                        break
-                    tokens[r].append(int(tok))
-                    parents[r].append(node)
-                    nxt.append((r, len(tokens[r]) - 1, int(tok), i))
-            frontier, hid = nxt, h
-        return [DraftTree(tuple(t), tuple(p)) for t, p in zip(tokens, parents)]
+        feats = feats.float().view(len(depths), -1)
+        tok = torch.tensor(last_tokens, dtype=torch.long, device=emb.device)
+        if self.captured is None or not self._capture_trees:
+            levels = self._tree_steps(feats, tok, branching, depth)
+        else:
+            levels = self._call(("tree", len(depths), branching, depth),
+                                lambda f, t: self._tree_steps(f, t, branching, depth), (feats, tok))
+        tokens = levels.tolist()
+        width = min(branching, self.rows.shape[0])   # children a node gets (the draft vocabulary may be smaller)
+        parents, level_ends, n = [], [], 1
+        for _ in range(depth):   # breadth first: node j of a level is child j % width of the level above's j // width
+            first = len(parents) - n if parents else 0
+            parents += [-1 if not level_ends else first + j // width for j in range(n * width)]
+            n *= width
+            level_ends.append(len(parents))
+        keep = [min(max_nodes, level_ends[d - 1]) if d > 0 else 0 for d in depths]
+        return [DraftTree(tuple(t[:m]), tuple(parents[:m])) for t, m in zip(tokens, keep)]
+
+    def _tree_steps(self, feats: torch.Tensor, tok: torch.Tensor, branching: int, depth: int) -> torch.Tensor:
+        """The full top-`branching` draft tree of every row, breadth first: tokens [R, width + width^2 + ...]
+        (width = branching, or the draft vocabulary's size if smaller), each node's hidden continuing its
+        parent's."""
+        emb = self.target.model.embed_tokens.weight
+        R = feats.shape[0]
+        hid = self.head.fuse(feats)[:, None]      # [R, nodes of the level above, d]
+        toks = tok[:, None]
+        out = []
+        for _ in range(depth):
+            n, d = toks.shape[1], hid.shape[-1]
+            h = self.head.step(hid.reshape(R * n, d), emb[toks.reshape(-1)].float())
+            top = self._top(h, branching)                         # [R * n, width]
+            width = top.shape[1]
+            toks = top.reshape(R, n * width)
+            hid = h.view(R, n, 1, d).expand(R, n, width, d).reshape(R, n * width, d)
+            out.append(toks)
+        return torch.cat(out, dim=1)
 
     @torch.no_grad()
     def propose_tree(self, feat: torch.Tensor, last_token: int, branching: int, depth: int,
