@@ -95,7 +95,13 @@ class ReplayScratch:
 
     def reorder(self, order: list[list[int]]) -> None:
         """Row r's positions order[r] move to positions 0, 1, ... (a batched tree verify keeps its walked path)."""
+        if all(list(idx) == list(range(len(idx))) for idx in order):   # nothing moves
+            return
+        R, T = len(order), self.positions
+        dev = self.bufs[0]["f"].device if self.bufs else torch.device("cpu")
+        # one index for every layer and name (one host-to-device copy); positions past a row's path stay put
+        index = torch.tensor([list(idx) + list(range(len(idx), T)) for idx in order], dtype=torch.long).to(dev)
+        rows = torch.arange(R, device=dev)[:, None]
         for layer in self.bufs:
-            for name, buf in layer.items():
-                for r, idx in enumerate(order):
-                    buf[r, :len(idx)] = buf[r, torch.tensor(idx, dtype=torch.long, device=buf.device)].clone()
+            for buf in layer.values():
+                buf[:R] = buf[rows, index]   # every source read before anything is written

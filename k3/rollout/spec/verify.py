@@ -274,11 +274,12 @@ def keep_path(eng: "Engine", rows: list["RunningSeq"], res: VerifyResult, order:
     its position), the stored KDA projections, logits, routing and features. The commit then keeps a chain."""
     P = eng.cfg.page_size
     store = eng.pages.dev["kv"]
-    for r, (s, idx) in enumerate(zip(rows, order)):
-        for j, i in enumerate(idx):   # increasing j: a source (i >= j) is never overwritten before it is read
-            if i != j:
-                src, dst = s.pos + i, s.pos + j
-                store[eng.pages.slot(s.bt[dst // P]), :, dst % P] = store[eng.pages.slot(s.bt[src // P]), :, src % P]
+    moves = [(s.pos + i, s.pos + j, s) for s, idx in zip(rows, order) for j, i in enumerate(idx) if i != j]
+    if moves:   # one gather and one scatter for every row: each source is read before anything is written
+        where = torch.tensor([[eng.pages.slot(s.bt[p // P]), p % P] for src, dst, s in moves for p in (src, dst)],
+                             dtype=torch.long).to(store.device).view(len(moves), 2, 2)
+        store[where[:, 1, 0], :, where[:, 1, 1]] = store[where[:, 0, 0], :, where[:, 0, 1]]
+    for r, idx in enumerate(order):
         res.logits[r] = [res.logits[r][i] for i in idx]
         res.routing[r] = [res.routing[r][i] for i in idx]
         if res.features is not None:
