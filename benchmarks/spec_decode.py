@@ -114,8 +114,18 @@ class Oracle:
         return []
 
 
-def _run(model, prompts, sp, spec, batch, oracle_refs=None, repeats=1, drive=None, warmup=0) -> dict:
-    """`drive(engine) -> completions` (default: one generate of `prompts` with `sp`). The first `warmup` runs are
+def graphed_trees(eng: Engine) -> None:
+    """Token-tree verifies and the drafter's tree levels as CUDA graphs too (`DecodeGraphs.trees`, off in the
+    engine until its GPU test has passed)."""
+    if eng.graphs is not None:
+        eng.graphs.trees = True
+        if hasattr(eng.spec.drafter, "capture_graphs"):
+            eng.spec.drafter.capture_graphs(trees=True)
+
+
+def _run(model, prompts, sp, spec, batch, oracle_refs=None, repeats=1, drive=None, warmup=0, setup=None) -> dict:
+    """`drive(engine) -> completions` (default: one generate of `prompts` with `sp`); `setup(engine)` after an
+    engine is made. The first `warmup` runs are
     not timed (on the GPU a batch size's first run compiles its kernels and captures its CUDA graphs). Without
     `drive` (no prefix cache) every run goes through one engine, as a serving engine lives on: its captured
     graphs are replayed by the timed runs; `drive` runs (prefix cache on) get a fresh engine each."""
@@ -125,6 +135,8 @@ def _run(model, prompts, sp, spec, batch, oracle_refs=None, repeats=1, drive=Non
             eng = Engine(model, prefix_cache=drive is not None, speculative=spec, decode_batch=batch,
                          max_running=max(32, batch), device_states=max(256, 2 * batch + 2), device_pages=8192)
             timer = _DecodeTimer(eng)
+            if setup is not None:
+                setup(eng)
         if oracle_refs is not None:
             eng.spec.drafter = Oracle(oracle_refs, model.config.vocab_size)   # its corruption count from 0
         timer.reset()
@@ -383,14 +395,17 @@ def gpu_section(repeats: int, budget_s: float, drafter_steps: int = 400, profile
     print("drafter", json.dumps(drafter_fig), flush=True)
     prompts_all = [env.prompt(t) for t in heldout_tasks()][:32]
     warm = SamplingParams(temperature=0.0, max_tokens=6)   # kernel builds (decode, verify widths) before timing
-    methods = (("oracle_batched", SpecConfig(draft_len=3, verify="batched"), True),
-               ("ngram_batched", SpecConfig(draft_len=3, verify="batched"), False),
+    tree = SpecConfig(method="drafter", draft_len=3, branching=2, verify="batched", drafter_path=str(drafter_dir))
+    methods = (("oracle_batched", SpecConfig(draft_len=3, verify="batched"), True, None),
+               ("ngram_batched", SpecConfig(draft_len=3, verify="batched"), False, None),
                ("drafter_batched", SpecConfig(method="drafter", draft_len=3, verify="batched",
-                                              drafter_path=str(drafter_dir)), False),
-               ("drafter_tree_2x3_batched", SpecConfig(method="drafter", draft_len=3, branching=2, verify="batched",
-                                                       drafter_path=str(drafter_dir)), False),
-               ("drafter_exact", SpecConfig(method="drafter", draft_len=3, drafter_path=str(drafter_dir)), False))
-    for spec in [None] + [m[1] for m in methods]:
+                                              drafter_path=str(drafter_dir)), False, None),
+               ("drafter_tree_2x3_batched", tree, False, None),
+               ("drafter_exact", SpecConfig(method="drafter", draft_len=3, drafter_path=str(drafter_dir)), False,
+                None),
+               # last: the tree verify and tree drafting captured (not yet the engine's default)
+               ("drafter_tree_2x3_graphed", tree, False, graphed_trees))
+    for spec in [None] + [m[1] for m in methods[:-1]]:
         Engine(model, prefix_cache=False, speculative=spec, decode_batch=1).generate([prompts_all[0]], warm)
     rows = []
     section = {"device": torch.cuda.get_device_name(), "target": target, "sft": sft_fig, "throughput": rows}
@@ -402,10 +417,10 @@ def gpu_section(repeats: int, budget_s: float, drafter_steps: int = 400, profile
         plain, ref = _run(model, prompts, sp, None, batch, repeats=repeats, warmup=1)
         refs = [p + c.token_ids for p, c in zip(prompts, ref)]
         row = {"batch": batch, "plain": plain}
-        for name, spec, oracle in methods:
+        for name, spec, oracle, setup in methods:
             try:
                 r, out = _run(model, prompts, sp, spec, batch, oracle_refs=refs if oracle else None,
-                              repeats=repeats, warmup=1)
+                              repeats=repeats, warmup=1, setup=setup)
             except Exception as e:   # recorded, so one broken method does not lose the other rows of a device call
                 row[name] = {"error": f"{type(e).__name__}: {e}"}
                 print("error", name, row[name]["error"], flush=True)
