@@ -267,6 +267,36 @@ def test_selection_errors(tiny):
     LoRAManager(tiny).add("b", b)
 
 
+def test_captured_plan_refusals_and_signature(tiny):
+    """The captured plan (k3.rollout.graphs' forwards) refuses what it cannot run without host reads, naming why;
+    `signature` changes with every adapter added, removed or merged (the graphs' key)."""
+    mgr = LoRAManager(tiny)
+    assert mgr.signature() == () and mgr.capturable()
+    mgr.create("a", _cfg(("attn", "mlp")))
+    sig = mgr.signature()
+    with pytest.raises(LoRAError, match="int64 \\[6\\]"):
+        mgr.captured_plan(torch.zeros(4, dtype=torch.long), 2, 3)
+    with pytest.raises(LoRAError, match="int64"):
+        mgr.captured_plan(torch.zeros(6, dtype=torch.int32), 2, 3)
+    plan = mgr.captured_plan(torch.full((6,), mgr.slot("a")), 2, 3)
+    with torch.no_grad(), mgr.use("a"):
+        want = tiny(_ids(tiny, b=2, t=3), use_cache=False).logits
+    with torch.no_grad(), mgr.use_plan(plan):
+        got = tiny(_ids(tiny, b=2, t=3), use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)   # one adapter: the single path vs the per-row one
+    mgr.create("e", _cfg(("experts",)))
+    assert not mgr.capturable() and mgr.signature() != sig
+    with pytest.raises(LoRAError, match="routed experts"):
+        mgr.captured_plan(torch.zeros(6, dtype=torch.long), 2, 3)
+    mgr.remove("e")
+    mgr.merge("a")
+    assert mgr.signature() is None
+    with pytest.raises(LoRAError, match="merged"):
+        mgr.captured_plan(torch.zeros(6, dtype=torch.long), 2, 3)
+    mgr.unmerge()
+    mgr.close()
+
+
 def test_k3_preset_default_adapter_on_meta():
     """The K3 preset's default adapter (rank 64 on attention + dense MLP + shared experts), shapes only."""
     cfg = K3Config.preset("k3")
