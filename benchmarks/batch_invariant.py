@@ -6,7 +6,7 @@ what a bitwise [B, k+1] speculative verify would pay per projection (k3/rollout/
 benchmarks/results/batch_invariant.json (or $OUT/batch_invariant.json when OUT is set).
 
     python -m benchmarks.batch_invariant            # on the H200
-    python -m benchmarks.batch_invariant --sweep    # also every candidate tile configuration (`SWEEP`)
+    python -m benchmarks.batch_invariant --sweep    # also every candidate tile configuration (`SWEEP`, `SWEEP_SPLIT`)
 """
 from __future__ import annotations
 
@@ -30,6 +30,10 @@ ROWS = (1, 8, 32, 128, 512)
 # fixed configuration (batch invariance allows a choice by N and K, never by M)
 SWEEP = [(64, 128, 64, 4, 4), (64, 64, 128, 4, 4), (64, 64, 64, 4, 6), (64, 32, 128, 4, 4), (16, 64, 128, 4, 4),
          (16, 32, 256, 4, 3), (32, 64, 128, 4, 4), (128, 128, 64, 8, 3)]
+# with K split into fixed ranges (6th: split_k): narrow outputs (q_a 1536, kv_a 576, the MoE latent 3584) have 12-112
+# output tiles at decode sizes, too few programs to keep the H200's memory busy (measured 5x over the bytes floor)
+SWEEP_SPLIT = [(64, 32, 128, 4, 4, 2), (64, 32, 128, 4, 4, 4), (64, 32, 128, 4, 4, 8), (16, 32, 256, 4, 3, 4),
+               (64, 64, 128, 4, 4, 4), (64, 128, 64, 4, 4, 2)]
 
 
 def _copy_rate() -> float:
@@ -70,7 +74,10 @@ def main() -> None:
                    "ours_invariant": _invariant(batch_invariant_linear, x, w)}
             if a.sweep:
                 row["sweep_ms"] = {str(c): do_bench(lambda: batch_invariant_linear(x, w, config=MatmulConfig(*c)),
-                                                    return_mode="median") for c in SWEEP}
+                                                    return_mode="median") for c in SWEEP + SWEEP_SPLIT}
+                row["sweep_split_invariant"] = {
+                    str(c): _invariant(lambda a, b: batch_invariant_linear(a, b, config=MatmulConfig(*c)), x, w)
+                    for c in SWEEP_SPLIT}
             rows.append(row)
             print(f"{name:>12} M={M:<4} cublas {cublas * 1e3:8.1f} us  ours {ours * 1e3:8.1f} us  floor "
                   f"{floor_ms * 1e3:7.1f} us  invariant {row['cublas_invariant']}/{row['ours_invariant']}",

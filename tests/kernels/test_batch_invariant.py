@@ -9,7 +9,7 @@ import torch
 if not torch.cuda.is_available():  # (tests/conftest.py sets it too, before anything imports triton)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from k3_kernels.batch_invariant import batch_invariant_linear, naive_linear  # noqa: E402
+from k3_kernels.batch_invariant import MatmulConfig, batch_invariant_linear, config_for, naive_linear  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -36,6 +36,26 @@ def test_matches_spec_and_rows_are_invariant(dtype, M, N, K):
     ref = naive_linear(x, w, bias)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert (full.float() - ref.float()).abs().max() <= tol * ref.float().abs().max()
+
+
+@pytest.mark.parametrize("split", [2, 3, 64])
+def test_split_k_keeps_rows_invariant(split):
+    """A configuration splitting K into fixed ranges (partials added in range order by a second kernel; 64 is
+    clamped to one range per BLOCK_K step): rows alone equal their rows in the full call, bias included, the
+    splits reproduce themselves, and the result matches fp64 to fp32 rounding."""
+    M, N, K = 37, 70, 200
+    g = torch.Generator().manual_seed(split)
+    x = torch.randn(M, K, generator=g).to(DEV)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(DEV)
+    bias = torch.randn(N, generator=g).to(DEV)
+    base = config_for(torch.device(DEV), torch.float32, N, K)
+    cfg = MatmulConfig(base.block_m, base.block_n, base.block_k, base.num_warps, base.num_stages, split_k=split)
+    full = batch_invariant_linear(x, w, bias, config=cfg)
+    for start, stop in [(0, 1), (M - 1, M), (M // 3, M), (5, 21)]:
+        assert torch.equal(batch_invariant_linear(x[start:stop].clone(), w, bias, config=cfg), full[start:stop])
+    assert torch.equal(batch_invariant_linear(x, w, bias, config=cfg), full)
+    ref = naive_linear(x, w, bias)
+    assert (full - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
 def test_batch_dims_and_no_bias():
@@ -73,3 +93,9 @@ def test_k3_widths_on_cuda():
             assert torch.equal(batch_invariant_linear(x[5:5 + m].clone(), w), full[5:5 + m]), (N, K, m)
         ref = naive_linear(x[:64], w)
         assert (full[:64].float() - ref.float()).abs().max() <= 1e-2 * ref.float().abs().max()
+        base = config_for(x.device, x.dtype, N, K)   # the same with K split into four fixed ranges
+        cfg = MatmulConfig(base.block_m, base.block_n, base.block_k, base.num_warps, base.num_stages, split_k=4)
+        split = batch_invariant_linear(x, w, config=cfg)
+        for m in (1, 8, 32):
+            assert torch.equal(batch_invariant_linear(x[5:5 + m].clone(), w, config=cfg), split[5:5 + m]), (N, K, m)
+        assert (split[:64].float() - ref.float()).abs().max() <= 1e-2 * ref.float().abs().max()
