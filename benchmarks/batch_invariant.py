@@ -24,7 +24,9 @@ from k3_kernels.batch_invariant import MatmulConfig, batch_invariant_linear, con
 # (name, N, K): K3's per-layer projections (config defaults) and the lm_head
 PROJECTIONS = [("mla_q_a", 1536, 7168), ("mla_q_b", 96 * 192, 1536), ("mla_kv_a", 576, 7168),
                ("mla_kv_b", 96 * 256, 512), ("attn_o", 7168, 96 * 128), ("kda_qkv_one", 96 * 128, 7168),
-               ("moe_latent", 3584, 7168), ("lm_head", 163840, 7168)]
+               ("moe_latent", 3584, 7168), ("lm_head", 163840, 7168),
+               # KDA's low-rank gate and beta projections: 1-4 output tiles a call
+               ("kda_f_a", 128, 7168), ("kda_b", 96, 7168), ("kda_f_b", 96 * 128, 128)]
 ROWS = (1, 8, 32, 128, 512)
 # (block_m, block_n, block_k, warps, stages) candidates for --sweep: one of them per weight shape is the kernel's
 # fixed configuration (batch invariance allows a choice by N and K, never by M)
