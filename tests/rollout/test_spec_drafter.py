@@ -197,3 +197,40 @@ def test_features_and_training_over_a_draft_vocabulary(model):
     tcfg = DrafterTrainConfig(steps=60, batch=32, lr=1e-2)
     _, fig = train_head(model, [(s[a:], f, lp) for s, a, (f, lp) in zip(seqs, starts, cut)], tcfg, vocab)
     assert fig["kl_last"] < 0.5 * fig["kl_first"]
+
+
+def test_prompt_lookup_beside_the_head(model, trained):
+    """`SpecConfig.lookup`: a suffix found earlier in the row drafts its continuation (copies the head cannot
+    make): trusted from `lookup` tokens, from one token only when it agrees with the head's first choice; trees
+    merge both sources' paths. The engine stays bitwise plain decoding with it."""
+    from types import SimpleNamespace
+
+    from k3.rollout.spec.tree import DraftTree
+    from k3.rollout.types import make_key
+    prompts, sp, ref, path, _ = trained
+    eng = Engine(model, prefix_cache=False, speculative=SpecConfig(method="drafter", drafter_path=str(path)),
+                 **SMALL)
+    spec = eng.spec
+    row = SimpleNamespace(key=[make_key(t, 1, 2) for t in [5, 6, 7, 8, 9, 5, 6]])   # "5 6" occurred: "7 8 9"
+    head = DraftTree.chain([11, 12, 13])
+    assert spec._with_lookup(row, head, 3).tokens == (7, 8, 9)                       # a 2-token suffix: trusted
+    one = SimpleNamespace(key=[make_key(t, 1, 2) for t in [5, 6, 7, 8, 9, 4, 6]])  # only "6" occurred
+    assert spec._with_lookup(one, head, 3).tokens == (11, 12, 13)                    # disagrees: the head's
+    assert spec._with_lookup(one, DraftTree.chain([7, 12, 13]), 3).tokens == (7, 8, 9)   # agrees: the copy
+    assert spec._with_lookup(SimpleNamespace(key=[make_key(t, 1, 2) for t in [1, 2, 3]]), head, 3) is head
+    tree_eng = Engine(model, prefix_cache=False, **SMALL, speculative=SpecConfig(
+        method="drafter", drafter_path=str(path), branching=2))
+    head_tree = DraftTree((11, 14, 12, 13), (-1, -1, 0, 2))                  # paths 11 12 13 and 14
+    merged = tree_eng.spec._with_lookup(row, head_tree, 3)
+    assert merged.fits(2, 3) and [merged.tokens[i] for i in merged.path(2)] == [7, 8, 9]   # the copy first
+    assert [merged.tokens[c] for c in merged.children(-1)] == [7, 11]         # then the head's best path
+    for branching in (1, 2):   # exactness with lookup on prompts that repeat themselves
+        cfg = SpecConfig(method="drafter", drafter_path=str(path), branching=branching, verify="batched")
+        looped = [p * 2 for p in prompts]
+        want = Engine(model, prefix_cache=False, **SMALL).generate(looped, sp)
+        got = Engine(model, prefix_cache=True, speculative=cfg, **SMALL)
+        got.check_each_step = True
+        assert same(got.generate(looped, sp), want)
+    with pytest.raises(ValueError, match="lookup"):
+        SpecConfig(method="drafter", lookup=9).validate()
+

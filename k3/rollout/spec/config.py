@@ -60,6 +60,11 @@ class SpecConfig:
     ngram_min: int = 1                 # shortest suffix matched
     drafter_path: str | None = None    # method=drafter: the trained head's directory (None: the cached default)
     acceptance: Acceptance = Acceptance.REJECTION
+    # method=drafter: prompt lookup beside the head (copies, which the head cannot make; decode.SpecDecoder.
+    # _with_lookup): a suffix of >= `lookup` tokens found earlier in the row's sequence drafts its continuation
+    # first, a shorter one only when it agrees with the head's first token; 0 = the head alone. (method=ngram is
+    # prompt lookup itself and ignores it.)
+    lookup: int = 2
 
     def __post_init__(self) -> None:
         for name, enum_type in (("method", SpecMethod), ("verify", VerifyMode), ("acceptance", Acceptance)):
@@ -81,7 +86,7 @@ class SpecConfig:
         return str(self.draft_len) if self.branching == 1 else f"{self.branching}x{self.draft_len}"
 
     def validate(self) -> None:
-        for name in ("draft_len", "branching", "ngram_max", "ngram_min"):
+        for name in ("draft_len", "branching", "ngram_max", "ngram_min", "lookup"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ValueError(f"speculative.{name}: expected an integer, got {type(v).__name__} ({v!r})")
@@ -98,6 +103,9 @@ class SpecConfig:
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"speculative.ngram_min/ngram_max: need 1 <= ngram_min <= ngram_max, got "
                              f"{self.ngram_min}, {self.ngram_max}")
+        if not 0 <= self.lookup <= self.ngram_max:
+            raise ValueError(f"speculative.lookup: the shortest suffix prompt lookup trusts beside the trained head "
+                             f"must be in [1, ngram_max = {self.ngram_max}], or 0 (the head alone); got {self.lookup}")
         if self.drafter_path is not None and not isinstance(self.drafter_path, str):
             raise ValueError(f"speculative.drafter_path: expected a str path, got {type(self.drafter_path).__name__}")
 

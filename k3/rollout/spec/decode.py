@@ -24,7 +24,7 @@ from k3.rollout.spec.accept import Emitted, accept_at_node
 from k3.rollout.spec.config import Acceptance, SpecConfig, SpecMethod, VerifyMode
 from k3.rollout.spec.ngram import NgramDrafter
 from k3.rollout.spec.scratch import ReplayScratch
-from k3.rollout.spec.tree import DraftTree
+from k3.rollout.spec.tree import DraftTree, build_tree
 from k3.rollout.spec.verify import keep_path, verify_batched, verify_walk
 from k3.rollout.types import key_token
 from k3_kernels.replay_ssm.naive import naive_conv_roll
@@ -41,6 +41,8 @@ class SpecDecoder:
     def __init__(self, eng: "Engine", cfg: SpecConfig):
         cfg.validate()
         self.eng, self.cfg = eng, cfg
+        # method=drafter with `lookup`: prompt lookup beside the head (`_with_lookup`), suffixes of one token and up
+        self.lookup = NgramDrafter(cfg.ngram_max, 1) if cfg.lookup and cfg.method is SpecMethod.DRAFTER else None
         if cfg.method is SpecMethod.NGRAM:
             self.drafter = NgramDrafter(cfg.ngram_max, cfg.ngram_min)
         else:
@@ -121,11 +123,11 @@ class SpecDecoder:
         batched = getattr(self.drafter, "propose_chains" if cfg.branching == 1 else "propose_trees", None)
         if batched is None:
             return [self._propose(s, k) if spec else DraftTree() for s, k, spec in zip(group, limits, speculating)]
+        trees = [DraftTree() for _ in group]
         feats = [self.features.get(s) if k else None for s, k in zip(group, limits)]
         feats = [f if f is not None or not k else self.prompt_features.get(s.req)
                  for s, f, k in zip(group, feats, limits)]
         rows = [r for r, f in enumerate(feats) if f is not None]
-        trees = [DraftTree() for _ in group]
         if rows:
             stacked = torch.stack([feats[r].reshape(-1) for r in rows])
             last = [key_token(group[r].key[group[r].pos]) for r in rows]
@@ -135,7 +137,30 @@ class SpecDecoder:
                 drafted = batched(stacked, last, cfg.branching, [limits[r] for r in rows], cfg.tree_nodes)
             for r, tree in zip(rows, drafted):
                 trees[r] = self._checked(tree, limits[r])
+        if self.lookup is not None:
+            trees = [self._checked(self._with_lookup(s, t, k), k) if k else t for s, t, k in zip(group, trees, limits)]
         return trees
+
+    def _with_lookup(self, s: "RunningSeq", head: DraftTree, k: int) -> DraftTree:
+        """The head's draft `head` of row `s` combined with prompt lookup over the row's sequence (copies, which the
+        head cannot make). A suffix of >= `lookup` tokens found earlier is trusted: its continuation comes first;
+        a shorter one only when its first token is the head's first choice. Chains take one of the two; trees
+        merge the paths (the preferred source's first, then the other's; at most `branching` children a node)."""
+        cfg = self.cfg
+        context = [key_token(x) for x in s.key]
+        tokens, n = self.lookup.match(context, k)
+        if n == 0:
+            return head
+        head_first = [head.tokens[c] for c in head.children(-1)][:1]
+        trusted = n >= cfg.lookup or tokens[:1] == head_first or not len(head)
+        if cfg.branching == 1:
+            return DraftTree.chain(tokens) if trusted else head
+        found = self.lookup.propose_tree(context, cfg.branching, k, cfg.tree_nodes)
+        ordered = sorted(range(len(head)), key=lambda i: (-len(head.path(i)), i))   # deepest first, BFS order
+        head_paths = [[head.tokens[j] for j in head.path(i)] for i in ordered if not head.children(i)]
+        lookup_paths = [[found.tokens[j] for j in found.path(i)] for i in range(len(found)) if not found.children(i)]
+        paths = lookup_paths + head_paths if trusted else head_paths[:1] + lookup_paths + head_paths[1:]
+        return build_tree(paths, cfg.branching, k, cfg.tree_nodes)
 
     def _checked(self, tree: DraftTree, k: int) -> DraftTree:
         """The drafter's tree, refused (ValueError naming the drafter) outside the configured shape or with a token

@@ -15,8 +15,12 @@ class NgramDrafter:
     def propose(self, context: list[int], k: int) -> list[int]:
         """Up to k draft tokens continuing `context` (the sequence so far, its pending last token included);
         [] when no suffix of length >= ngram_min occurred before."""
+        return self.match(context, k)[0]
+
+    def match(self, context: list[int], k: int) -> tuple[list[int], int]:
+        """`propose`'s tokens and the length of the suffix they continue (0: none found)."""
         if k <= 0:
-            return []
+            return [], 0
         L = len(context)
         for n in range(min(self.ngram_max, L - 1), self.ngram_min - 1, -1):
             suffix = context[L - n:]
@@ -25,8 +29,8 @@ class NgramDrafter:
                 if context[start:start + n] == suffix:
                     follow = context[start + n:start + n + k]
                     if follow:
-                        return follow
-        return []
+                        return follow, n
+        return [], 0
 
     def propose_tree(self, context: list[int], branching: int, depth: int, max_nodes: int) -> DraftTree:
         """A token tree of alternative continuations: the tokens that followed every earlier occurrence of the
