@@ -400,6 +400,8 @@ def gpu_section(repeats: int, budget_s: float, drafter_steps: int = 400, profile
                ("ngram_batched", SpecConfig(draft_len=3, verify="batched"), False, None),
                ("drafter_batched", SpecConfig(method="drafter", draft_len=3, verify="batched",
                                               drafter_path=str(drafter_dir)), False, None),
+               ("drafter_head_only_batched", SpecConfig(method="drafter", draft_len=3, verify="batched",
+                                                        drafter_path=str(drafter_dir), lookup=0), False, None),
                ("drafter_tree_2x3_batched", tree, False, None),
                ("drafter_exact", SpecConfig(method="drafter", draft_len=3, drafter_path=str(drafter_dir)), False,
                 None),
@@ -441,7 +443,7 @@ def gpu_section(repeats: int, budget_s: float, drafter_steps: int = 400, profile
         if profile and batch == 8:   # where a plain and a speculative step's host time goes (stdout only)
             import cProfile
             import pstats
-            for spec in (None, methods[2][1]):
+            for spec in (None, methods[2][1]):   # drafter_batched
                 prof = cProfile.Profile()
                 prof.enable()
                 _run(model, prompts, sp, spec, batch)
