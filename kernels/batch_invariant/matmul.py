@@ -48,6 +48,22 @@ def config_for(device: torch.device, dtype: torch.dtype, N: int, K: int) -> Matm
     return MatmulConfig(64, 128, 64, 4, 4)
 
 
+@triton.jit
+def _reduce_k(x, w, rm, rn, mm, nm, k_lo, k_hi, K, stride_xm, stride_wn, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] = rows rm of x times rows rn of w over k in [k_lo, k_hi) (< K), in BLOCK_K steps from
+    k_lo: every element k_lo, k_lo + BLOCK_K, ... in this order."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        km = rk < K
+        a = tl.load(x + rm[:, None] * stride_xm + rk[None, :], mask=mm[:, None] & km[None, :], other=0.)
+        b = tl.load(w + rn[None, :].to(tl.int64) * stride_wn + rk[:, None], mask=km[:, None] & nm[None, :],
+                    other=0.)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def _matmul(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
@@ -56,14 +72,7 @@ def _matmul(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om, HAS_BIAS:
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mm, nm = rm < M, rn < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):   # every element: k = 0, BLOCK_K, 2 BLOCK_K, ... in this order
-        rk = k0 + tl.arange(0, BLOCK_K)
-        km = rk < K
-        a = tl.load(x + rm[:, None] * stride_xm + rk[None, :], mask=mm[:, None] & km[None, :], other=0.)
-        b = tl.load(w + rn[None, :].to(tl.int64) * stride_wn + rk[:, None], mask=km[:, None] & nm[None, :],
-                    other=0.)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    acc = _reduce_k(x, w, rm, rn, mm, nm, 0, K, K, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias + rn, mask=nm, other=0.).to(tl.float32)[None, :]
     tl.store(out + rm[:, None] * stride_om + rn[None, :], acc.to(out.dtype.element_ty), mask=mm[:, None] & nm[None, :])
@@ -80,15 +89,9 @@ def _matmul_split(x, w, part, M, N, K, K_RANGE, stride_xm, stride_wn, BLOCK_M: t
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mm, nm = rm < M, rn < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_start = pid_s * K_RANGE
-    for k0 in range(k_start, k_start + K_RANGE, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        km = rk < K
-        a = tl.load(x + rm[:, None] * stride_xm + rk[None, :], mask=mm[:, None] & km[None, :], other=0.)
-        b = tl.load(w + rn[None, :].to(tl.int64) * stride_wn + rk[:, None], mask=km[:, None] & nm[None, :],
-                    other=0.)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    acc = _reduce_k(x, w, rm, rn, mm, nm, k_start, k_start + K_RANGE, K, stride_xm, stride_wn, BLOCK_M, BLOCK_N,
+                    BLOCK_K, PRECISION)
     base = pid_s.to(tl.int64) * M * N
     tl.store(part + base + rm[:, None] * N + rn[None, :], acc, mask=mm[:, None] & nm[None, :])
 
