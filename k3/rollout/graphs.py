@@ -277,11 +277,12 @@ class DecodeGraphs:
         return tokens == 1 and self.accepts_verify(rows)
 
     def accepts_verify(self, rows: list["RunningSeq | None"], tree: bool = False) -> bool:
-        """Rows past position 0 (a verify's always are); token trees when `trees` is on; rows with a LoRA adapter
-        when `adapters` is on and no adapter targets routed experts."""
+        """Rows past position 0 (a verify's always are); token trees when `trees` is on; with a LoRA manager
+        attached only when `adapters` is on (then rows with an adapter when none targets routed experts)."""
+        lora = self.eng.lora
         return ((self.trees or not tree) and any(r is not None for r in rows)
                 and all(r is None or r.pos > 0 for r in rows)
-                and (self._adapter_key(rows) is None or (self.adapters and self.eng.lora.capturable())))
+                and (lora is None or (self.adapters and (self._adapter_key(rows) is None or lora.capturable()))))
 
     def _adapter_key(self, rows: list["RunningSeq | None"]) -> tuple[int, ...] | None:
         """GraphShape.adapters of a forward of `rows`: the adapter set when a row has an adapter, else None."""
