@@ -4,7 +4,9 @@ held-out tasks, batched verify at decode batch 8:
 
 - `direct`: the question's prompt (the SFT base answers without the tool: `<answer> 124 </answer>`);
 - `call`: the prompt plus `<call>` (the tool branch: the model copies the question's expression into the call);
-- `result`: that call, then the tool's `<result> N </result>` (the model copies N into its answer).
+- `result`: that call, then the tool's `<result> N </result>` (the model copies N into its answer);
+- `episodes_t1`: the main job's rollouts (k3.jobs.episodes.run_episodes: whole episodes, temperature 1, groups of
+  4, 16 tasks) with MATCH acceptance (each position drawn as plain decoding draws it), as `k3 rl` speculates.
 
 Methods: prompt lookup (`ngram`), the trained head alone (`lookup=0`), and the head with prompt lookup beside it
 (`SpecConfig.lookup`, the default), as chains of 3 and 2x3 token trees. Every run is checked bitwise against plain
@@ -15,6 +17,7 @@ decoding. Writes benchmarks/results/spec_accept.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
@@ -53,6 +56,13 @@ def main() -> None:
     sp = SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=tuple(env.stop_ids))
     loads = workloads(env, tasks, model, sp)
     refs = {k: Engine(model, prefix_cache=False, decode_batch=8).generate(v, sp) for k, v in loads.items()}
+    from k3.jobs.episodes import run_episodes
+
+    def episodes(eng):
+        rs = run_episodes(eng, env, tasks[:16], 4, temperature=1.0, top_p=1.0, top_k=0,
+                          max_turn_tokens=job.rollout.max_turn_tokens, seed=5)
+        return [(list(r.episode.tokens), list(r.logprobs)) for r in rs]
+    refs["episodes_t1"] = episodes(Engine(model, prefix_cache=True, decode_batch=8))
     methods = {"ngram_chain_3": SpecConfig(draft_len=3, verify="batched")}
     for shape, branching in (("chain_3", 1), ("tree_2x3", 2)):
         for label, lookup in (("head_only", 0), ("head_with_lookup", SpecConfig.lookup)):
@@ -61,20 +71,26 @@ def main() -> None:
     table = {}
     for name, spec in methods.items():
         row = {}
-        for kind, prompts in loads.items():
-            eng = Engine(model, prefix_cache=False, decode_batch=8, speculative=spec)
-            out = eng.generate(prompts, sp)
+        for kind in refs:
+            if kind == "episodes_t1":
+                eng = Engine(model, prefix_cache=True, decode_batch=8,
+                             speculative=dataclasses.replace(spec, acceptance="match"))
+                same = episodes(eng) == refs[kind]
+            else:
+                eng = Engine(model, prefix_cache=False, decode_batch=8, speculative=spec)
+                out = eng.generate(loads[kind], sp)
+                same = all(x.token_ids == y.token_ids and x.logprobs == y.logprobs for x, y in zip(out, refs[kind]))
             st = eng.stats
             row[kind] = {"accept_length": st["spec_emitted_tokens"] / max(st["spec_verifies"], 1),
                          "verifies": st["spec_verifies"], "decode_tokens": st["spec_emitted_tokens"],
-                         "bitwise_equal_to_plain": all(x.token_ids == y.token_ids and x.logprobs == y.logprobs
-                                                       for x, y in zip(out, refs[kind]))}
+                         "bitwise_equal_to_plain": same}
         table[name] = row
         print(f"{name:>34}  " + "  ".join(f"{k} {v['accept_length']:.3f}" for k, v in row.items()), flush=True)
     res.update(model="the job's tiny SFT base (k3.jobs.sft.ensure_base), its cached drafter (ensure_drafter)",
                workload=f"{len(tasks)} held-out calculator tasks, greedy, at most 16 new tokens, stop tokens; "
                         f"decode batch 8, batched verify",
                samples={k: env.tok.decode(refs[k][0].token_ids) for k in loads},
+               episodes_sample=env.tok.decode(refs["episodes_t1"][0][0][-24:]),
                accept_length=table, lookup_default=SpecConfig.lookup)
     print("wrote", write_results(a.out, res))
 
