@@ -176,16 +176,22 @@ class _SGMV(torch.autograd.Function):
         return dx, dy, da, db, None, None
 
 
+def _check_kernel_args(x: torch.Tensor, base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+                       scale: torch.Tensor) -> None:
+    """Shapes, dtypes and layouts the kernels need (not the slots' values: no device-to-host read here)."""
+    check_lora_args(x, a, b, slots, scale, check_values=False)
+    if base.shape != (x.shape[0], b.shape[1]):
+        raise ValueError(f"base: expected [{x.shape[0]}, {b.shape[1]}], got {tuple(base.shape)}")
+    if x.stride(1) != 1 or base.stride(1) != 1:
+        raise ValueError("x, base: the last dimension must be contiguous")
+
+
 def sgmv_lora(x: torch.Tensor, base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
               scale: torch.Tensor) -> torch.Tensor:
     """base + per-token LoRA (see naive.naive_multi_lora): x [N, in], base [N, out], A [S, r, in], B [S, out, r],
     slots [N] (-1 = none), scale [S]; differentiable in x, base, A and B. Tokens of one adapter should be
     contiguous (one segment each); any order is correct."""
-    check_lora_args(x, a, b, slots, scale, check_values=False)   # the values: _segments_of, on the host copy
-    if base.shape != (x.shape[0], b.shape[1]):
-        raise ValueError(f"base: expected [{x.shape[0]}, {b.shape[1]}], got {tuple(base.shape)}")
-    if x.stride(1) != 1 or base.stride(1) != 1:
-        raise ValueError("x, base: the last dimension must be contiguous")
+    _check_kernel_args(x, base, a, b, slots, scale)   # the slots' values: _segments_of, on the host copy
     scale = scale.to(device=x.device, dtype=torch.float32).contiguous()
     return _SGMV.apply(x, base, a.contiguous(), b.contiguous(), slots.to(x.device), scale)
 
@@ -196,11 +202,7 @@ def bgmv_lora(x: torch.Tensor, base: torch.Tensor, a: torch.Tensor, b: torch.Ten
     fixed by the shapes alone (capturable in a CUDA graph whose slots change between replays). Inference only (no
     autograd); the slots are not range-checked (callers build them from their own lookup: k3.lora.LoRAManager's
     captured plan). A row's bits are `sgmv_lora`'s: each row is reduced alone in both."""
-    check_lora_args(x, a, b, slots, scale, check_values=False)
-    if base.shape != (x.shape[0], b.shape[1]):
-        raise ValueError(f"base: expected [{x.shape[0]}, {b.shape[1]}], got {tuple(base.shape)}")
-    if x.stride(1) != 1 or base.stride(1) != 1:
-        raise ValueError("x, base: the last dimension must be contiguous")
+    _check_kernel_args(x, base, a, b, slots, scale)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, base, a, b)):
         raise ValueError("bgmv_lora: inference only (no autograd); training forwards take sgmv_lora")
     N = x.shape[0]

@@ -1,5 +1,5 @@
-"""Shared by the engine tests: token draws, the small engine settings, a branching multi-turn workload and a
-bitwise comparison of completions."""
+"""Shared by the engine tests: token draws, the small engine settings, a branching multi-turn workload, a bitwise
+comparison of completions and a tiny model serving LoRA adapters."""
 import torch
 
 from k3.rollout import Engine, SamplingParams
@@ -51,3 +51,18 @@ def flat_conversations(engine: Engine, conversations: int = 3, turns: int = 3, s
         history = [h + c.token_ids + rand_tokens(5 + i, 200 + 10 * t + i)
                    for i, (h, c) in enumerate(zip(history, comps))]
     return turns_out
+
+
+def lora_served(adapters: dict, device: str = "cpu"):
+    """(the tiny preset seeded 0 on `device`, eval; its LoRAManager with `adapters` {name: LoRAConfig} created with
+    seeds 1, 2, ... in order). The caller closes the manager."""
+    from k3.config import K3Config
+    from k3.lora import LoRAManager
+    from k3.model import K3ForCausalLM
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.preset("tiny")).to(device).eval()
+    lora = LoRAManager(model)
+    for seed, (name, cfg) in enumerate(adapters.items(), start=1):
+        lora.create(name, cfg, seed=seed)
+    return model, lora
+

@@ -5,22 +5,16 @@ requests got whatever adapter was activated, cached under "b")."""
 import pytest
 import torch
 
-from k3.config import K3Config
-from k3.lora import LoRAConfig, LoRAManager
-from k3.model import K3ForCausalLM
+from k3.lora import LoRAConfig
 from k3.rollout import Engine, SamplingParams
 
-from _engine_helpers import SMALL, rand_tokens, same
+from _engine_helpers import SMALL, lora_served, rand_tokens, same
 
 
 @pytest.fixture(scope="module")
 def served():
-    torch.manual_seed(0)
-    model = K3ForCausalLM(K3Config.preset("tiny")).eval()
-    lora = LoRAManager(model)
     cfg = LoRAConfig(rank=4, alpha=8.0, targets=("attn", "mlp", "experts"), init_scale=0.05)
-    lora.create("a", cfg, seed=1)
-    lora.create("b", cfg, seed=2)
+    model, lora = lora_served({"a": cfg, "b": cfg})
     yield model, lora
     lora.close()
 

@@ -6,11 +6,12 @@ replays."""
 import pytest
 import torch
 
+from k3.lora import LoRAConfig
 from k3.rollout import Engine, EngineConfig, SamplingParams
 from k3.rollout.graphs import DecodeGraphs, StaticView, page_bucket
 from k3.rollout.pools import TieredPool
 
-from _engine_helpers import SMALL, TINY_POOLS, rand_tokens, same, workload
+from _engine_helpers import SMALL, TINY_POOLS, lora_served, rand_tokens, same, workload
 
 
 def _static_engine(model, **kw) -> Engine:
@@ -58,17 +59,14 @@ def test_static_verify_is_the_eager_verify(model, spec):
     eng.check()
 
 
+ADAPTER_CONFIGS = {"a": LoRAConfig(rank=4, alpha=8.0, init_scale=0.05),
+                   "b": LoRAConfig(rank=2, alpha=4.0, init_scale=0.05)}
+
+
 @pytest.fixture(scope="module")
 def served():
     """A tiny model with two adapters of different ranks on the default targets (attention and dense MLPs)."""
-    from k3.config import K3Config
-    from k3.lora import LoRAConfig, LoRAManager
-    from k3.model import K3ForCausalLM
-    torch.manual_seed(0)
-    model = K3ForCausalLM(K3Config.preset("tiny")).eval()
-    lora = LoRAManager(model)
-    lora.create("a", LoRAConfig(rank=4, alpha=8.0, init_scale=0.05), seed=1)
-    lora.create("b", LoRAConfig(rank=2, alpha=4.0, init_scale=0.05), seed=2)
+    model, lora = lora_served(ADAPTER_CONFIGS)
     yield model, lora
     lora.close()
 
@@ -269,15 +267,8 @@ def test_gpu_captured_adapters_are_the_eager_engine():
     """On the GPU: multi-LoRA rows through captured graphs (`adapters=True`: the captured plan, BGMV) against
     graphs off, bitwise, at decode batch 1 and 4, greedy and sampled; again after an in-place adapter update (the
     graphs read the adapters at every replay); and speculative chain verifies of adapter rows."""
-    from k3.config import K3Config
-    from k3.lora import LoRAConfig, LoRAManager
-    from k3.model import K3ForCausalLM
     from test_spec_engine import _spec_engine
-    torch.manual_seed(0)
-    model = K3ForCausalLM(K3Config.preset("tiny")).cuda().eval()
-    lora = LoRAManager(model)
-    lora.create("a", LoRAConfig(rank=4, alpha=8.0, init_scale=0.05), seed=1)
-    lora.create("b", LoRAConfig(rank=2, alpha=4.0, init_scale=0.05), seed=2)
+    model, lora = lora_served(ADAPTER_CONFIGS, "cuda")
     for batch in (1, 4):
         cfg = {**SMALL, "decode_batch": batch}
         eager = Engine(model, prefix_cache=True, cuda_graphs=False, **cfg)
