@@ -114,13 +114,13 @@ class Oracle:
         return []
 
 
-def graphed_trees(eng: Engine) -> None:
-    """Token-tree verifies and the drafter's tree levels as CUDA graphs too (`DecodeGraphs.trees`, off in the
-    engine until its GPU test has passed)."""
+def eager_trees(eng: Engine) -> None:
+    """Token-tree verifies and the drafter's tree levels run eagerly (`DecodeGraphs.trees` off): what the graphs
+    buy a tree."""
     if eng.graphs is not None:
-        eng.graphs.trees = True
+        eng.graphs.trees = False
         if hasattr(eng.spec.drafter, "capture_graphs"):
-            eng.spec.drafter.capture_graphs(trees=True)
+            eng.spec.drafter.capture_graphs(trees=False)
 
 
 def _run(model, prompts, sp, spec, batch, oracle_refs=None, repeats=1, drive=None, warmup=0, setup=None) -> dict:
@@ -405,8 +405,7 @@ def gpu_section(repeats: int, budget_s: float, drafter_steps: int = 400, profile
                ("drafter_tree_2x3_batched", tree, False, None),
                ("drafter_exact", SpecConfig(method="drafter", draft_len=3, drafter_path=str(drafter_dir)), False,
                 None),
-               # last: the tree verify and tree drafting captured (not yet the engine's default)
-               ("drafter_tree_2x3_graphed", tree, False, graphed_trees))
+               ("drafter_tree_2x3_eager", tree, False, eager_trees))
     for spec in [None] + [m[1] for m in methods[:-1]]:
         Engine(model, prefix_cache=False, speculative=spec, decode_batch=1).generate([prompts_all[0]], warm)
     rows = []

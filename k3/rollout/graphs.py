@@ -12,8 +12,8 @@ seat computes what the eager engine's dummy row computes (a zero state, its own 
 Speculative decoding (k3.rollout.spec) gets the same: the batched chain verify (`StaticVerifyView`: the step
 inputs into a scratch shared by every verify shape of a seat count, the committed states only read), the commit
 that follows it (one fold over every seat), and the trained drafter's chain steps (`CapturedCall`). Token-tree
-verifies (`StaticTreeView`) are built and bitwise on CPU but captured only with `DecodeGraphs(trees=True)` until
-they have run on the GPU.
+verifies (`StaticTreeView`: parents, ancestor mask, conv-window columns and the KDA kernel's node paths in a static
+buffer) are captured too (`DecodeGraphs(trees=False)` keeps them eager).
 
 Replays are bitwise the eager forward: the same kernels with the same arguments. The attention key length is the
 page-table width (a power-of-two number of pages >= the longest row's), not the eager view's page-rounded longest
@@ -21,8 +21,8 @@ row, which changes nothing a real row computes: the linears give each row its ow
 (k3_kernels.batch_invariant; on CPU row blocks) and the per-query MLA kernel reads exactly each query's keys.
 `tests/rollout/test_graphs.py` checks it (eagerly on CPU, captured on the GPU).
 
-Rows served through LoRA adapters (k3.lora) are captured with `DecodeGraphs(adapters=True)` (off in the engine until
-its capture has run on the GPU; tests turn it on): each token's adapter slot is one more part of the index buffer,
+Rows served through LoRA adapters (k3.lora) are captured as well (`DecodeGraphs(adapters=False)` keeps them eager):
+each token's adapter slot is one more part of the index buffer,
 the forward runs under the manager's captured plan (every added adapter stacked in the forward, so in-place
 adapter updates are read at every replay; the per-token BGMV kernel, whose launches do not depend on the slots),
 and the graphs are dropped when the adapter set changes (`LoRAManager.signature`). Forwards where no row has an
@@ -35,6 +35,7 @@ receivers) keep the graphs valid; replacing parameter tensors does not (call `re
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -87,8 +88,16 @@ def capture_graph(run: Callable, device: torch.device, pool=None):
         run()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = run()
+    # no garbage collection inside the capture: a collected engine's graphs reset on destruction, which a capturing
+    # stream forbids, and the capture is invalidated (seen on the H200 with several engines in one process)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            out = run()
+    finally:
+        if collecting:
+            gc.enable()
     return graph, out
 
 
@@ -197,9 +206,10 @@ class StaticTreeView(TreeOps, StaticVerifyView):
     def __init__(self, eng: "Engine", seats: int, tokens: int, pages: int, scratch):
         super().__init__(eng, seats, tokens, pages, scratch)
         B, T, W1 = seats, tokens, eng.model.config.conv_kernel_size - 1
-        self.tree_index = IndexBuffer(eng.device, [B * T, B * T * T, B * T * W1])
-        parents, anc, cols = self.tree_index.parts
+        self.tree_index = IndexBuffer(eng.device, [B * T, B * T * T, B * T * W1, B * T * T, B * T])
+        parents, anc, cols, paths, depths = self.tree_index.parts
         self.tree_parents, self._anc, self.window_cols = parents.view(B, T), anc.view(B, T, T), cols.view(B, T, W1)
+        self.node_paths = (paths.view(B, T, T), depths.view(B, T))
         self.kda_tree = self
 
     @property
@@ -208,8 +218,7 @@ class StaticTreeView(TreeOps, StaticVerifyView):
 
     def pack_tree(self, parents: list[list[int]]) -> None:
         W1 = self.window_cols.shape[-1]
-        par, anc, cols = tree_tensors(parents, self.tokens, W1)
-        self.tree_index.fill(torch.cat([par.reshape(-1), anc.reshape(-1).long(), cols.reshape(-1)]))
+        self.tree_index.fill(torch.cat([x.reshape(-1).long() for x in tree_tensors(parents, self.tokens, W1)]))
 
     def load(self) -> None:
         super().load()
@@ -255,10 +264,9 @@ class DecodeGraphs:
     (a one-token prefill segment past a chunk boundary is a [1, 1] forward of the decode kind).
     `capture=False` runs the same fixed-shape forwards eagerly (CPU tests of the views; no CUDA graph)."""
 
-    def __init__(self, eng: "Engine", capture: bool = True, trees: bool = False, adapters: bool = False):
-        """`trees`: capture token-tree verifies too (StaticTreeView); `adapters`: rows served through LoRA adapters
-        too (a captured LoRAManager plan). Both are off in the engine until their capture has run on the GPU
-        (tests turn them on)."""
+    def __init__(self, eng: "Engine", capture: bool = True, trees: bool = True, adapters: bool = True):
+        """`trees`: capture token-tree verifies (StaticTreeView) and the drafter's tree levels too; `adapters`: rows
+        served through LoRA adapters too (a captured LoRAManager plan). Off: those run eagerly."""
         if capture and eng.device.type != "cuda":
             raise ValueError(f"DecodeGraphs: capture needs a CUDA engine, this one is on {eng.device}")
         self.eng, self.capture, self.trees, self.adapters = eng, capture, trees, adapters

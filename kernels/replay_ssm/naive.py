@@ -91,6 +91,8 @@ def check_tree_inputs(state: torch.Tensor, q: torch.Tensor | None, k: torch.Tens
         raise ValueError(f"q: expected {tuple(k.shape)} (as k), got {tuple(q.shape)}")
     if tuple(parents.shape) != (B, N) or parents.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"parents: expected int [B={B}, N={N}], got {parents.dtype} {tuple(parents.shape)}")
+    if parents.is_cuda and torch.cuda.is_current_stream_capturing():
+        return   # a captured graph's static buffers: their values are checked where the host packs them
     par = parents.cpu()
     node = torch.arange(N).view(1, N)
     if B and N and (bool((par < -1).any()) or bool((par >= node).any())):
@@ -104,9 +106,10 @@ def check_tree_inputs(state: torch.Tensor, q: torch.Tensor | None, k: torch.Tens
                              f"[{int(a.min())}, {int(a.max())}]")
 
 
-def tree_paths(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def tree_paths(parents: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """parents [B, N] -> (paths [B, N, D] int32: node n's path from the root's child down to n itself, padded with
-    0; depths [B, N] int32: its length). D = the deepest path (>= 1)."""
+    0; depths [B, N] int32: its length). D = `width` (a fixed shape, e.g. N for a captured graph's buffers; at least
+    the deepest path) or the deepest path (>= 1)."""
     par = parents.cpu().tolist()
     B, N = len(par), (len(par[0]) if par else 0)
     rows = []
@@ -119,6 +122,10 @@ def tree_paths(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                 m = par[b][m]
             rows[b].append(path[::-1])
     D = max([len(p) for r in rows for p in r], default=1)
+    if width is not None:
+        if width < D:
+            raise ValueError(f"width: {width} cannot hold the deepest path ({D} nodes)")
+        D = width
     paths = torch.zeros(B, N, D, dtype=torch.int32)
     depths = torch.zeros(B, N, dtype=torch.int32)
     for b in range(B):

@@ -70,20 +70,28 @@ def _tree_verify(state, q, k, v, g, beta, paths, depths, accept, o, out, scale, 
 
 def tree_verify(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                 beta: torch.Tensor, parents: torch.Tensor, accept_node: torch.Tensor | None = None,
-                scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                scale: float | None = None, paths: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same contract as `naive_tree_verify`: state [B, HV, K, V] fp32 (not modified); q, k [N, B, H, K] (q, k
     L2-normed); v [N, B, HV, V]; g [N, B, HV, K] (log-decay); beta [N, B, HV]; parents [B, N] int (-1: the
     committed state; parent < node); accept_node [B] (-1: none) -> (o [N, B, HV, V] in v's dtype, the state after
-    each row's accepted node or None). `scale` defaults to K ** -0.5, as the decode kernel's."""
+    each row's accepted node or None). `scale` defaults to K ** -0.5, as the decode kernel's. `paths`: the
+    tree's `tree_paths(parents, width)` on state's device, computed ahead (a CUDA graph captures the verify with no
+    host work inside it; the caller derives them from the same parents); None: computed here, on the host."""
     check_tree_inputs(state, q, k, v, g, beta, parents, accept_node)
     B, HV, K, V = state.shape
     N, H = k.shape[0], k.shape[2]
     if not (1 <= K <= 256 and 1 <= V <= 256):
         raise ValueError(f"state: head dims must be in [1, 256], got K={K}, V={V}")
-    paths, depths = tree_paths(parents)
-    D = paths.shape[2]
     dev = state.device
-    paths, depths = paths.to(dev).contiguous(), depths.to(dev).contiguous()
+    if paths is None:
+        paths = tree_paths(parents)
+    elif (paths[0].dim() != 3 or tuple(paths[0].shape[:2]) != (B, N) or tuple(paths[1].shape) != (B, N)
+          or paths[0].device != dev or paths[1].device != dev):
+        raise ValueError(f"paths: expected ([B={B}, N={N}, D], [B={B}, N={N}]) on {dev}, got "
+                         f"{[(tuple(x.shape), str(x.device)) for x in paths]}")
+    paths, depths = (x.to(dev).contiguous() for x in paths)
+    D = paths.shape[2]
     state, q, k, v, g, beta = (x.contiguous() for x in (state, q, k, v, g, beta))
     o = torch.empty_like(v)
     out = torch.empty_like(state) if accept_node is not None else None

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from k3_kernels.kda import fused_recurrent_kda, l2norm, naive_recurrent_kda
-from k3_kernels.replay_ssm import naive_tree_verify, path_inputs, replay_commit, tree_verify
+from k3_kernels.replay_ssm import naive_tree_verify, path_inputs, replay_commit, tree_paths, tree_verify
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -66,6 +66,24 @@ def test_tree_kernel_matches_reference_and_decode_kernel(dtype):
     chain = [path_inputs(x, parents, accept) for x in (k, v, g, beta)]
     folded = replay_commit(S0, *(c[0] for c in chain), chain[0][1])
     assert torch.equal(folded, S)
+
+
+def test_precomputed_paths_are_the_kernel_paths():
+    """A captured graph cannot run host work: the engine packs `tree_paths(parents, width=N)` with the tree's other
+    indices and passes them in. Padded to a wider fixed width they give the same bits as the paths computed inside."""
+    B, N = len(PARENTS), len(PARENTS[0])
+    S0, q, k, v, g, beta = _inputs(B, N, H=2, HV=2, K=16, V=16, dtype=torch.float32)
+    parents = torch.tensor(PARENTS, device=DEV)
+    accept = torch.tensor([3, 5, -1, 5], device=DEV)
+    o, S = tree_verify(S0, q, k, v, g, beta, parents, accept)
+    paths = tuple(x.to(DEV).long() for x in tree_paths(parents, width=N + 2))
+    assert paths[0].shape == (B, N, N + 2) and tree_paths(parents)[0].shape == (B, N, N)   # deepest: row 1's chain
+    o2, S2 = tree_verify(S0, q, k, v, g, beta, parents, accept, paths=paths)
+    assert torch.equal(o, o2) and torch.equal(S, S2)
+    with pytest.raises(ValueError, match="paths: expected"):
+        tree_verify(S0, q, k, v, g, beta, parents, accept, paths=(paths[0][:, :2], paths[1]))
+    with pytest.raises(ValueError, match="width: 5 cannot hold"):
+        tree_paths(parents, width=5)
 
 
 def test_reference_is_plain_decoding_along_each_path():

@@ -49,7 +49,7 @@ class SpecDecoder:
             from k3.rollout.spec.drafter import load_drafter
             self.drafter = load_drafter(cfg.drafter_path, eng.model)
             if eng.graphs is not None:   # the chain's draft steps as CUDA graphs too
-                self.drafter.capture_graphs(trees=eng.graphs.trees)   # trees: once GPU-tested (graphs.py)
+                self.drafter.capture_graphs(trees=eng.graphs.trees)
         self.features: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # seq -> its latest features
         # request -> its prompt's last-position features (what a row's first decode step of a turn drafts from)
         self.prompt_features: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from k3_kernels.replay_ssm.naive import tree_paths
 from k3.rollout.sampler import NextLogits, next_logits
 from k3.rollout.spec.scratch import ReplayScratch
 from k3.rollout.view import PoolView
@@ -56,12 +57,17 @@ class SpecView(PoolView):
         self.scratch.store(self.eng.kda_index[layer], self.rec_rows, self.t0, conv_in[s], f[s], b[s])
 
 
-def tree_tensors(parents: list[list[int]], T: int, W1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def tree_tensors(parents: list[list[int]], T: int, W1: int) -> tuple[torch.Tensor, ...]:
     """A batched tree verify's layout from each seat's parent positions `parents[b]` (T each; -1: the committed
     state) -> (parents [B, T] int64, ancestors [B, T, T] bool: position i sees j iff j is i or an ancestor,
     window columns [B, T, W1] int64: the short-conv window of position i as columns of [committed window | the
-    call's inputs] -- the committed window, then its ancestors' inputs, the last W1)."""
+    call's inputs] -- the committed window, then its ancestors' inputs, the last W1; the KDA tree kernel's paths
+    [B, T, T] and depths [B, T] (k3_kernels.replay_ssm.tree_paths at width T))."""
     B = len(parents)
+    for b, par in enumerate(parents):
+        if len(par) != T or any(not -1 <= p < i for i, p in enumerate(par)):
+            raise ValueError(f"parents[{b}]: expected {T} positions, each -1 (the committed state) or an earlier "
+                             f"position, got {list(par)}")
     anc = torch.zeros(B, T, T, dtype=torch.bool)
     cols = torch.zeros(B, T, W1, dtype=torch.long)
     for b, par in enumerate(parents):
@@ -73,7 +79,8 @@ def tree_tensors(parents: list[list[int]], T: int, W1: int) -> tuple[torch.Tenso
                 j = par[j]
             c = list(range(W1)) + [W1 + a for a in reversed(path[1:])]   # committed window, then ancestors
             cols[b, i] = torch.tensor(c[len(c) - W1:], dtype=torch.long)
-    return torch.tensor(parents, dtype=torch.long), anc, cols
+    par = torch.tensor(parents, dtype=torch.long).view(B, T)
+    return (par, anc, cols) + tree_paths(par, width=max(T, 1))
 
 
 class TreeOps:
@@ -112,7 +119,8 @@ class TreeOps:
         parents = self.tree_parents.to(q.device)
         if q.is_cuda:
             from k3_kernels.replay_ssm.tree import tree_verify
-            o, _ = tree_verify(h0.float(), *node_major, parents)
+            paths = tuple(x.to(q.device) for x in self.node_paths)
+            o, _ = tree_verify(h0.float(), *node_major, parents, paths=paths)
         else:
             from k3_kernels.replay_ssm.naive import naive_tree_verify
             o, _ = naive_tree_verify(h0.float(), *node_major, parents)
@@ -131,7 +139,7 @@ class TreeSpecView(TreeOps, SpecView):
                  row_of_seat: list[int | None], parents: list[list[int]]):
         super().__init__(eng, rows, T, 0, scratch, row_of_seat, {})
         W1 = eng.model.config.conv_kernel_size - 1
-        self.tree_parents, self.anc, self.window_cols = tree_tensors(parents, T, W1)
+        self.tree_parents, self.anc, self.window_cols, *self.node_paths = tree_tensors(parents, T, W1)
         self.kda_tree = self
 
 
