@@ -123,17 +123,20 @@ def eager_trees(eng: Engine) -> None:
             eng.spec.drafter.capture_graphs(trees=False)
 
 
-def _run(model, prompts, sp, spec, batch, oracle_refs=None, repeats=1, drive=None, warmup=0, setup=None) -> dict:
+def _run(model, prompts, sp, spec, batch, oracle_refs=None, repeats=1, drive=None, warmup=0, setup=None,
+         step_tokens: int | None = None) -> dict:
     """`drive(engine) -> completions` (default: one generate of `prompts` with `sp`); `setup(engine)` after an
-    engine is made. The first `warmup` runs are
+    engine is made; `step_tokens`: the engine's max_step_tokens (None: its default). The first `warmup` runs are
     not timed (on the GPU a batch size's first run compiles its kernels and captures its CUDA graphs). Without
     `drive` (no prefix cache) every run goes through one engine, as a serving engine lives on: its captured
     graphs are replayed by the timed runs; `drive` runs (prefix cache on) get a fresh engine each."""
     times, out, stats, eng = [], None, None, None
     for i in range(warmup + repeats):
         if eng is None or drive is not None:
+            steps = {} if step_tokens is None else {"max_step_tokens": step_tokens}
             eng = Engine(model, prefix_cache=drive is not None, speculative=spec, decode_batch=batch,
-                         max_running=max(32, batch), device_states=max(256, 2 * batch + 2), device_pages=8192)
+                         max_running=max(32, batch), device_states=max(256, 2 * batch + 2), device_pages=8192,
+                         **steps)
             timer = _DecodeTimer(eng)
             if setup is not None:
                 setup(eng)
@@ -370,10 +373,14 @@ def gpu_drafter(model, out_dir: Path, tasks: int, steps: int, sp: SamplingParams
 
 def gpu_section(repeats: int, budget_s: float, drafter_steps: int = 400, profile: bool = False,
                 target: str = "random", sft_steps: int = 300, sft_lr: float = 1e-4, sft_budget: float = 150.0,
-                sink=None, batches: tuple[int, ...] = (1, 8, 32), drafter_tasks: int = 1024) -> dict:
+                sink=None, batches: tuple[int, ...] = (1, 8, 32), drafter_tasks: int = 1024,
+                step_tokens: int | None = None, only: tuple[str, ...] | None = None) -> dict:
     """`target`: "random" (random weights; greedy, 32 new tokens, no stop) or "sft" (trained on the calculator
     demonstrations here, `sft_k3_width_model`; greedy, stopping at the task's stop tokens, at most 32 new tokens,
-    as the CPU section's workload). `sink(partial)` gets the section after each batch row."""
+    as the CPU section's workload). `sink(partial)` gets the section after each batch row. `step_tokens`: the
+    engines' max_step_tokens, for plain and speculative alike (large: every prompt prefilled before the decode
+    steps, so a decode step holds min(batch, live rows) rows; the default 256 interleaves one prompt's chunks a
+    step with decoding, and short answers leave batch-8 steps half empty). `only`: these methods (names)."""
     import tempfile
     import triton.testing
     from k3.envs import CalculatorEnv
@@ -406,22 +413,28 @@ def gpu_section(repeats: int, budget_s: float, drafter_steps: int = 400, profile
                ("drafter_exact", SpecConfig(method="drafter", draft_len=3, drafter_path=str(drafter_dir)), False,
                 None),
                ("drafter_tree_2x3_eager", tree, False, eager_trees))
-    for spec in [None] + [m[1] for m in methods[:-1]]:
+    if only:
+        unknown = set(only) - {m[0] for m in methods}
+        if unknown:
+            raise ValueError(f"--only: unknown methods {sorted(unknown)}; have {[m[0] for m in methods]}")
+        methods = tuple(m for m in methods if m[0] in only)
+    for spec in [None] + [m[1] for m in methods]:
         Engine(model, prefix_cache=False, speculative=spec, decode_batch=1).generate([prompts_all[0]], warm)
     rows = []
-    section = {"device": torch.cuda.get_device_name(), "target": target, "sft": sft_fig, "throughput": rows}
+    section = {"device": torch.cuda.get_device_name(), "target": target, "sft": sft_fig, "throughput": rows,
+               "max_step_tokens": step_tokens}
     for batch in batches:
         if time.perf_counter() - t_start > budget_s:
             rows.append({"batch": batch, "skipped": f"time budget {budget_s} s reached"})
             continue
         prompts = prompts_all[:max(batch, 16)]   # batch 1 and 8: sixteen prompts (8 gave 51 decode tokens)
-        plain, ref = _run(model, prompts, sp, None, batch, repeats=repeats, warmup=1)
+        plain, ref = _run(model, prompts, sp, None, batch, repeats=repeats, warmup=1, step_tokens=step_tokens)
         refs = [p + c.token_ids for p, c in zip(prompts, ref)]
         row = {"batch": batch, "plain": plain}
         for name, spec, oracle, setup in methods:
             try:
                 r, out = _run(model, prompts, sp, spec, batch, oracle_refs=refs if oracle else None,
-                              repeats=repeats, warmup=1, setup=setup)
+                              repeats=repeats, warmup=1, setup=setup, step_tokens=step_tokens)
             except Exception as e:   # recorded, so one broken method does not lose the other rows of a device call
                 row[name] = {"error": f"{type(e).__name__}: {e}"}
                 print("error", name, row[name]["error"], flush=True)
@@ -497,6 +510,9 @@ def main() -> None:
     ap.add_argument("--sft-budget", type=float, default=150.0, help="GPU SFT seconds at most")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--out", default=str(RESULTS / "spec_decode.json"))
+    ap.add_argument("--step-tokens", type=int, default=None,
+                    help="GPU: the engines' max_step_tokens (e.g. 4096: every prompt prefilled before decoding)")
+    ap.add_argument("--only", default=None, help="GPU: comma-separated method names (default: all)")
     ap.add_argument("--merge", default=None, help="keep this results file's sections that this run does not measure")
     a = ap.parse_args()
     device = "cuda" if a.gpu else "cpu"
@@ -514,7 +530,7 @@ def main() -> None:
             write_results(a.out, {**res, "gpu": {**partial, "partial": True}})
         res["gpu"] = gpu_section(a.repeats, a.gpu_budget, a.drafter_steps, a.profile, a.target, a.sft_steps,
                                  a.sft_lr, a.sft_budget, sink, tuple(int(b) for b in a.batches.split(",")),
-                                 a.drafter_tasks)
+                                 a.drafter_tasks, a.step_tokens, tuple(a.only.split(",")) if a.only else None)
     print(json.dumps(res["memory_table_k3_dims_per_sequence_per_kda_layer"], indent=1))
     print("wrote", write_results(a.out, res))
 
