@@ -7,6 +7,11 @@ benchmarks/results/batch_invariant.json (or $OUT/batch_invariant.json when OUT i
 
     python -m benchmarks.batch_invariant            # on the H200
     python -m benchmarks.batch_invariant --sweep    # also every candidate tile configuration (`SWEEP`, `SWEEP_SPLIT`)
+    python -m benchmarks.batch_invariant --sweep --cudagraph   # device time: each call replayed in a CUDA graph
+
+`--cudagraph` times with `triton.testing.do_bench_cudagraph`, as the engine's captured decode runs them: plain
+`do_bench` times a few-microsecond GEMM together with its host launch cost (the split-K sweep at c2f5366 measured
+one configuration at 60 us for 1 row and 14 us for 32 rows: launch-bound, not the kernel).
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 from benchmarks._results import run_header, write_results
 from k3_kernels.batch_invariant import MatmulConfig, batch_invariant_linear, config_for
@@ -55,10 +60,14 @@ def main() -> None:
         sys.exit("benchmarks.batch_invariant: needs CUDA (the CPU interpreter has no meaningful times)")
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--cudagraph", action="store_true", help="time each call replayed in a CUDA graph")
     a = ap.parse_args()
+    bench = ((lambda fn: do_bench_cudagraph(fn, return_mode="median")) if a.cudagraph
+             else (lambda fn: do_bench(fn, return_mode="median")))
     torch.manual_seed(0)
     res = run_header("batch_invariant", "cuda", ("triton",))
     res["gpu"] = torch.cuda.get_device_name()
+    res["timing"] = "do_bench_cudagraph" if a.cudagraph else "do_bench"
     res["config"] = {name: vars(config_for(torch.device("cuda"), torch.bfloat16, N, K)) for name, N, K in PROJECTIONS}
     rate = _copy_rate()
     res["copy_TBps"] = rate / 1e12
@@ -67,16 +76,16 @@ def main() -> None:
         w = (torch.randn(N, K, device="cuda") / K ** 0.5).to(torch.bfloat16)
         for M in ROWS:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            cublas = do_bench(lambda: F.linear(x, w), return_mode="median")
-            ours = do_bench(lambda: batch_invariant_linear(x, w), return_mode="median")
+            cublas = bench(lambda: F.linear(x, w))
+            ours = bench(lambda: batch_invariant_linear(x, w))
             floor_ms = 2 * (N * K + M * K + M * N) / rate * 1e3
             row = {"projection": name, "N": N, "K": K, "rows": M, "cublas_ms": cublas, "ours_ms": ours,
                    "ours_vs_cublas": cublas / ours, "floor_ms": floor_ms,
                    "cublas_invariant": _invariant(F.linear, x, w),
                    "ours_invariant": _invariant(batch_invariant_linear, x, w)}
             if a.sweep:
-                row["sweep_ms"] = {str(c): do_bench(lambda: batch_invariant_linear(x, w, config=MatmulConfig(*c)),
-                                                    return_mode="median") for c in SWEEP + SWEEP_SPLIT}
+                row["sweep_ms"] = {str(c): bench(lambda: batch_invariant_linear(x, w, config=MatmulConfig(*c)))
+                                   for c in SWEEP + SWEEP_SPLIT}
                 row["sweep_split_invariant"] = {
                     str(c): _invariant(lambda a, b: batch_invariant_linear(a, b, config=MatmulConfig(*c)), x, w)
                     for c in SWEEP_SPLIT}

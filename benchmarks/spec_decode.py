@@ -455,10 +455,11 @@ def gpu_section(repeats: int, budget_s: float, drafter_steps: int = 400, profile
         if profile and batch == 8:   # where a plain and a speculative step's host time goes (stdout only)
             import cProfile
             import pstats
-            for spec in (None, methods[2][1]):   # drafter_batched
+            drafter = {m[0]: m[1] for m in methods}.get("drafter_batched")
+            for spec in (None,) + ((drafter,) if drafter is not None else ()):
                 prof = cProfile.Profile()
                 prof.enable()
-                _run(model, prompts, sp, spec, batch)
+                _run(model, prompts, sp, spec, batch, step_tokens=step_tokens)
                 prof.disable()
                 print("profile", "plain" if spec is None else "drafter_batched", flush=True)
                 pstats.Stats(prof).sort_stats("tottime").print_stats(30)

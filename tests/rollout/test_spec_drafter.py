@@ -7,7 +7,7 @@ import torch
 from k3.rollout import Engine, SamplingParams
 from k3.rollout.spec import SpecConfig
 from k3.rollout.spec.drafter import load_drafter, save_drafter
-from k3.rollout.spec.ngram import NgramDrafter
+from k3.rollout.spec.ngram import NgramDrafter, SuffixIndex
 from k3.rollout.spec.train_drafter import DrafterTrainConfig, target_features, train_head
 
 from _engine_helpers import SMALL, rand_tokens, same
@@ -89,6 +89,27 @@ def test_tree_proposals_fit_the_shape(model, trained):
     # the continuations of "1 2" (most recent first: 5 6 1, 4 1 2, 3 1 2), two children per node
     assert t.fits(2, 3) and [t.tokens[c] for c in t.children(-1)] == [5, 4]
     assert ngram.propose_tree(ctx, 1, 3, 14).tokens == tuple(ngram.propose(ctx, 3))
+
+
+@pytest.mark.parametrize("ngram_max, ngram_min", [(4, 1), (3, 2), (1, 1)])
+def test_suffix_index_is_the_scan(ngram_max, ngram_min):
+    """The engine keeps each row's n-gram index and extends it by the step's new tokens (prompt lookup and the
+    n-gram drafter: O(new tokens) a step, not a scan of the whole context): after every extension, whatever its
+    size, its match and tree paths are NgramDrafter's scans of the same sequence (the spec)."""
+    g = torch.Generator().manual_seed(0)
+    scan = NgramDrafter(ngram_max, ngram_min)
+    for vocab in (3, 8):   # small vocabularies: many repeats, ties between suffix lengths
+        seq = torch.randint(0, vocab, (300,), generator=g).tolist()
+        index, L = SuffixIndex(ngram_max, ngram_min), 0
+        while L < len(seq):
+            L = min(len(seq), L + int(torch.randint(1, 6, (1,), generator=g)))
+            index.extend(seq[len(index.tokens):L])
+            assert index.tokens == seq[:L]
+            for k in (0, 1, 3):
+                assert index.match(k) == scan.match(seq[:L], k), (L, k)
+            assert index.paths(3) == scan.paths(seq[:L], 3), L
+    with pytest.raises(ValueError, match="ngram_min"):
+        SuffixIndex(2, 3)
 
 
 def test_drafter_path_errors_are_named(model, tmp_path):
@@ -203,21 +224,28 @@ def test_prompt_lookup_beside_the_head(model, trained):
     """`SpecConfig.lookup`: a suffix found earlier in the row drafts its continuation (copies the head cannot
     make): trusted from `lookup` tokens, from one token only when it agrees with the head's first choice; trees
     merge both sources' paths. The engine stays bitwise plain decoding with it."""
-    from types import SimpleNamespace
-
     from k3.rollout.spec.tree import DraftTree
     from k3.rollout.types import make_key
+
+    class Row:   # a running row's keys (the decoder indexes each row's sequence, keyed weakly by the row)
+        def __init__(self, tokens):
+            self.key = [make_key(t, 1, 2) for t in tokens]
+
     prompts, sp, ref, path, _ = trained
     eng = Engine(model, prefix_cache=False, speculative=SpecConfig(method="drafter", drafter_path=str(path)),
                  **SMALL)
     spec = eng.spec
-    row = SimpleNamespace(key=[make_key(t, 1, 2) for t in [5, 6, 7, 8, 9, 5, 6]])   # "5 6" occurred: "7 8 9"
+    row = Row([5, 6, 7, 8, 9, 5, 6])   # "5 6" occurred: "7 8 9"
     head = DraftTree.chain([11, 12, 13])
     assert spec._with_lookup(row, head, 3).tokens == (7, 8, 9)                       # a 2-token suffix: trusted
-    one = SimpleNamespace(key=[make_key(t, 1, 2) for t in [5, 6, 7, 8, 9, 4, 6]])  # only "6" occurred
+    grows = Row([5, 6, 7, 8, 9, 5, 6])
+    assert spec._with_lookup(grows, head, 3).tokens == (7, 8, 9)
+    grows.key += [make_key(t, 1, 2) for t in (7, 8)]   # the row's index grows with it: "5 6 7 8" -> "9 5 6"
+    assert spec._with_lookup(grows, head, 3).tokens == (9, 5, 6)
+    one = Row([5, 6, 7, 8, 9, 4, 6])  # only "6" occurred
     assert spec._with_lookup(one, head, 3).tokens == (11, 12, 13)                    # disagrees: the head's
     assert spec._with_lookup(one, DraftTree.chain([7, 12, 13]), 3).tokens == (7, 8, 9)   # agrees: the copy
-    assert spec._with_lookup(SimpleNamespace(key=[make_key(t, 1, 2) for t in [1, 2, 3]]), head, 3) is head
+    assert spec._with_lookup(Row([1, 2, 3]), head, 3) is head
     tree_eng = Engine(model, prefix_cache=False, **SMALL, speculative=SpecConfig(
         method="drafter", drafter_path=str(path), branching=2))
     head_tree = DraftTree((11, 14, 12, 13), (-1, -1, 0, 2))                  # paths 11 12 13 and 14

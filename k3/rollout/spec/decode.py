@@ -22,7 +22,7 @@ from k3.model import ops
 from k3.rollout.sampler import next_logits
 from k3.rollout.spec.accept import Emitted, accept_at_node
 from k3.rollout.spec.config import Acceptance, SpecConfig, SpecMethod, VerifyMode
-from k3.rollout.spec.ngram import NgramDrafter
+from k3.rollout.spec.ngram import NgramDrafter, SuffixIndex
 from k3.rollout.spec.scratch import ReplayScratch
 from k3.rollout.spec.tree import DraftTree, build_tree
 from k3.rollout.spec.verify import keep_path, verify_batched, verify_walk
@@ -42,7 +42,7 @@ class SpecDecoder:
         cfg.validate()
         self.eng, self.cfg = eng, cfg
         # method=drafter with `lookup`: prompt lookup beside the head (`_with_lookup`), suffixes of one token and up
-        self.lookup = NgramDrafter(cfg.ngram_max, 1) if cfg.lookup and cfg.method is SpecMethod.DRAFTER else None
+        self.lookup = bool(cfg.lookup) and cfg.method is SpecMethod.DRAFTER
         if cfg.method is SpecMethod.NGRAM:
             self.drafter = NgramDrafter(cfg.ngram_max, cfg.ngram_min)
         else:
@@ -51,6 +51,8 @@ class SpecDecoder:
             if eng.graphs is not None:   # the chain's draft steps as CUDA graphs too
                 self.drafter.capture_graphs(trees=eng.graphs.trees)
         self.features: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # seq -> its latest features
+        # seq -> its sequence's n-gram index (prompt lookup and the n-gram drafter), extended step by step
+        self.contexts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # request -> its prompt's last-position features (what a row's first decode step of a turn drafts from)
         self.prompt_features: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         for k in SPEC_STATS:
@@ -107,6 +109,10 @@ class SpecDecoder:
                 tree = DraftTree.chain(self.drafter.propose_tokens(feat, key_token(s.key[s.pos]), k))
             else:
                 tree = self.drafter.propose_tree(feat, key_token(s.key[s.pos]), cfg.branching, k, nodes)
+        elif isinstance(self.drafter, NgramDrafter):
+            index = self._context(s)
+            tree = (DraftTree.chain(index.match(k)[0]) if cfg.branching == 1
+                    else build_tree(index.paths(k), cfg.branching, k, nodes))
         else:
             context = [key_token(x) for x in s.key]
             if cfg.branching == 1 or not hasattr(self.drafter, "propose_tree"):   # chains; chain-only drafters
@@ -137,7 +143,7 @@ class SpecDecoder:
                 drafted = batched(stacked, last, cfg.branching, [limits[r] for r in rows], cfg.tree_nodes)
             for r, tree in zip(rows, drafted):
                 trees[r] = self._checked(tree, limits[r])
-        if self.lookup is not None:
+        if self.lookup:
             trees = [self._checked(self._with_lookup(s, t, k), k) if k else t for s, t, k in zip(group, trees, limits)]
         return trees
 
@@ -147,20 +153,31 @@ class SpecDecoder:
         a shorter one only when its first token is the head's first choice. Chains take one of the two; trees
         merge the paths (the preferred source's first, then the other's; at most `branching` children a node)."""
         cfg = self.cfg
-        context = [key_token(x) for x in s.key]
-        tokens, n = self.lookup.match(context, k)
+        index = self._context(s)
+        tokens, n = index.match(k)
         if n == 0:
             return head
         head_first = [head.tokens[c] for c in head.children(-1)][:1]
         trusted = n >= cfg.lookup or tokens[:1] == head_first or not len(head)
         if cfg.branching == 1:
             return DraftTree.chain(tokens) if trusted else head
-        found = self.lookup.propose_tree(context, cfg.branching, k, cfg.tree_nodes)
+        found = build_tree(index.paths(k), cfg.branching, k, cfg.tree_nodes)
         ordered = sorted(range(len(head)), key=lambda i: (-len(head.path(i)), i))   # deepest first, BFS order
         head_paths = [[head.tokens[j] for j in head.path(i)] for i in ordered if not head.children(i)]
         lookup_paths = [[found.tokens[j] for j in found.path(i)] for i in range(len(found)) if not found.children(i)]
         paths = lookup_paths + head_paths if trusted else head_paths[:1] + lookup_paths + head_paths[1:]
         return build_tree(paths, cfg.branching, k, cfg.tree_nodes)
+
+    def _context(self, s: "RunningSeq") -> SuffixIndex:
+        """Row `s`'s sequence (its pending token included) as an n-gram index, extended by the tokens appended
+        since its last step (a row's keys only grow)."""
+        index = self.contexts.get(s)
+        if index is None or len(index.tokens) > len(s.key):
+            cfg = self.cfg
+            index = self.contexts[s] = SuffixIndex(cfg.ngram_max, 1 if self.lookup else cfg.ngram_min)
+        if len(s.key) > len(index.tokens):
+            index.extend([key_token(x) for x in s.key[len(index.tokens):]])
+        return index
 
     def _checked(self, tree: DraftTree, k: int) -> DraftTree:
         """The drafter's tree, refused (ValueError naming the drafter) outside the configured shape or with a token

@@ -38,6 +38,11 @@ class NgramDrafter:
         `branching` children per node. With branching 1 it is `propose`'s chain."""
         if branching == 1:
             return DraftTree.chain(self.propose(context, min(depth, max_nodes)))
+        return build_tree(self.paths(context, depth), branching, depth, max_nodes)
+
+    def paths(self, context: list[int], depth: int) -> list[list[int]]:
+        """propose_tree's paths, before they are merged into a trie: the continuations (up to `depth` tokens) of
+        every earlier occurrence of each suffix, longer suffixes first, most recent first."""
         L = len(context)
         paths = []
         for n in range(min(self.ngram_max, L - 1), self.ngram_min - 1, -1):
@@ -45,4 +50,50 @@ class NgramDrafter:
             for start in range(L - n - 1, -1, -1):
                 if context[start:start + n] == suffix and start + n < L:
                     paths.append(context[start + n:start + n + depth])
-        return build_tree(paths, branching, depth, max_nodes)
+        return paths
+
+
+class SuffixIndex:
+    """NgramDrafter's scans as look-ups over one growing sequence (a running row's context): every n-gram of
+    ngram_min..ngram_max tokens -> the positions just past its occurrences, ascending. `extend` indexes only the
+    tokens appended since the last call, so a decode step costs O(new tokens x ngram_max) instead of NgramDrafter's
+    O(context) scan; `match` and `paths` return exactly what NgramDrafter.match / propose_tree's paths return for
+    the same sequence (tests/rollout/test_spec_drafter.py checks them against the scans)."""
+
+    def __init__(self, ngram_max: int = 4, ngram_min: int = 1):
+        NgramDrafter(ngram_max, ngram_min)   # the same argument checks
+        self.ngram_max, self.ngram_min = ngram_max, ngram_min
+        self.tokens: list[int] = []
+        # n-gram -> ends e (tokens[e - n:e] is the n-gram), every e <= len(tokens) - 1: an occurrence with a
+        # continuation (the suffix itself, ending at len(tokens), is indexed once a token follows it)
+        self._ends: dict[tuple[int, ...], list[int]] = {}
+
+    def extend(self, new: list[int]) -> None:
+        """Append `new` tokens to the sequence."""
+        old = len(self.tokens)
+        self.tokens.extend(new)
+        toks, L = self.tokens, len(self.tokens)
+        for e in range(max(old, 1), L):   # ends that now have a continuation: old .. L - 1
+            for n in range(self.ngram_min, min(self.ngram_max, e) + 1):
+                self._ends.setdefault(tuple(toks[e - n:e]), []).append(e)
+
+    def _suffixes(self):
+        """(n, ends of the earlier occurrences of the length-n suffix), longest suffix first."""
+        toks, L = self.tokens, len(self.tokens)
+        for n in range(min(self.ngram_max, L - 1), self.ngram_min - 1, -1):
+            yield n, self._ends.get(tuple(toks[L - n:]), ())
+
+    def match(self, k: int) -> tuple[list[int], int]:
+        """NgramDrafter.match of the sequence: up to k tokens after the most recent earlier occurrence of the
+        longest suffix found, and that suffix's length (0: none)."""
+        if k <= 0:
+            return [], 0
+        for n, ends in self._suffixes():
+            if ends:
+                return self.tokens[ends[-1]:ends[-1] + k], n
+        return [], 0
+
+    def paths(self, depth: int) -> list[list[int]]:
+        """NgramDrafter.propose_tree's paths: the continuations (up to `depth` tokens) of every earlier occurrence
+        of each suffix, longer suffixes first, most recent first."""
+        return [self.tokens[e:e + depth] for _, ends in self._suffixes() for e in reversed(ends)]
