@@ -258,7 +258,15 @@ def test_prompt_lookup_beside_the_head(model, trained):
         want = Engine(model, prefix_cache=False, **SMALL).generate(looped, sp)
         got = Engine(model, prefix_cache=True, speculative=cfg, **SMALL)
         got.check_each_step = True
+        head_rows, chains = [], got.spec.drafter.propose_chains
+
+        def counted(feats, last, limits):   # chains: rows that copy a >= 2-token suffix skip the head
+            head_rows.append(len(last))
+            return chains(feats, last, limits)
+        got.spec.drafter.propose_chains = counted
         assert same(got.generate(looped, sp), want)
+        if branching == 1:
+            assert 0 < sum(head_rows) < got.stats["spec_verifies"], (head_rows, got.stats["spec_verifies"])
     with pytest.raises(ValueError, match="lookup"):
         SpecConfig(method="drafter", lookup=9).validate()
 

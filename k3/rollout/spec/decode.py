@@ -130,9 +130,18 @@ class SpecDecoder:
         if batched is None:
             return [self._propose(s, k) if spec else DraftTree() for s, k, spec in zip(group, limits, speculating)]
         trees = [DraftTree() for _ in group]
-        feats = [self.features.get(s) if k else None for s, k in zip(group, limits)]
-        feats = [f if f is not None or not k else self.prompt_features.get(s.req)
-                 for s, f, k in zip(group, feats, limits)]
+        # chains: a row whose sequence repeats a suffix of >= `lookup` tokens drafts its continuation whatever the
+        # head says (`_with_lookup`), so the head runs only for the other rows (none: no head pass at all)
+        copied: dict[int, list[int]] = {}
+        if self.lookup and cfg.branching == 1:
+            for r, (s, k) in enumerate(zip(group, limits)):
+                tokens, n = self._context(s).match(k) if k else ([], 0)
+                if n >= cfg.lookup:
+                    copied[r] = tokens
+        feats = [self.features.get(s) if k and r not in copied else None
+                 for r, (s, k) in enumerate(zip(group, limits))]
+        feats = [f if f is not None or not k or r in copied else self.prompt_features.get(s.req)
+                 for r, (s, f, k) in enumerate(zip(group, feats, limits))]
         rows = [r for r, f in enumerate(feats) if f is not None]
         if rows:
             stacked = torch.stack([feats[r].reshape(-1) for r in rows])
@@ -144,7 +153,8 @@ class SpecDecoder:
             for r, tree in zip(rows, drafted):
                 trees[r] = self._checked(tree, limits[r])
         if self.lookup:
-            trees = [self._checked(self._with_lookup(s, t, k), k) if k else t for s, t, k in zip(group, trees, limits)]
+            trees = [self._checked(DraftTree.chain(copied[r]) if r in copied else self._with_lookup(s, t, k), k)
+                     if k else t for r, (s, t, k) in enumerate(zip(group, trees, limits))]
         return trees
 
     def _with_lookup(self, s: "RunningSeq", head: DraftTree, k: int) -> DraftTree:
