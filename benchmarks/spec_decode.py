@@ -160,6 +160,18 @@ def _run(model, prompts, sp, spec, batch, oracle_refs=None, repeats=1, drive=Non
     return row, out
 
 
+def episodes_driver(env, tasks, max_turn_tokens: int):
+    """`drive(engine) -> completions` of the main job's rollouts: `run_episodes` of `tasks`, groups of 4 at
+    temperature 1 (seed 5), each episode as a completion (token_ids, logprobs) to compare with plain decoding's."""
+    from k3.jobs.episodes import run_episodes
+
+    def drive(eng):
+        rs = run_episodes(eng, env, tasks, 4, temperature=1.0, top_p=1.0, top_k=0, max_turn_tokens=max_turn_tokens,
+                          seed=5)
+        return [types.SimpleNamespace(token_ids=list(r.episode.tokens), logprobs=list(r.logprobs)) for r in rs]
+    return drive
+
+
 def _same(a, b) -> bool:
     return all(x.token_ids == y.token_ids and x.logprobs == y.logprobs for x, y in zip(a, b))
 
@@ -189,17 +201,9 @@ def cpu_section(repeats: int) -> dict:
                                              drafter_path=str(drafter_dir)),
                "drafter_tree_2x3_batched": SpecConfig(method="drafter", draft_len=3, branching=2, verify="batched",
                                                       drafter_path=str(drafter_dir))}
-    from k3.jobs.episodes import run_episodes
-
-    def episodes(n_tasks):
-        def drive(eng):
-            rs = run_episodes(eng, env, tasks[:n_tasks], 4, temperature=1.0, top_p=1.0, top_k=0,
-                              max_turn_tokens=job.rollout.max_turn_tokens, seed=5)
-            return [types.SimpleNamespace(token_ids=list(r.episode.tokens), logprobs=list(r.logprobs)) for r in rs]
-        return drive
     job_rows = []
     for batch in (8, 32):
-        drive = episodes(max(2, batch // 4))
+        drive = episodes_driver(env, tasks[:max(2, batch // 4)], job.rollout.max_turn_tokens)
         plain, ref = _run(model, None, None, None, batch, repeats=repeats, drive=drive)
         row = {"batch": batch, "tasks": max(2, batch // 4), "group": 4, "plain": plain}
         for name, spec in (("ngram_exact_match", SpecConfig(draft_len=3, acceptance="match")),
