@@ -39,9 +39,9 @@ def test_static_view_decode_is_the_eager_decode(model, prefix_cache, greedy, poo
 def test_static_verify_is_the_eager_verify(model, spec):
     """Speculative decoding with the batched chain verify over `StaticVerifyView` (fixed seats and width, the
     step inputs into the shared scratch, the committed states only read), token trees over `StaticTreeView`
-    (parents, ancestor mask and conv-window columns in a static buffer; `trees=True`, not yet the engine's
-    default), and the commit as one fold over every seat (`DecodeGraphs.commit`, idle seats on the spare state):
-    bitwise plain decoding, turns and branches, prefix cache on with tiny pools."""
+    (parents, ancestor mask, conv-window columns and the KDA kernel's node paths in a static buffer), and the
+    commit as one fold over every seat (`DecodeGraphs.commit`, idle seats on the spare state): bitwise plain
+    decoding, turns and branches, prefix cache on with tiny pools."""
     from test_spec_engine import GREEDY, _prompts, _spec_engine, _turns
     plain = Engine(model, prefix_cache=False, **SMALL)
     ref = plain.generate(_prompts(), GREEDY)
@@ -250,12 +250,12 @@ def test_gpu_graph_replays_are_the_eager_decode(batch):
     assert same(graphed.generate(prompts, sp), eager.generate(prompts, sp))
     assert graphed.graphs.stats["captures"] >= 3 and graphed.graphs.stats["replays"] > 40
     graphed.check()
-    # speculative decoding with captured chain verifies against the eager engine's plain decoding
+    # speculative decoding with captured chain and tree verifies (the engine's default) against the eager engine's
+    # plain decoding
     from test_spec_engine import GREEDY, _prompts, _spec_engine
     ref = eager.generate(_prompts(), GREEDY)
     for shape in ("ngram:3:batched", "ngram:2x3:batched"):
         spec = _spec_engine(model, [list(c.prompt) + c.token_ids for c in ref], spec=shape, **cfg)
-        spec.graphs = DecodeGraphs(spec, trees=True)   # token-tree verifies captured too
         assert same(spec.generate(_prompts(), GREEDY), ref)
         assert any(k.verify for k in spec.graphs.shapes) and spec.graphs.commits
         assert any(k.tree for k in spec.graphs.shapes) == (shape == "ngram:2x3:batched")
@@ -264,7 +264,7 @@ def test_gpu_graph_replays_are_the_eager_decode(batch):
 
 @pytest.mark.gpu
 def test_gpu_captured_adapters_are_the_eager_engine():
-    """On the GPU: multi-LoRA rows through captured graphs (`adapters=True`: the captured plan, BGMV) against
+    """On the GPU: multi-LoRA rows through captured graphs (the engine's default: the captured plan, BGMV) against
     graphs off, bitwise, at decode batch 1 and 4, greedy and sampled; again after an in-place adapter update (the
     graphs read the adapters at every replay); and speculative chain verifies of adapter rows."""
     from test_spec_engine import _spec_engine
@@ -273,7 +273,6 @@ def test_gpu_captured_adapters_are_the_eager_engine():
         cfg = {**SMALL, "decode_batch": batch}
         eager = Engine(model, prefix_cache=True, cuda_graphs=False, **cfg)
         graphed = Engine(model, prefix_cache=True, **cfg)
-        graphed.graphs = DecodeGraphs(graphed, adapters=True)
         for greedy in (True, False):
             assert same(_adapter_turns(graphed, greedy), _adapter_turns(eager, greedy))
         assert any(k.adapters for k in graphed.graphs.shapes) and graphed.graphs.stats["captures"] >= 2
@@ -288,7 +287,6 @@ def test_gpu_captured_adapters_are_the_eager_engine():
         graphed.check()
     ref = _adapter_turns(Engine(model, prefix_cache=False, cuda_graphs=False, **SMALL))
     spec = _spec_engine(model, [list(c.prompt) + c.token_ids for c in ref], spec="ngram:3:batched")
-    spec.graphs = DecodeGraphs(spec, adapters=True)
     assert same(_adapter_turns(spec), ref)
     assert any(k.verify and k.adapters for k in spec.graphs.shapes) and spec.stats["spec_accepted_tokens"] > 0
     lora.close()
