@@ -47,6 +47,20 @@ def test_engine_with_the_drafter_is_bitwise_plain_decoding(model, trained, branc
     assert st["spec_accepted_tokens"] > (0.3 if branching == 1 else 0.08) * st["spec_draft_tokens"], st
 
 
+def test_bfloat16_head_is_bitwise_plain_decoding(model, trained):
+    """`drafter_dtype="bfloat16"` (half the bytes a draft step reads on the GPU): other drafts, the same output --
+    bitwise plain decoding -- and still accepted on the rollouts the head was trained on."""
+    prompts, sp, ref, path, _ = trained
+    cfg = SpecConfig(method="drafter", drafter_path=str(path), verify="batched", drafter_dtype="bfloat16", lookup=0)
+    eng = Engine(model, prefix_cache=True, speculative=cfg, **SMALL)
+    assert eng.spec.drafter.dtype == torch.bfloat16 and eng.spec.drafter.head.fuse.weight.dtype == torch.bfloat16
+    assert same(eng.generate(prompts, sp), ref)
+    st = eng.stats
+    assert st["spec_accepted_tokens"] > 0.3 * st["spec_draft_tokens"], st
+    with pytest.raises(ValueError, match="speculative.drafter_dtype"):
+        SpecConfig(method="drafter", drafter_dtype="fp8")
+
+
 def test_static_verify_with_features_is_bitwise_plain_decoding(model, trained):
     """The batched chain verify as a fixed-shape forward (k3.rollout.graphs, run eagerly here: on the GPU it is
     captured) returns the drafter's features of every position from inside the forward: same tokens, same

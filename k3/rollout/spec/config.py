@@ -50,6 +50,20 @@ class Acceptance(str, enum.Enum):
     MATCH = "match"
 
 
+class DrafterDtype(str, enum.Enum):
+    """The trained head's weights and arithmetic at draft time (its RMS norms reduce in fp32 either way).
+    FLOAT32: as trained. BFLOAT16: half the bytes a draft step reads -- at K3's width the head's fuse / mix / up /
+    down matrices are 1.8 GB in fp32, read once (fuse) and three times (the rest) for a chain of 3: ~4.3 GB, ~1 ms
+    of the H200's bandwidth a speculative step, where the target's graphed verify step takes ~5 ms."""
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+
+    @property
+    def torch_dtype(self):
+        import torch
+        return torch.float32 if self is DrafterDtype.FLOAT32 else torch.bfloat16
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     method: SpecMethod = SpecMethod.NGRAM
@@ -65,9 +79,11 @@ class SpecConfig:
     # first, a shorter one only when it agrees with the head's first token; 0 = the head alone. (method=ngram is
     # prompt lookup itself and ignores it.)
     lookup: int = 2
+    drafter_dtype: DrafterDtype = DrafterDtype.FLOAT32   # method=drafter: the head's precision at draft time
 
     def __post_init__(self) -> None:
-        for name, enum_type in (("method", SpecMethod), ("verify", VerifyMode), ("acceptance", Acceptance)):
+        for name, enum_type in (("method", SpecMethod), ("verify", VerifyMode), ("acceptance", Acceptance),
+                                ("drafter_dtype", DrafterDtype)):
             v = getattr(self, name)
             if not isinstance(v, enum_type):
                 try:

@@ -85,7 +85,8 @@ class DraftHead(nn.Module):
         self.eps = eps
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        """RMS norm, the mean square reduced in fp32 whatever x's dtype (fp32 x: the plain formula)."""
+        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps).to(x.dtype)
 
     def step(self, h: torch.Tensor, tok_emb: torch.Tensor) -> torch.Tensor:
         """(running hidden [N, d], embedding of the last token [N, d]) -> the next hidden [N, d]."""
@@ -110,8 +111,10 @@ class TrainedDrafter:
     a position."""
     needs_features = True
 
-    def __init__(self, head: DraftHead, target: K3ForCausalLM, draft_vocab: list[int] | None = None):
-        self.head, self.target = head.eval(), target
+    def __init__(self, head: DraftHead, target: K3ForCausalLM, draft_vocab: list[int] | None = None,
+                 dtype: torch.dtype = torch.float32):
+        """`dtype`: the head's weights and activations at draft time (SpecConfig.drafter_dtype)."""
+        self.head, self.target, self.dtype = head.to(dtype).eval(), target, dtype
         self.rows = lm_head_rows(target, draft_vocab)
         self.vocab = None if draft_vocab is None else torch.tensor(draft_vocab, dtype=torch.long,
                                                                    device=self.rows.device)
@@ -147,10 +150,10 @@ class TrainedDrafter:
     @torch.no_grad()
     def propose_tokens(self, feat: torch.Tensor, last_token: int, k: int) -> list[int]:
         emb = self.target.model.embed_tokens.weight
-        h = self.head.fuse(feat.float().view(1, -1))
+        h = self.head.fuse(feat.to(self.dtype).view(1, -1))
         tok, out = last_token, []
         for _ in range(k):
-            h = self.head.step(h, emb[tok].float().view(1, -1))
+            h = self.head.step(h, emb[tok].to(self.dtype).view(1, -1))
             tok = int(self._top(h, 1)[0, 0])
             out.append(tok)
         return out
@@ -162,7 +165,7 @@ class TrainedDrafter:
         if not ks or max(ks) <= 0:
             return [[] for _ in ks]
         emb = self.target.model.embed_tokens.weight
-        feats = feats.float().view(len(ks), -1)
+        feats = feats.to(self.dtype).view(len(ks), -1)
         tok = torch.tensor(last_tokens, dtype=torch.long, device=emb.device)
         steps = max(ks)
         if self.captured is None:
@@ -177,7 +180,7 @@ class TrainedDrafter:
         h = self.head.fuse(feats)
         out = []
         for _ in range(steps):
-            h = self.head.step(h, emb[tok].float())
+            h = self.head.step(h, emb[tok].to(self.dtype))
             tok = self._top(h, 1)[:, 0]
             out.append(tok)
         return torch.stack(out, 1)
@@ -193,7 +196,7 @@ class TrainedDrafter:
         if depth <= 0:
             return [DraftTree() for _ in depths]
         emb = self.target.model.embed_tokens.weight
-        feats = feats.float().view(len(depths), -1)
+        feats = feats.to(self.dtype).view(len(depths), -1)
         tok = torch.tensor(last_tokens, dtype=torch.long, device=emb.device)
         if self.captured is None or not self._capture_trees:
             levels = self._tree_steps(feats, tok, branching, depth)
@@ -222,7 +225,7 @@ class TrainedDrafter:
         out = []
         for _ in range(depth):
             n, d = toks.shape[1], hid.shape[-1]
-            h = self.head.step(hid.reshape(R * n, d), emb[toks.reshape(-1)].float())
+            h = self.head.step(hid.reshape(R * n, d), emb[toks.reshape(-1)].to(self.dtype))
             top = self._top(h, branching)                         # [R * n, width]
             width = top.shape[1]
             toks = top.reshape(R, n * width)
@@ -241,12 +244,12 @@ class TrainedDrafter:
         tokens: list[int] = []
         parents: list[int] = []
         frontier = [(-1, last_token)]                    # (node, its token) whose children come next
-        hid = self.head.fuse(feat.float().view(1, -1))   # [len(frontier), d]
+        hid = self.head.fuse(feat.to(self.dtype).view(1, -1))   # [len(frontier), d]
         for _ in range(depth):
             if not frontier or len(tokens) >= max_nodes:
                 break
             toks = torch.tensor([t for _, t in frontier], device=emb.device)
-            h = self.head.step(hid, emb[toks].float())
+            h = self.head.step(hid, emb[toks].to(self.dtype))
             top = self._top(h, branching).tolist()
             nxt, rows = [], []
             for i, ((node, _), cand) in enumerate(zip(frontier, top)):
@@ -273,8 +276,10 @@ def save_drafter(head: DraftHead, path: Path, meta: dict) -> None:
     tmp.rename(path)
 
 
-def load_drafter(path: str | Path | None, target: K3ForCausalLM) -> TrainedDrafter:
-    """The trained head at `path` (a `k3 train-drafter` output directory) for `target`; errors name the field."""
+def load_drafter(path: str | Path | None, target: K3ForCausalLM, dtype: torch.dtype = torch.float32
+                 ) -> TrainedDrafter:
+    """The trained head at `path` (a `k3 train-drafter` output directory) for `target`, drafting in `dtype`;
+    errors name the field."""
     if path is None:
         raise ValueError("speculative.drafter_path: method 'drafter' needs the trained head's directory "
                          "(`k3 train-drafter` prints it)")
@@ -295,4 +300,4 @@ def load_drafter(path: str | Path | None, target: K3ForCausalLM) -> TrainedDraft
         head = DraftHead(meta["hidden"])
     head.load_state_dict(load_file(str(p / WEIGHTS)), assign=True)
     dev = next(target.parameters()).device
-    return TrainedDrafter(head.to(dev), target, vocab)
+    return TrainedDrafter(head.to(dev), target, vocab, dtype)
