@@ -245,25 +245,28 @@ def test_prompt_lookup_beside_the_head(model, trained):
         def __init__(self, tokens):
             self.key = [make_key(t, 1, 2) for t in tokens]
 
+    def with_lookup(spec, row, head):   # as _propose_group calls it: with the row index's match
+        return spec._with_lookup(row, head, 3, spec._context(row).match(3))
+
     prompts, sp, ref, path, _ = trained
     eng = Engine(model, prefix_cache=False, speculative=SpecConfig(method="drafter", drafter_path=str(path)),
                  **SMALL)
     spec = eng.spec
     row = Row([5, 6, 7, 8, 9, 5, 6])   # "5 6" occurred: "7 8 9"
     head = DraftTree.chain([11, 12, 13])
-    assert spec._with_lookup(row, head, 3).tokens == (7, 8, 9)                       # a 2-token suffix: trusted
+    assert with_lookup(spec, row, head).tokens == (7, 8, 9)                       # a 2-token suffix: trusted
     grows = Row([5, 6, 7, 8, 9, 5, 6])
-    assert spec._with_lookup(grows, head, 3).tokens == (7, 8, 9)
+    assert with_lookup(spec, grows, head).tokens == (7, 8, 9)
     grows.key += [make_key(t, 1, 2) for t in (7, 8)]   # the row's index grows with it: "5 6 7 8" -> "9 5 6"
-    assert spec._with_lookup(grows, head, 3).tokens == (9, 5, 6)
+    assert with_lookup(spec, grows, head).tokens == (9, 5, 6)
     one = Row([5, 6, 7, 8, 9, 4, 6])  # only "6" occurred
-    assert spec._with_lookup(one, head, 3).tokens == (11, 12, 13)                    # disagrees: the head's
-    assert spec._with_lookup(one, DraftTree.chain([7, 12, 13]), 3).tokens == (7, 8, 9)   # agrees: the copy
-    assert spec._with_lookup(Row([1, 2, 3]), head, 3) is head
+    assert with_lookup(spec, one, head).tokens == (11, 12, 13)                    # disagrees: the head's
+    assert with_lookup(spec, one, DraftTree.chain([7, 12, 13])).tokens == (7, 8, 9)   # agrees: the copy
+    assert with_lookup(spec, Row([1, 2, 3]), head) is head
     tree_eng = Engine(model, prefix_cache=False, **SMALL, speculative=SpecConfig(
         method="drafter", drafter_path=str(path), branching=2))
     head_tree = DraftTree((11, 14, 12, 13), (-1, -1, 0, 2))                  # paths 11 12 13 and 14
-    merged = tree_eng.spec._with_lookup(row, head_tree, 3)
+    merged = with_lookup(tree_eng.spec, row, head_tree)
     assert merged.fits(2, 3) and [merged.tokens[i] for i in merged.path(2)] == [7, 8, 9]   # the copy first
     assert [merged.tokens[c] for c in merged.children(-1)] == [7, 11]         # then the head's best path
     for branching in (1, 2):   # exactness with lookup on prompts that repeat themselves

@@ -51,17 +51,12 @@ class Acceptance(str, enum.Enum):
 
 
 class DrafterDtype(str, enum.Enum):
-    """The trained head's weights and arithmetic at draft time (its RMS norms reduce in fp32 either way).
-    FLOAT32: as trained. BFLOAT16: half the bytes a draft step reads -- at K3's width the head's fuse / mix / up /
-    down matrices are 1.8 GB in fp32, read once (fuse) and three times (the rest) for a chain of 3: ~4.3 GB, ~1 ms
-    of the H200's bandwidth a speculative step, where the target's graphed verify step takes ~5 ms."""
+    """The trained head's weights and arithmetic at draft time (its RMS norms reduce in fp32 either way; the value
+    is the torch dtype's name). FLOAT32: as trained. BFLOAT16: half the bytes a draft step reads (at K3's width
+    the head's fuse / mix / up / down matrices are 1.8 GB in fp32, read once (fuse) and three times (the rest) for
+    a chain of 3)."""
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
-
-    @property
-    def torch_dtype(self):
-        import torch
-        return torch.float32 if self is DrafterDtype.FLOAT32 else torch.bfloat16
 
 
 @dataclass(frozen=True)

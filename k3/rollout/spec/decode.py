@@ -47,7 +47,7 @@ class SpecDecoder:
             self.drafter = NgramDrafter(cfg.ngram_max, cfg.ngram_min)
         else:
             from k3.rollout.spec.drafter import load_drafter
-            self.drafter = load_drafter(cfg.drafter_path, eng.model, cfg.drafter_dtype.torch_dtype)
+            self.drafter = load_drafter(cfg.drafter_path, eng.model, getattr(torch, cfg.drafter_dtype.value))
             if eng.graphs is not None:   # the chain's draft steps as CUDA graphs too
                 self.drafter.capture_graphs(trees=eng.graphs.trees)
         self.features: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # seq -> its latest features
@@ -100,9 +100,7 @@ class SpecDecoder:
         cfg = self.cfg
         nodes = cfg.tree_nodes if cfg.branching > 1 else k
         if getattr(self.drafter, "needs_features", False):
-            feat = self.features.get(s)
-            if feat is None:   # the turn's first decode step: from the prompt's last position
-                feat = self.prompt_features.get(s.req)
+            feat = self._features_of(s)
             if feat is None:
                 return DraftTree()
             if cfg.branching == 1:
@@ -130,18 +128,11 @@ class SpecDecoder:
         if batched is None:
             return [self._propose(s, k) if spec else DraftTree() for s, k, spec in zip(group, limits, speculating)]
         trees = [DraftTree() for _ in group]
+        found = [self._context(s).match(k) if self.lookup and k else ([], 0) for s, k in zip(group, limits)]
         # chains: a row whose sequence repeats a suffix of >= `lookup` tokens drafts its continuation whatever the
         # head says (`_with_lookup`), so the head runs only for the other rows (none: no head pass at all)
-        copied: dict[int, list[int]] = {}
-        if self.lookup and cfg.branching == 1:
-            for r, (s, k) in enumerate(zip(group, limits)):
-                tokens, n = self._context(s).match(k) if k else ([], 0)
-                if n >= cfg.lookup:
-                    copied[r] = tokens
-        feats = [self.features.get(s) if k and r not in copied else None
-                 for r, (s, k) in enumerate(zip(group, limits))]
-        feats = [f if f is not None or not k or r in copied else self.prompt_features.get(s.req)
-                 for r, (s, f, k) in enumerate(zip(group, feats, limits))]
+        copied = {r for r, (_, n) in enumerate(found) if self.lookup and cfg.branching == 1 and n >= cfg.lookup}
+        feats = [self._features_of(s) if k and r not in copied else None for r, (s, k) in enumerate(zip(group, limits))]
         rows = [r for r, f in enumerate(feats) if f is not None]
         if rows:
             stacked = torch.stack([feats[r].reshape(-1) for r in rows])
@@ -153,28 +144,35 @@ class SpecDecoder:
             for r, tree in zip(rows, drafted):
                 trees[r] = self._checked(tree, limits[r])
         if self.lookup:
-            trees = [self._checked(DraftTree.chain(copied[r]) if r in copied else self._with_lookup(s, t, k), k)
-                     if k else t for r, (s, t, k) in enumerate(zip(group, trees, limits))]
+            trees = [self._checked(self._with_lookup(s, t, k, found[r]), k) if k else t
+                     for r, (s, t, k) in enumerate(zip(group, trees, limits))]
         return trees
 
-    def _with_lookup(self, s: "RunningSeq", head: DraftTree, k: int) -> DraftTree:
+    def _features_of(self, s: "RunningSeq") -> torch.Tensor | None:
+        """The target's features a row's next draft starts from: its last committed position's, or on the turn's
+        first decode step its prompt's last position's (None: not captured)."""
+        feat = self.features.get(s)
+        return feat if feat is not None else self.prompt_features.get(s.req)
+
+    def _with_lookup(self, s: "RunningSeq", head: DraftTree, k: int, found: tuple[list[int], int]) -> DraftTree:
         """The head's draft `head` of row `s` combined with prompt lookup over the row's sequence (copies, which the
-        head cannot make). A suffix of >= `lookup` tokens found earlier is trusted: its continuation comes first;
-        a shorter one only when its first token is the head's first choice. Chains take one of the two; trees
-        merge the paths (the preferred source's first, then the other's; at most `branching` children a node)."""
+        head cannot make): `found` = the row index's match(k), (tokens, suffix length). A suffix of >= `lookup`
+        tokens found earlier is trusted: its continuation comes first; a shorter one only when its first token is
+        the head's first choice. Chains take one of the two; trees merge the paths (the preferred source's first,
+        then the other's; at most `branching` children a node)."""
         cfg = self.cfg
-        index = self._context(s)
-        tokens, n = index.match(k)
+        tokens, n = found
         if n == 0:
             return head
         head_first = [head.tokens[c] for c in head.children(-1)][:1]
         trusted = n >= cfg.lookup or tokens[:1] == head_first or not len(head)
         if cfg.branching == 1:
             return DraftTree.chain(tokens) if trusted else head
-        found = build_tree(index.paths(k), cfg.branching, k, cfg.tree_nodes)
+        copies = build_tree(self._context(s).paths(k), cfg.branching, k, cfg.tree_nodes)
         ordered = sorted(range(len(head)), key=lambda i: (-len(head.path(i)), i))   # deepest first, BFS order
         head_paths = [[head.tokens[j] for j in head.path(i)] for i in ordered if not head.children(i)]
-        lookup_paths = [[found.tokens[j] for j in found.path(i)] for i in range(len(found)) if not found.children(i)]
+        lookup_paths = [[copies.tokens[j] for j in copies.path(i)] for i in range(len(copies))
+                        if not copies.children(i)]
         paths = lookup_paths + head_paths if trusted else head_paths[:1] + lookup_paths + head_paths[1:]
         return build_tree(paths, cfg.branching, k, cfg.tree_nodes)
 

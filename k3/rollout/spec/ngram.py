@@ -6,10 +6,14 @@ from __future__ import annotations
 from k3.rollout.spec.tree import DraftTree, build_tree
 
 
+def _check_range(ngram_max: int, ngram_min: int) -> None:
+    if not 1 <= ngram_min <= ngram_max:
+        raise ValueError(f"ngram_min/ngram_max: need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")
+
+
 class NgramDrafter:
     def __init__(self, ngram_max: int = 4, ngram_min: int = 1):
-        if not 1 <= ngram_min <= ngram_max:
-            raise ValueError(f"ngram_min/ngram_max: need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")
+        _check_range(ngram_max, ngram_min)
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
 
     def propose(self, context: list[int], k: int) -> list[int]:
@@ -61,7 +65,7 @@ class SuffixIndex:
     the same sequence (tests/rollout/test_spec_drafter.py checks them against the scans)."""
 
     def __init__(self, ngram_max: int = 4, ngram_min: int = 1):
-        NgramDrafter(ngram_max, ngram_min)   # the same argument checks
+        _check_range(ngram_max, ngram_min)
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
         self.tokens: list[int] = []
         # n-gram -> ends e (tokens[e - n:e] is the n-gram), every e <= len(tokens) - 1: an occurrence with a

@@ -119,8 +119,7 @@ class TreeOps:
         parents = self.tree_parents.to(q.device)
         if q.is_cuda:
             from k3_kernels.replay_ssm.tree import tree_verify
-            paths = tuple(x.to(q.device) for x in self.node_paths)
-            o, _ = tree_verify(h0.float(), *node_major, parents, paths=paths)
+            o, _ = tree_verify(h0.float(), *node_major, parents, paths=self.node_paths)
         else:
             from k3_kernels.replay_ssm.naive import naive_tree_verify
             o, _ = naive_tree_verify(h0.float(), *node_major, parents)
@@ -139,7 +138,8 @@ class TreeSpecView(TreeOps, SpecView):
                  row_of_seat: list[int | None], parents: list[list[int]]):
         super().__init__(eng, rows, T, 0, scratch, row_of_seat, {})
         W1 = eng.model.config.conv_kernel_size - 1
-        self.tree_parents, self.anc, self.window_cols, *self.node_paths = tree_tensors(parents, T, W1)
+        self.tree_parents, self.anc, self.window_cols, *paths = tree_tensors(parents, T, W1)
+        self.node_paths = tuple(x.to(eng.device) for x in paths)   # read by every KDA layer's tree kernel
         self.kda_tree = self
 
 
