@@ -17,7 +17,7 @@ import argparse
 
 import torch
 
-from benchmarks.spec_decode import _DecodeTimer, k3_width_model
+from benchmarks.spec_decode import _DecodeTimer, k3_width_model, phase_timers
 from k3.rollout import Engine, SamplingParams
 from k3.rollout.spec import SpecConfig
 
@@ -100,38 +100,15 @@ def profile_decode(model, batch: int, spec: SpecConfig | None, tokens: int, stac
 
 
 def spec_phases(model, batch: int, tokens: int) -> None:
-    """Wall time of each phase of the batched chain-3 speculative step (the device synchronised around each, so a
-    phase's figure includes its device work): drafting, the verify forward, the acceptance walk's picks, the
-    commit, and the rest of the step. Prints ms per step."""
-    import collections
-    import time
-    import k3.rollout.spec.decode as decode_module
-    spent = collections.Counter()
-    sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)
-
-    def timed(name, fn):
-        def wrapper(*args, **kwargs):
-            sync()
-            t = time.perf_counter()
-            out = fn(*args, **kwargs)
-            sync()
-            spent[name] += time.perf_counter() - t
-            return out
-        return wrapper
+    """Wall time of each phase of the batched chain-3 speculative step (`spec_decode.phase_timers`: the device
+    synchronised around each, so a phase's figure includes its device work): drafting, the verify forward, the
+    acceptance walk's picks, the commit, and the rest of the step. Prints ms per step."""
     spec = SpecConfig(draft_len=3, verify="batched")
-    saved = {n: getattr(decode_module, n) for n in ("verify_batched", "commit", "next_logits")}
-    propose = decode_module.SpecDecoder._propose_group
-    for n, fn in saved.items():
-        setattr(decode_module, n, timed(n, fn))
-    decode_module.SpecDecoder._propose_group = timed("propose", propose)
-    try:
-        timer, eng = _run(model, batch, spec, tokens)   # kernel builds, graph captures
-        spent.clear()
+    sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)
+    timer, eng = _run(model, batch, spec, tokens)   # kernel builds, graph captures
+    with phase_timers(sync) as spent:
         timer, eng = _run(model, batch, spec, tokens, reuse=(timer, eng))
-    finally:
-        for n, fn in saved.items():
-            setattr(decode_module, n, fn)
-        decode_module.SpecDecoder._propose_group = propose
+    spent.pop("steps", None)
     steps = max(1.0, _steps(timer, batch, spec, tokens))
     parts = {k: round(v / steps * 1e3, 2) for k, v in spent.items()}
     rest = timer.seconds / steps * 1e3 - sum(parts.values())

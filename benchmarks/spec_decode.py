@@ -27,10 +27,13 @@ Writes benchmarks/results/spec_decode.json (`--out` to redirect; `--merge` keeps
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import json
 import statistics
 import time
 import types
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -174,6 +177,58 @@ def episodes_driver(env, tasks, max_turn_tokens: int):
 
 def _same(a, b) -> bool:
     return all(x.token_ids == y.token_ids and x.logprobs == y.logprobs for x, y in zip(a, b))
+
+
+@contextlib.contextmanager
+def phase_timers(sync):
+    """Wall time of the batched speculative step's phases while the block runs, the device synchronised (`sync`)
+    around each, so a phase's figure includes its device work: drafting (`_propose_group`), the verify forward
+    (`verify_batched`), the acceptance walk's picks (`next_logits`), the commit. Yields a Counter: phase ->
+    seconds, and "steps" -> the steps drafted."""
+    import k3.rollout.spec.decode as decode_module
+    spent = collections.Counter()
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            sync()
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            sync()
+            spent[name] += time.perf_counter() - t
+            if name == "propose":
+                spent["steps"] += 1
+            return out
+        return wrapper
+    saved = {n: getattr(decode_module, n) for n in ("verify_batched", "commit", "next_logits")}
+    propose = decode_module.SpecDecoder._propose_group
+    for n, fn in saved.items():
+        setattr(decode_module, n, timed(n, fn))
+    decode_module.SpecDecoder._propose_group = timed("propose", propose)
+    try:
+        yield spent
+    finally:
+        for n, fn in saved.items():
+            setattr(decode_module, n, fn)
+        decode_module.SpecDecoder._propose_group = propose
+
+
+def step_phases(model, prompts, sp, spec, batch: int, step_tokens: int | None) -> str:
+    """ms per speculative step of each phase (`phase_timers`) over one run after a warm-up run, the step's wall
+    time (`_DecodeTimer`) and the rest (the host's bookkeeping between phases)."""
+    steps = {} if step_tokens is None else {"max_step_tokens": step_tokens}
+    eng = Engine(model, prefix_cache=False, speculative=spec, decode_batch=batch, max_running=max(32, batch),
+                 device_states=max(256, 2 * batch + 2), device_pages=8192, **steps)
+    timer = _DecodeTimer(eng)
+    eng.generate(prompts, sp)   # kernel builds, graph captures
+    sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
+    with phase_timers(sync) as spent:
+        timer.reset()
+        eng.generate(prompts, sp)
+    n = max(spent.pop("steps", 0), 1)
+    parts = {k: round(v / n * 1e3, 3) for k, v in spent.items()}
+    step = timer.seconds / n * 1e3
+    return json.dumps({"steps": n, "step_ms": round(step, 3), **parts,
+                       "rest_ms": round(step - sum(parts.values()), 3)})
 
 
 def cpu_section(repeats: int) -> dict:
@@ -375,16 +430,30 @@ def gpu_drafter(model, out_dir: Path, tasks: int, steps: int, sp: SamplingParams
     return out_dir, figures
 
 
-def gpu_section(repeats: int, budget_s: float, drafter_steps: int = 400, profile: bool = False,
-                target: str = "random", sft_steps: int = 300, sft_lr: float = 1e-4, sft_budget: float = 150.0,
-                sink=None, batches: tuple[int, ...] = (1, 8, 32), drafter_tasks: int = 1024,
-                step_tokens: int | None = None, only: tuple[str, ...] | None = None) -> dict:
-    """`target`: "random" (random weights; greedy, 32 new tokens, no stop) or "sft" (trained on the calculator
+@dataclass(frozen=True)
+class GpuSettings:
+    """The GPU section's run settings (the command line's GPU flags)."""
+    repeats: int = 2
+    budget_s: float = 200.0             # no batch row starts after this many seconds
+    target: str = "sft"                 # "random" (random weights; greedy, 32 new tokens, no stop) or "sft"
+    sft_steps: int = 300
+    sft_lr: float = 1e-4
+    sft_budget_s: float = 150.0
+    drafter_steps: int = 400
+    drafter_tasks: int = 1024           # training tasks rolled out for the drafter (sft target)
+    batches: tuple[int, ...] = (1, 8, 32)
+    step_tokens: int | None = None      # the engines' max_step_tokens (None: the engine's default)
+    only: tuple[str, ...] | None = None  # these methods (names); None: all
+    profile: bool = False               # phases of a step per batch (`phase_timers`) and cProfile at batch 8
+
+
+def gpu_section(cfg: GpuSettings, sink=None) -> dict:
+    """`cfg.target`: "random" (random weights; greedy, 32 new tokens, no stop) or "sft" (trained on the calculator
     demonstrations here, `sft_k3_width_model`; greedy, stopping at the task's stop tokens, at most 32 new tokens,
-    as the CPU section's workload). `sink(partial)` gets the section after each batch row. `step_tokens`: the
+    as the CPU section's workload). `sink(partial)` gets the section after each batch row. `cfg.step_tokens`: the
     engines' max_step_tokens, for plain and speculative alike (large: every prompt prefilled before the decode
     steps, so a decode step holds min(batch, live rows) rows; the default 256 interleaves one prompt's chunks a
-    step with decoding, and short answers leave batch-8 steps half empty). `only`: these methods (names)."""
+    step with decoding, and short answers leave batch-8 steps half empty)."""
     import tempfile
     import triton.testing
     from k3.envs import CalculatorEnv
@@ -393,16 +462,16 @@ def gpu_section(repeats: int, budget_s: float, drafter_steps: int = 400, profile
     t_start = time.perf_counter()
     env = CalculatorEnv()
     sft_fig = None
-    if target == "sft":
-        model, sft_fig = sft_k3_width_model(sft_steps, sft_lr, sft_budget)
+    if cfg.target == "sft":
+        model, sft_fig = sft_k3_width_model(cfg.sft_steps, cfg.sft_lr, cfg.sft_budget_s)
         print("sft", json.dumps(sft_fig), flush=True)
         sp = SamplingParams(temperature=0.0, max_tokens=32, stop_token_ids=tuple(env.stop_ids))
     else:
         model = k3_width_model()
         sp = SamplingParams(temperature=0.0, max_tokens=32)
     drafter_dir, drafter_fig = gpu_drafter(model, Path(tempfile.mkdtemp()) / "drafter",
-                                           drafter_tasks if target == "sft" else 64, drafter_steps, sp,
-                                           episodes=target == "sft")
+                                           cfg.drafter_tasks if cfg.target == "sft" else 64, cfg.drafter_steps,
+                                           sp, episodes=cfg.target == "sft")
     print("drafter", json.dumps(drafter_fig), flush=True)
     prompts_all = [env.prompt(t) for t in heldout_tasks()][:32]
     warm = SamplingParams(temperature=0.0, max_tokens=6)   # kernel builds (decode, verify widths) before timing
@@ -420,28 +489,28 @@ def gpu_section(repeats: int, budget_s: float, drafter_steps: int = 400, profile
                ("drafter_exact", SpecConfig(method="drafter", draft_len=3, drafter_path=str(drafter_dir)), False,
                 None),
                ("drafter_tree_2x3_eager", tree, False, eager_trees))
-    if only:
-        unknown = set(only) - {m[0] for m in methods}
+    if cfg.only:
+        unknown = set(cfg.only) - {m[0] for m in methods}
         if unknown:
             raise ValueError(f"--only: unknown methods {sorted(unknown)}; have {[m[0] for m in methods]}")
-        methods = tuple(m for m in methods if m[0] in only)
+        methods = tuple(m for m in methods if m[0] in cfg.only)
     for spec in [None] + [m[1] for m in methods]:
         Engine(model, prefix_cache=False, speculative=spec, decode_batch=1).generate([prompts_all[0]], warm)
     rows = []
-    section = {"device": torch.cuda.get_device_name(), "target": target, "sft": sft_fig, "throughput": rows,
-               "max_step_tokens": step_tokens}
-    for batch in batches:
-        if time.perf_counter() - t_start > budget_s:
-            rows.append({"batch": batch, "skipped": f"time budget {budget_s} s reached"})
+    section = {"device": torch.cuda.get_device_name(), "target": cfg.target, "sft": sft_fig, "throughput": rows,
+               "max_step_tokens": cfg.step_tokens}
+    for batch in cfg.batches:
+        if time.perf_counter() - t_start > cfg.budget_s:
+            rows.append({"batch": batch, "skipped": f"time budget {cfg.budget_s} s reached"})
             continue
         prompts = prompts_all[:max(batch, 16)]   # batch 1 and 8: sixteen prompts (8 gave 51 decode tokens)
-        plain, ref = _run(model, prompts, sp, None, batch, repeats=repeats, warmup=1, step_tokens=step_tokens)
+        plain, ref = _run(model, prompts, sp, None, batch, repeats=cfg.repeats, warmup=1, step_tokens=cfg.step_tokens)
         refs = [p + c.token_ids for p, c in zip(prompts, ref)]
         row = {"batch": batch, "plain": plain}
         for name, spec, oracle, setup in methods:
             try:
                 r, out = _run(model, prompts, sp, spec, batch, oracle_refs=refs if oracle else None,
-                              repeats=repeats, warmup=1, setup=setup, step_tokens=step_tokens)
+                              repeats=cfg.repeats, warmup=1, setup=setup, step_tokens=cfg.step_tokens)
             except Exception as e:   # recorded, so one broken method does not lose the other rows of a device call
                 row[name] = {"error": f"{type(e).__name__}: {e}"}
                 print("error", name, row[name]["error"], flush=True)
@@ -450,7 +519,7 @@ def gpu_section(repeats: int, budget_s: float, drafter_steps: int = 400, profile
             r["speedup_vs_plain"] = (r["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
                                      if plain["decode_tokens_per_s"] else None)
             row[name] = r
-        if batch == batches[0]:
+        if batch == cfg.batches[0]:
             section["sample_continuations"] = [" ".join(env.tok.decode([t]) if t < len(env.tok) else f"<{t}>"
                                                         for t in c.token_ids) for c in ref[:4]]
         rows.append(row)
@@ -459,14 +528,20 @@ def gpu_section(repeats: int, budget_s: float, drafter_steps: int = 400, profile
               flush=True)
         if sink is not None:
             sink(section)
-        if profile and batch == 8:   # where a plain and a speculative step's host time goes (stdout only)
+        if cfg.profile:
+            by_name = {m[0]: m[1] for m in methods}
+            for name in ("ngram_batched", "drafter_batched", "drafter_bf16_batched"):
+                if name in by_name:
+                    phases = step_phases(model, prompts, sp, by_name[name], batch, cfg.step_tokens)
+                    print(f"phases batch {batch} {name}: {phases}", flush=True)
+        if cfg.profile and batch == 8:   # where a plain and a speculative step's host time goes (stdout only)
             import cProfile
             import pstats
             drafter = {m[0]: m[1] for m in methods}.get("drafter_batched")
             for spec in (None,) + ((drafter,) if drafter is not None else ()):
                 prof = cProfile.Profile()
                 prof.enable()
-                _run(model, prompts, sp, spec, batch, step_tokens=step_tokens)
+                _run(model, prompts, sp, spec, batch, step_tokens=cfg.step_tokens)
                 prof.disable()
                 print("profile", "plain" if spec is None else "drafter_batched", flush=True)
                 pstats.Stats(prof).sort_stats("tottime").print_stats(30)
@@ -488,9 +563,9 @@ def gpu_section(repeats: int, budget_s: float, drafter_steps: int = 400, profile
              -torch.rand(N, B, H, K, device=dev), torch.rand(N, B, H, device=dev), parents)
     tri_tree = triton.testing.do_bench(lambda: tree_verify(*targs), return_mode="median")
     ref_tree = triton.testing.do_bench(lambda: naive_tree_verify(*targs), return_mode="median")
-    weights = ("random weights" if target == "random" else
+    weights = ("random weights" if cfg.target == "random" else
                "trained here on the calculator demonstrations (sft: embedding and lm_head frozen at random init)")
-    stop = "no stop" if target == "random" else "stopping at the task's stop tokens"
+    stop = "no stop" if cfg.target == "random" else "stopping at the task's stop tokens"
     return {**section, "model": f"K3 width, 4 layers (3 KDA + 1 MLA), 16 experts top-8, {weights}, bf16",
             "workload": f"held-out calculator prompts (264 tokens; as many as the batch), greedy, at most 32 new "
                         f"tokens, {stop}",
@@ -511,7 +586,8 @@ def main() -> None:
     ap.add_argument("--gpu-budget", type=float, default=200.0)
     ap.add_argument("--drafter-steps", type=int, default=600, help="GPU drafter training steps")
     ap.add_argument("--drafter-tasks", type=int, default=1024, help="GPU drafter: training tasks rolled out (sft)")
-    ap.add_argument("--profile", action="store_true", help="GPU: cProfile one drafter run at batch 8")
+    ap.add_argument("--profile", action="store_true",
+                    help="GPU: a step's phases per batch (n-gram, drafter fp32 and bf16); cProfile at batch 8")
     ap.add_argument("--target", choices=("random", "sft"), default="sft", help="GPU target model")
     ap.add_argument("--sft-steps", type=int, default=300)
     ap.add_argument("--sft-lr", type=float, default=1e-4)
@@ -536,9 +612,12 @@ def main() -> None:
     if a.gpu:
         def sink(partial):   # a run cut off at the device's limit still leaves its finished rows
             write_results(a.out, {**res, "gpu": {**partial, "partial": True}})
-        res["gpu"] = gpu_section(a.repeats, a.gpu_budget, a.drafter_steps, a.profile, a.target, a.sft_steps,
-                                 a.sft_lr, a.sft_budget, sink, tuple(int(b) for b in a.batches.split(",")),
-                                 a.drafter_tasks, a.step_tokens, tuple(a.only.split(",")) if a.only else None)
+        settings = GpuSettings(repeats=a.repeats, budget_s=a.gpu_budget, target=a.target, sft_steps=a.sft_steps,
+                               sft_lr=a.sft_lr, sft_budget_s=a.sft_budget, drafter_steps=a.drafter_steps,
+                               drafter_tasks=a.drafter_tasks, batches=tuple(int(b) for b in a.batches.split(",")),
+                               step_tokens=a.step_tokens, only=tuple(a.only.split(",")) if a.only else None,
+                               profile=a.profile)
+        res["gpu"] = gpu_section(settings, sink)
     print(json.dumps(res["memory_table_k3_dims_per_sequence_per_kda_layer"], indent=1))
     print("wrote", write_results(a.out, res))
 
