@@ -212,108 +212,27 @@ def phase_timers(sync):
         decode_module.SpecDecoder._propose_group = propose
 
 
-def step_phases(model, prompts, sp, spec, batch: int, step_tokens: int | None) -> str:
-    """ms per speculative step of each phase (`phase_timers`) over one run after a warm-up run, the step's wall
-    time (`_DecodeTimer`) and the rest (the host's bookkeeping between phases)."""
+def step_phases(model, prompts, sp, spec, batch: int, step_tokens: int | None, runs: int = 2) -> str:
+    """ms per speculative step of each phase (`phase_timers`), the step's wall time (`_DecodeTimer`) and the rest
+    (the host's bookkeeping between phases): the fastest of `runs` runs after a warm-up run (a one-off, such as
+    the allocator growing its pool, does not stand in for a step)."""
     steps = {} if step_tokens is None else {"max_step_tokens": step_tokens}
     eng = Engine(model, prefix_cache=False, speculative=spec, decode_batch=batch, max_running=max(32, batch),
                  device_states=max(256, 2 * batch + 2), device_pages=8192, **steps)
     timer = _DecodeTimer(eng)
     eng.generate(prompts, sp)   # kernel builds, graph captures
     sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
-    with phase_timers(sync) as spent:
-        timer.reset()
-        eng.generate(prompts, sp)
-    n = max(spent.pop("steps", 0), 1)
-    parts = {k: round(v / n * 1e3, 3) for k, v in spent.items()}
-    step = timer.seconds / n * 1e3
-    return json.dumps({"steps": n, "step_ms": round(step, 3), **parts,
-                       "rest_ms": round(step - sum(parts.values()), 3)})
-
-
-def cpu_section(repeats: int) -> dict:
-    from k3.envs import CalculatorEnv
-    from k3.envs.calc_task import heldout_tasks
-    from k3.jobs.config import load_config
-    from k3.jobs.sft import ensure_base
-    from k3.model import K3ForCausalLM
-    from k3.rollout.spec.train_drafter import ensure_drafter
-    from k3_kernels.replay_ssm import naive_replay_commit
-    torch.set_num_threads(1)
-    job = load_config(None, {})
-    base, _ = ensure_base(job)
-    drafter_dir, _ = ensure_drafter(job)
-    model = K3ForCausalLM.from_pretrained(base).eval()
-    env = CalculatorEnv()
-    tasks = heldout_tasks()
-    sp = SamplingParams(temperature=0.0, max_tokens=job.rollout.max_turn_tokens, stop_token_ids=tuple(env.stop_ids))
-    methods = {"ngram_exact": SpecConfig(draft_len=3),
-               "ngram_tree_2x3_exact": SpecConfig(draft_len=3, branching=2),
-               "drafter_exact": SpecConfig(method="drafter", draft_len=3, drafter_path=str(drafter_dir)),
-               "drafter_tree_2x3_exact": SpecConfig(method="drafter", draft_len=3, branching=2,
-                                                    drafter_path=str(drafter_dir)),
-               "drafter_batched": SpecConfig(method="drafter", draft_len=3, verify="batched",
-                                             drafter_path=str(drafter_dir)),
-               "drafter_tree_2x3_batched": SpecConfig(method="drafter", draft_len=3, branching=2, verify="batched",
-                                                      drafter_path=str(drafter_dir))}
-    job_rows = []
-    for batch in (8, 32):
-        drive = episodes_driver(env, tasks[:max(2, batch // 4)], job.rollout.max_turn_tokens)
-        plain, ref = _run(model, None, None, None, batch, repeats=repeats, drive=drive)
-        row = {"batch": batch, "tasks": max(2, batch // 4), "group": 4, "plain": plain}
-        for name, spec in (("ngram_exact_match", SpecConfig(draft_len=3, acceptance="match")),
-                           ("drafter_exact_match", SpecConfig(method="drafter", draft_len=3, acceptance="match",
-                                                              drafter_path=str(drafter_dir))),
-                           ("drafter_tree_2x3_exact_match", SpecConfig(method="drafter", draft_len=3, branching=2,
-                                                                       acceptance="match",
-                                                                       drafter_path=str(drafter_dir))),
-                           ("drafter_batched_match", SpecConfig(method="drafter", draft_len=3, acceptance="match",
-                                                                verify="batched", drafter_path=str(drafter_dir)))):
-            r, out = _run(model, None, None, spec, batch, repeats=repeats, drive=drive)
-            r["bitwise_equal_to_plain"] = _same(out, ref)
-            r["speedup_vs_plain"] = (r["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
-                                     if plain["decode_tokens_per_s"] else None)
-            row[name] = r
-        job_rows.append(row)
-        print(json.dumps({k: (v if not isinstance(v, dict) else {kk: vv for kk, vv in v.items()
-                                                                 if kk != "decode_seconds"}) for k, v in row.items()}))
-    rows = []
-    for batch in (1, 8, 32):
-        prompts = [env.prompt(t) for t in tasks[:max(batch, 8)]]
-        plain, ref = _run(model, prompts, sp, None, batch, repeats=repeats)
-        row = {"batch": batch, "prompts": len(prompts), "plain": plain}
-        for name, spec in methods.items():
-            r, out = _run(model, prompts, sp, spec, batch, repeats=repeats)
-            r["bitwise_equal_to_plain"] = _same(out, ref)
-            r["speedup_vs_plain"] = (r["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
-                                     if plain["decode_tokens_per_s"] else None)
-            row[name] = r
-        rows.append(row)
-        print(json.dumps({k: (v if not isinstance(v, dict) else {kk: vv for kk, vv in v.items()
-                                                                 if kk != "decode_seconds"}) for k, v in row.items()}))
-    mc = model.config
-    B, T, H, K = 8, 4, mc.kda_num_heads, mc.kda_head_dim
-    g = torch.Generator().manual_seed(0)
-    args = (torch.randn(B, H, K, K, generator=g), torch.randn(T, B, H, K, generator=g),
-            torch.randn(T, B, H, K, generator=g), -torch.rand(T, B, H, K, generator=g),
-            torch.rand(T, B, H, generator=g),
-            torch.full((B,), 3))
-    ts = []
-    for _ in range(30):
-        t = time.perf_counter()
-        naive_replay_commit(*args)
-        ts.append(time.perf_counter() - t)
-    accept = [{"method": name, "shape": spec.shape, "verify": spec.verify.value,
-               "accept_length": rows[1][name]["accept_length"], "acceptance_rate": rows[1][name]["acceptance_rate"],
-               "bitwise_equal_to_plain": rows[1][name]["bitwise_equal_to_plain"]}
-              for name, spec in methods.items()]   # batch 8 (the rows at batch 1 and 32 hold the same walk)
-    return {"device": "cpu", "model": "tiny (the main job's SFT base)", "drafter": str(drafter_dir),
-            "accept_length_calculator": accept,
-            "workload": f"{len(tasks)} held-out calculator prompts (first max(batch, 8)), greedy, turn 0, "
-                        f"max_tokens {sp.max_tokens}, stop at the task's stop tokens",
-            "throughput": rows, "job_rollouts": job_rows,
-            "replay_commit_cpu": {"shape": f"B={B} T={T} H={H} K=V={K}, 3 accepted", "torch_fold_us_median":
-                                  statistics.median(ts) * 1e6}}
+    best = None
+    for _ in range(runs):
+        with phase_timers(sync) as spent:
+            timer.reset()
+            eng.generate(prompts, sp)
+        n = max(spent.pop("steps", 0), 1)
+        parts = {k: round(v / n * 1e3, 3) for k, v in spent.items()}
+        step = timer.seconds / n * 1e3
+        if best is None or step < best["step_ms"]:
+            best = {"steps": n, "step_ms": round(step, 3), **parts, "rest_ms": round(step - sum(parts.values()), 3)}
+    return json.dumps(best)
 
 
 def k3_width_config():
@@ -482,8 +401,8 @@ def gpu_section(cfg: GpuSettings, sink=None) -> dict:
                                               drafter_path=str(drafter_dir)), False, None),
                ("drafter_head_only_batched", SpecConfig(method="drafter", draft_len=3, verify="batched",
                                                         drafter_path=str(drafter_dir), lookup=0), False, None),
-               ("drafter_bf16_batched", SpecConfig(method="drafter", draft_len=3, verify="batched",
-                                                   drafter_path=str(drafter_dir), drafter_dtype="bfloat16"), False,
+               ("drafter_fp32_batched", SpecConfig(method="drafter", draft_len=3, verify="batched",
+                                                   drafter_path=str(drafter_dir), drafter_dtype="float32"), False,
                 None),
                ("drafter_tree_2x3_batched", tree, False, None),
                ("drafter_exact", SpecConfig(method="drafter", draft_len=3, drafter_path=str(drafter_dir)), False,
@@ -530,7 +449,7 @@ def gpu_section(cfg: GpuSettings, sink=None) -> dict:
             sink(section)
         if cfg.profile:
             by_name = {m[0]: m[1] for m in methods}
-            for name in ("ngram_batched", "drafter_batched", "drafter_bf16_batched"):
+            for name in ("ngram_batched", "drafter_batched", "drafter_fp32_batched"):
                 if name in by_name:
                     phases = step_phases(model, prompts, sp, by_name[name], batch, cfg.step_tokens)
                     print(f"phases batch {batch} {name}: {phases}", flush=True)
@@ -587,7 +506,7 @@ def main() -> None:
     ap.add_argument("--drafter-steps", type=int, default=600, help="GPU drafter training steps")
     ap.add_argument("--drafter-tasks", type=int, default=1024, help="GPU drafter: training tasks rolled out (sft)")
     ap.add_argument("--profile", action="store_true",
-                    help="GPU: a step's phases per batch (n-gram, drafter fp32 and bf16); cProfile at batch 8")
+                    help="GPU: a step's phases per batch (n-gram, the drafter in bf16 and fp32); cProfile at batch 8")
     ap.add_argument("--target", choices=("random", "sft"), default="sft", help="GPU target model")
     ap.add_argument("--sft-steps", type=int, default=300)
     ap.add_argument("--sft-lr", type=float, default=1e-4)

@@ -59,6 +59,9 @@ def test_bfloat16_head_is_bitwise_plain_decoding(model, trained):
     assert st["spec_accepted_tokens"] > 0.3 * st["spec_draft_tokens"], st
     with pytest.raises(ValueError, match="speculative.drafter_dtype"):
         SpecConfig(method="drafter", drafter_dtype="fp8")
+    # the default drafts in the target's dtype (this fp32 target: fp32; a bf16 target on the GPU: bf16)
+    default = Engine(model, speculative=SpecConfig(method="drafter", drafter_path=str(path)), **SMALL)
+    assert SpecConfig().drafter_dtype.value == "target" and default.spec.drafter.dtype == next(model.parameters()).dtype
 
 
 def test_static_verify_with_features_is_bitwise_plain_decoding(model, trained):

@@ -51,12 +51,19 @@ class Acceptance(str, enum.Enum):
 
 
 class DrafterDtype(str, enum.Enum):
-    """The trained head's weights and arithmetic at draft time (its RMS norms reduce in fp32 either way; the value
-    is the torch dtype's name). FLOAT32: as trained. BFLOAT16: half the bytes a draft step reads (at K3's width
-    the head's fuse / mix / up / down matrices are 1.8 GB in fp32, read once (fuse) and three times (the rest) for
-    a chain of 3)."""
+    """The trained head's weights and arithmetic at draft time (its RMS norms reduce in fp32 either way). TARGET
+    (the default): the target model's parameter dtype (bf16 for a bf16 target, fp32 for the CPU tiny model).
+    FLOAT32: as trained. BFLOAT16: half the bytes a draft step reads (at K3's width the head's fuse / mix / up /
+    down matrices are 1.8 GB in fp32, read once (fuse) and three times (the rest) for a chain of 3). The values
+    other than "target" are the torch dtypes' names."""
+    TARGET = "target"
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
+
+    def torch_dtype(self, target: "torch.dtype") -> "torch.dtype":
+        """The dtype it names for a target whose parameters are `target`."""
+        import torch
+        return target if self is DrafterDtype.TARGET else getattr(torch, self.value)
 
 
 @dataclass(frozen=True)
@@ -74,7 +81,7 @@ class SpecConfig:
     # first, a shorter one only when it agrees with the head's first token; 0 = the head alone. (method=ngram is
     # prompt lookup itself and ignores it.)
     lookup: int = 2
-    drafter_dtype: DrafterDtype = DrafterDtype.FLOAT32   # method=drafter: the head's precision at draft time
+    drafter_dtype: DrafterDtype = DrafterDtype.TARGET   # method=drafter: the head's precision at draft time
 
     def __post_init__(self) -> None:
         for name, enum_type in (("method", SpecMethod), ("verify", VerifyMode), ("acceptance", Acceptance),

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from k3.model import ops
-from k3.rollout.sampler import next_logits
+from k3.rollout.sampler import NextLogits, next_logits
 from k3.rollout.spec.accept import Emitted, accept_at_node
 from k3.rollout.spec.config import Acceptance, SpecConfig, SpecMethod, VerifyMode
 from k3.rollout.spec.ngram import NgramDrafter, SuffixIndex
@@ -47,7 +47,7 @@ class SpecDecoder:
             self.drafter = NgramDrafter(cfg.ngram_max, cfg.ngram_min)
         else:
             from k3.rollout.spec.drafter import load_drafter
-            self.drafter = load_drafter(cfg.drafter_path, eng.model, getattr(torch, cfg.drafter_dtype.value))
+            self.drafter = load_drafter(cfg.drafter_path, eng.model, cfg.drafter_dtype.torch_dtype(eng.dtype))
             if eng.graphs is not None:   # the chain's draft steps as CUDA graphs too
                 self.drafter.capture_graphs(trees=eng.graphs.trees)
         self.features: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # seq -> its latest features
@@ -245,16 +245,21 @@ class SpecDecoder:
                                  None if chains else [t.verify_parents() for t in trees])
             # the walk over the computed positions (node i at position i + 1), depth by depth: the rows' current
             # logits picked as a decode step picks its rows' last logits (`next_logits`: greedy picks on the
-            # device, sampled rows copied to the host; a tree's unwalked nodes never leave the device)
+            # device, sampled rows copied to the host; a tree's unwalked nodes never leave the device). Greedy
+            # speculating rows have every position picked up front (`_pick_greedy_rows`: one launch, one copy).
             order = [[0] for _ in group]
             live, depth = list(range(len(group))), 0
+            _pick_greedy_rows(res, [r for r, s in enumerate(group) if speculating[r] and not s.req.params.temperature])
             while live:
-                picked = next_logits(torch.stack([res.logits[r][order[r][-1]] for r in live]),
-                                     [group[r].req.params.temperature > 0 for r in live])
+                walked = [r for r in live if not isinstance(res.logits[r][order[r][-1]], NextLogits)]
+                if walked:
+                    picks = next_logits(torch.stack([res.logits[r][order[r][-1]] for r in walked]),
+                                        [group[r].req.params.temperature > 0 for r in walked])
+                    for r, picked in zip(walked, picks):
+                        res.logits[r][order[r][-1]] = picked
                 still = []
-                for i, r in enumerate(live):
-                    res.logits[r][order[r][-1]] = picked[i]
-                    if advance(r, depth, picked[i]) is not None:
+                for r in live:
+                    if advance(r, depth, res.logits[r][order[r][-1]]) is not None:
                         order[r].append(node[r] + 1)
                         still.append(r)
                 live, depth = still, depth + 1
@@ -285,6 +290,21 @@ class SpecDecoder:
                         s.pos % eng.cfg.checkpoint_interval == 0 or s.pos in s.branch_at):
                     eng._checkpoint(s, None)
                 eng._emit(s, e.token, e.logprob, e.sampling_logprob, rt[j])
+
+
+def _pick_greedy_rows(res, rows: list[int]) -> None:
+    """The greedy picks of every verify position of `rows` (greedy, speculating rows) in one `next_logits` call:
+    one launch and one copy to the host instead of one per depth of the acceptance walk (a row's pick does not
+    depend on the rows beside it: the same bits). Their positions' logits become NextLogits in place."""
+    if not rows:
+        return
+    flat = next_logits(torch.stack([x for r in rows for x in res.logits[r]]),
+                       [False] * sum(len(res.logits[r]) for r in rows))
+    at = 0
+    for r in rows:
+        n = len(res.logits[r])
+        res.logits[r] = flat[at:at + n]
+        at += n
 
 
 def replay_step_inputs(mod, scratch: ReplayScratch, ki: int, window: torch.Tensor, steps: int, n_seat: torch.Tensor,

@@ -58,46 +58,56 @@ class NgramDrafter:
 
 
 class SuffixIndex:
-    """NgramDrafter's scans as look-ups over one growing sequence (a running row's context): every n-gram of
-    ngram_min..ngram_max tokens -> the positions just past its occurrences, ascending. `extend` indexes only the
-    tokens appended since the last call, so a decode step costs O(new tokens x ngram_max) instead of NgramDrafter's
-    O(context) scan; `match` and `paths` return exactly what NgramDrafter.match / propose_tree's paths return for
-    the same sequence (tests/rollout/test_spec_drafter.py checks them against the scans)."""
+    """NgramDrafter's scans as look-ups over one growing sequence (a running row's context): every token -> the
+    positions just past its occurrences, ascending. A suffix's earlier occurrences are found among the positions
+    after its last token (checked back to ngram_max tokens), so `extend` costs O(new tokens) (a prompt's few
+    hundred tokens index in tens of microseconds, where indexing every n-gram cost ~0.4 ms a row) and a look-up
+    O(occurrences of the last token x ngram_max) instead of NgramDrafter's O(context) scan; `match` and `paths`
+    return exactly what NgramDrafter.match / propose_tree's paths return for the same sequence
+    (tests/rollout/test_spec_drafter.py checks them against the scans)."""
 
     def __init__(self, ngram_max: int = 4, ngram_min: int = 1):
         _check_range(ngram_max, ngram_min)
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
         self.tokens: list[int] = []
-        # n-gram -> ends e (tokens[e - n:e] is the n-gram), every e <= len(tokens) - 1: an occurrence with a
-        # continuation (the suffix itself, ending at len(tokens), is indexed once a token follows it)
-        self._ends: dict[tuple[int, ...], list[int]] = {}
+        # token -> ends e (tokens[e - 1] is the token), every e <= len(tokens) - 1: an occurrence with a
+        # continuation (the last token itself is indexed once a token follows it)
+        self._ends: dict[int, list[int]] = {}
 
     def extend(self, new: list[int]) -> None:
         """Append `new` tokens to the sequence."""
         old = len(self.tokens)
         self.tokens.extend(new)
-        toks, L = self.tokens, len(self.tokens)
-        for e in range(max(old, 1), L):   # ends that now have a continuation: old .. L - 1
-            for n in range(self.ngram_min, min(self.ngram_max, e) + 1):
-                self._ends.setdefault(tuple(toks[e - n:e]), []).append(e)
+        toks, ends = self.tokens, self._ends
+        for e in range(max(old, 1), len(toks)):   # ends that now have a continuation: old .. L - 1
+            ends.setdefault(toks[e - 1], []).append(e)
 
-    def _suffixes(self):
-        """(n, ends of the earlier occurrences of the length-n suffix), longest suffix first."""
+    def _occurrences(self, n: int, candidates: list[int]):
+        """The ends e of the earlier occurrences of the length-n suffix among `candidates` (the ends after the
+        last token), most recent first."""
+        toks = self.tokens
+        suffix = toks[len(toks) - n:]
+        return (e for e in reversed(candidates) if e >= n and toks[e - n:e] == suffix)
+
+    def _lengths(self):
+        """(n, candidates) for each suffix length n, longest first (candidates: the ends after the last token)."""
         toks, L = self.tokens, len(self.tokens)
-        for n in range(min(self.ngram_max, L - 1), self.ngram_min - 1, -1):
-            yield n, self._ends.get(tuple(toks[L - n:]), ())
+        candidates = self._ends.get(toks[-1], []) if L else []
+        return ((n, candidates) for n in range(min(self.ngram_max, L - 1), self.ngram_min - 1, -1))
 
     def match(self, k: int) -> tuple[list[int], int]:
         """NgramDrafter.match of the sequence: up to k tokens after the most recent earlier occurrence of the
         longest suffix found, and that suffix's length (0: none)."""
         if k <= 0:
             return [], 0
-        for n, ends in self._suffixes():
-            if ends:
-                return self.tokens[ends[-1]:ends[-1] + k], n
+        for n, candidates in self._lengths():
+            e = next(self._occurrences(n, candidates), None)
+            if e is not None:
+                return self.tokens[e:e + k], n
         return [], 0
 
     def paths(self, depth: int) -> list[list[int]]:
         """NgramDrafter.propose_tree's paths: the continuations (up to `depth` tokens) of every earlier occurrence
         of each suffix, longer suffixes first, most recent first."""
-        return [self.tokens[e:e + depth] for _, ends in self._suffixes() for e in reversed(ends)]
+        return [self.tokens[e:e + depth] for n, candidates in self._lengths()
+                for e in self._occurrences(n, candidates)]
