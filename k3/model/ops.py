@@ -276,6 +276,18 @@ def kda_replay_commit(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     return naive_replay_commit(state, k, v, g, beta, n_accept)
 
 
+def kda_replay_commit_into(store: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           g: torch.Tensor, beta: torch.Tensor, n_accept: torch.Tensor, checked: bool = False) -> None:
+    """`kda_replay_commit` of the pool rows store[rows[b]] ([N, HV, K, V] fp32), written back in place (rows with
+    n_accept 0 untouched): CUDA, the Triton fold reading and writing the pool once (`checked`: rows and n_accept
+    built and checked on the host, no device read-back); CPU, the reference."""
+    if _on_cuda(store):
+        from k3_kernels.replay_ssm.replay import replay_commit_into
+        return replay_commit_into(store, rows, k, v, g, beta, n_accept, checked)
+    from k3_kernels.replay_ssm.naive import naive_replay_commit_into
+    return naive_replay_commit_into(store, rows, k, v, g, beta, n_accept)
+
+
 # Set to True (tests) to run the multi-LoRA kernels (k3_kernels.lora) on CPU tensors too, in Triton's interpreter.
 LORA_KERNELS_ON_CPU = False
 

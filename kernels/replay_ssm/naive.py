@@ -80,6 +80,36 @@ def naive_conv_roll(window: torch.Tensor, inputs: torch.Tensor, n_accept: torch.
     return torch.gather(full, -1, cols.expand(*full.shape[:-1], w))
 
 
+def check_state_rows(store: torch.Tensor, rows: torch.Tensor, n_accept: torch.Tensor, checked: bool = False) -> None:
+    """`replay_commit_into`'s store and row indices (the message names the offending tensor). `checked`: the caller
+    built rows and n_accept from host values it checked (in range, rows distinct wherever n_accept > 0): nothing
+    is read back from the device (a sync, not allowed inside a CUDA graph capture)."""
+    if store.dim() != 4 or store.dtype != torch.float32:
+        raise ValueError(f"store: expected fp32 [N, HV, K, V], got {store.dtype} {tuple(store.shape)}")
+    if rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64) or rows.shape != n_accept.shape:
+        raise ValueError(f"rows: expected int [B={n_accept.shape[0] if n_accept.dim() else '?'}] (as n_accept), "
+                         f"got {rows.dtype} {tuple(rows.shape)}")
+    if checked or not rows.numel():
+        return
+    live = rows[n_accept > 0]
+    if int(rows.min()) < 0 or int(rows.max()) >= store.shape[0]:
+        raise ValueError(f"rows: values must be in [0, {store.shape[0]}), got range [{int(rows.min())}, "
+                         f"{int(rows.max())}]")
+    if live.unique().numel() != live.numel():
+        raise ValueError("rows: a state row appears twice among the rows that accept tokens")
+
+
+def naive_replay_commit_into(store: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             g: torch.Tensor, beta: torch.Tensor, n_accept: torch.Tensor) -> None:
+    """`naive_replay_commit` of the states store[rows[b]] (a pool's rows, [N, HV, K, V] fp32), written back in
+    place: the engine's commit without gathering the states out of the pool and scattering them back. Rows with
+    n_accept[b] = 0 are not written (idle seats may share one spare row)."""
+    check_state_rows(store, rows, n_accept)
+    new = naive_replay_commit(store[rows.long()], k, v, g, beta, n_accept)
+    keep = n_accept.to(new.device) > 0
+    store[rows.long()[keep]] = new[keep]
+
+
 # ---------------------------------------------------------------------------------------------- token trees
 def check_tree_inputs(state: torch.Tensor, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor,
                       g: torch.Tensor, beta: torch.Tensor, parents: torch.Tensor,

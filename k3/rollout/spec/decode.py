@@ -392,21 +392,22 @@ LAYERS_PER_FOLD = 16   # bounds the gathered states: R x 16 x 6.3 MB at K3's dim
 def fold_and_write(eng: "Engine", scratch: ReplayScratch, slots: torch.Tensor, n_seat: torch.Tensor, steps: int,
                    R: int) -> None:
     """`_fold_layers_together` for the rows in the first R seats (state slots `slots` [R], accepted counts
-    `n_seat` [decode_batch]), then the new states and windows written to their slots. No host sync: the engine's
-    captured commit (k3.rollout.graphs) is this call over every seat."""
-    rec, conv = _fold_layers_together(eng, scratch, slots, n_seat, steps, R)
-    rec_store, conv_store = eng.states.dev["rec"], eng.states.dev["conv"]
-    rec_store[slots] = rec.to(torch.float32)
+    `n_seat` [decode_batch]): the new states folded in place in the pool, then the windows written to their slots.
+    No host sync: the engine's captured commit (k3.rollout.graphs) is this call over every seat (idle seats on the
+    spare slot, nothing accepted: nothing written there)."""
+    conv = _fold_layers_together(eng, scratch, slots, n_seat, steps, R)
+    conv_store = eng.states.dev["conv"]
     conv_store[slots] = conv.to(conv_store.dtype)
 
 
 def _fold_layers_together(eng: "Engine", scratch: ReplayScratch, slots: torch.Tensor, n_seat: torch.Tensor,
-                          steps: int, R: int) -> tuple[torch.Tensor, torch.Tensor]:
+                          steps: int, R: int) -> torch.Tensor:
     """The commit's folds with the layers side by side: up to LAYERS_PER_FOLD layers' states of the R rows in one
     replay call ([R x layers] rows: the Triton fold runs one program per row, head and value block, so a row's bits
-    do not depend on the rows beside it), their conv windows rolled in one call, the states and windows gathered
-    once. The step inputs are still rebuilt per layer at the decode batch size (each layer's own weights) from the
-    committed windows. Returns the new states [R, L, H, K, V] and windows [R, L, 3, C, W-1]."""
+    do not depend on the rows beside it), folded in place in the state pool (`ops.kda_replay_commit_into`: read
+    and written once, not gathered and scattered), their conv windows rolled in one call, gathered once. The step
+    inputs are still rebuilt per layer at the decode batch size (each layer's own weights) from the committed
+    windows, gathered before any state is written. Returns the new windows [R, L, 3, C, W-1]."""
     B = eng.cfg.decode_batch
     rec_store, conv_store = eng.states.dev["rec"], eng.states.dev["conv"]
     layer_of = {ki: layer for layer, ki in eng.kda_index.items()}
@@ -414,7 +415,8 @@ def _fold_layers_together(eng: "Engine", scratch: ReplayScratch, slots: torch.Te
     windows = conv_store.new_zeros(B, L, *conv_store.shape[2:])
     windows[:R] = conv_store[slots]
     n_rows = n_seat[:R]
-    recs, convs = [], []
+    state_rows = rec_store.view(-1, *rec_store.shape[2:])   # [slots x L, HV, K, V]: slot s, layer l at s * L + l
+    convs = []
     for l0 in range(0, L, LAYERS_PER_FOLD):
         group = range(l0, min(L, l0 + LAYERS_PER_FOLD))
         n = len(group)
@@ -426,10 +428,10 @@ def _fold_layers_together(eng: "Engine", scratch: ReplayScratch, slots: torch.Te
         # row r * n + j: request r, layer l0 + j (position-major inputs [steps, R * n, ...])
         k, v, g, beta = (torch.stack(xs, 2).flatten(1, 2) for xs in zip(*inputs))
         n_accept = n_rows.repeat_interleave(n)
-        S0 = rec_store[slots, l0:l0 + n].flatten(0, 1)
-        recs.append(ops.kda_replay_commit(S0, k, v, g, beta, n_accept, n_accept_checked=True)
-                    .view(R, n, *S0.shape[1:]))   # (n_commit is built on the host within [0, steps])
+        rows = (slots.view(R, 1) * L + torch.arange(l0, l0 + n, device=slots.device)).flatten()
+        # (slots and n_commit are built on the host: distinct live slots, counts within [0, steps])
+        ops.kda_replay_commit_into(state_rows, rows, k, v, g, beta, n_accept, checked=True)
         conv_in = torch.stack([scratch.bufs[ki]["conv_in"] for ki in group], 1).flatten(0, 1)   # [R * n, T, 3, C]
         rolled = naive_conv_roll(windows[:R, l0:l0 + n].flatten(0, 1), conv_in.transpose(0, 1), n_accept)
         convs.append(rolled.view(R, n, *rolled.shape[1:]))
-    return torch.cat(recs, 1), torch.cat(convs, 1)
+    return torch.cat(convs, 1)
