@@ -212,7 +212,7 @@ def phase_timers(sync):
         decode_module.SpecDecoder._propose_group = propose
 
 
-def step_phases(model, prompts, sp, spec, batch: int, step_tokens: int | None, runs: int = 2) -> str:
+def step_phases(model, prompts, sp, spec, batch: int, step_tokens: int | None, runs: int = 2) -> dict:
     """ms per speculative step of each phase (`phase_timers`), the step's wall time (`_DecodeTimer`) and the rest
     (the host's bookkeeping between phases): the fastest of `runs` runs after a warm-up run (a one-off, such as
     the allocator growing its pool, does not stand in for a step)."""
@@ -232,7 +232,7 @@ def step_phases(model, prompts, sp, spec, batch: int, step_tokens: int | None, r
         step = timer.seconds / n * 1e3
         if best is None or step < best["step_ms"]:
             best = {"steps": n, "step_ms": round(step, 3), **parts, "rest_ms": round(step - sum(parts.values()), 3)}
-    return json.dumps(best)
+    return best
 
 
 def k3_width_config():
@@ -452,7 +452,8 @@ def gpu_section(cfg: GpuSettings, sink=None) -> dict:
             for name in ("ngram_batched", "drafter_batched", "drafter_fp32_batched"):
                 if name in by_name:
                     phases = step_phases(model, prompts, sp, by_name[name], batch, cfg.step_tokens)
-                    print(f"phases batch {batch} {name}: {phases}", flush=True)
+                    print(f"phases batch {batch} {name}: {json.dumps(phases)}", flush=True)
+                    section.setdefault("step_phases_ms", []).append({"batch": batch, "method": name, **phases})
         if cfg.profile and batch == 8:   # where a plain and a speculative step's host time goes (stdout only)
             import cProfile
             import pstats
@@ -536,11 +537,13 @@ def main() -> None:
     if a.merge and Path(a.merge).exists():
         old = json.loads(Path(a.merge).read_text())
         for k in ("cpu", "gpu"):
-            if k in old:
+            if k in old:   # each kept section names the run it came from
                 res[k] = old[k]
+                res.setdefault("sections_from", {})[k] = old.get("sections_from", {}).get(k, old.get("commit"))
     res["memory_table_k3_dims_per_sequence_per_kda_layer"] = memory_table()
     if a.cpu:
         res["cpu"] = cpu_section(a.repeats)
+        res.get("sections_from", {}).pop("cpu", None)
     if a.gpu:
         def sink(partial):   # a run cut off at the device's limit still leaves its finished rows
             write_results(a.out, {**res, "gpu": {**partial, "partial": True}})
@@ -550,6 +553,7 @@ def main() -> None:
                                step_tokens=a.step_tokens, only=tuple(a.only.split(",")) if a.only else None,
                                profile=a.profile)
         res["gpu"] = gpu_section(settings, sink)
+        res.get("sections_from", {}).pop("gpu", None)
     print(json.dumps(res["memory_table_k3_dims_per_sequence_per_kda_layer"], indent=1))
     print("wrote", write_results(a.out, res))
 
