@@ -6,8 +6,8 @@ one intra-op thread as `k3` runs):
     drafter and the trained drafter at draft length 3, greedy, on the held-out calculator prompts (turn 0); whether
     tokens and log-probs are bitwise plain decoding's;
   * decode tokens/s at decode batch 1, 8, 32 (as many prompts as seats): plain, n-gram exact (chain 3, tree
-    2x3), drafter exact (chain 3, tree 2x3), drafter batched (chain 3, tree 2x3). Decode time = wall time inside the decode forwards (plain) or the speculative steps (spec);
-    tokens = those sampled in decode steps (each sequence's first comes from its prefill). Median of `--repeats`.
+    2x3), drafter exact (chain 3, tree 2x3), drafter batched (chain 3, tree 2x3). Decode time = wall time inside
+    the decode forwards (plain) or the speculative steps (spec); tokens = those sampled in decode steps (each sequence's first comes from its prefill). Median of `--repeats`.
     Also on the job's own rollouts (k3.jobs.episodes.run_episodes: G = 4 samples per task, all turns, temperature
     1, prefix cache on) with MATCH acceptance, so spec and plain produce the same episodes.
   * ReplaySSM commit time of the reference fold (torch, CPU) at the tiny model's dims.
@@ -117,6 +117,12 @@ class Oracle:
         return []
 
 
+def overlap_drafting(eng: Engine) -> None:
+    """The trained head's draft steps on a side stream, overlapping the previous step's commit
+    (`SpecDecoder.overlap_drafting`)."""
+    eng.spec.overlap_drafting = True
+
+
 def eager_trees(eng: Engine) -> None:
     """Token-tree verifies and the drafter's tree levels run eagerly (`DecodeGraphs.trees` off): what the graphs
     buy a tree."""
@@ -212,13 +218,17 @@ def phase_timers(sync):
         decode_module.SpecDecoder._propose_group = propose
 
 
-def step_phases(model, prompts, sp, spec, batch: int, step_tokens: int | None, runs: int = 2) -> dict:
+def step_phases(model, prompts, sp, spec, batch: int, step_tokens: int | None, runs: int = 2, setup=None) -> dict:
     """ms per speculative step of each phase (`phase_timers`), the step's wall time (`_DecodeTimer`) and the rest
     (the host's bookkeeping between phases): the fastest of `runs` runs after a warm-up run (a one-off, such as
-    the allocator growing its pool, does not stand in for a step)."""
+    the allocator growing its pool, does not stand in for a step). `setup(engine)` as in `_run`. The syncs
+    around each phase also undo any overlap between phases (`overlap_drafting`): its gain shows in the
+    throughput rows only."""
     steps = {} if step_tokens is None else {"max_step_tokens": step_tokens}
     eng = Engine(model, prefix_cache=False, speculative=spec, decode_batch=batch, max_running=max(32, batch),
                  device_states=max(256, 2 * batch + 2), device_pages=8192, **steps)
+    if setup is not None:
+        setup(eng)
     timer = _DecodeTimer(eng)
     eng.generate(prompts, sp)   # kernel builds, graph captures
     sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
@@ -401,6 +411,8 @@ def gpu_section(cfg: GpuSettings, sink=None) -> dict:
                                               drafter_path=str(drafter_dir)), False, None),
                ("drafter_head_only_batched", SpecConfig(method="drafter", draft_len=3, verify="batched",
                                                         drafter_path=str(drafter_dir), lookup=0), False, None),
+               ("drafter_overlap_batched", SpecConfig(method="drafter", draft_len=3, verify="batched",
+                                                      drafter_path=str(drafter_dir)), False, overlap_drafting),
                ("drafter_fp32_batched", SpecConfig(method="drafter", draft_len=3, verify="batched",
                                                    drafter_path=str(drafter_dir), drafter_dtype="float32"), False,
                 None),
@@ -448,10 +460,11 @@ def gpu_section(cfg: GpuSettings, sink=None) -> dict:
         if sink is not None:
             sink(section)
         if cfg.profile:
-            by_name = {m[0]: m[1] for m in methods}
-            for name in ("ngram_batched", "drafter_batched", "drafter_fp32_batched"):
+            by_name = {m[0]: m for m in methods}
+            for name in ("ngram_batched", "drafter_batched", "drafter_overlap_batched", "drafter_fp32_batched"):
                 if name in by_name:
-                    phases = step_phases(model, prompts, sp, by_name[name], batch, cfg.step_tokens)
+                    _, spec, _, setup = by_name[name]
+                    phases = step_phases(model, prompts, sp, spec, batch, cfg.step_tokens, setup=setup)
                     print(f"phases batch {batch} {name}: {json.dumps(phases)}", flush=True)
                     section.setdefault("step_phases_ms", []).append({"batch": batch, "method": name, **phases})
         if cfg.profile and batch == 8:   # where a plain and a speculative step's host time goes (stdout only)

@@ -290,3 +290,32 @@ def test_gpu_captured_adapters_are_the_eager_engine():
     assert same(_adapter_turns(spec), ref)
     assert any(k.verify and k.adapters for k in spec.graphs.shapes) and spec.stats["spec_accepted_tokens"] > 0
     lora.close()
+
+
+@pytest.mark.gpu
+def test_gpu_overlapped_drafting_is_bitwise_and_drafts_the_same():
+    """`SpecDecoder.overlap_drafting`: the trained head's captured draft steps on a side stream, overlapping the
+    previous step's commit on the engine's stream. The head reads only the verify's features (the side stream
+    waits for them, not for the commit), so the drafts, the acceptance counts and the output are the same as on
+    the engine's stream, and bitwise plain decoding. (CPU: the same drafting path without streams, in the
+    drafter tests.)"""
+    from k3.config import K3Config
+    from k3.model import K3ForCausalLM
+    from k3.rollout.spec import SpecConfig
+    from k3.rollout.spec.drafter import DraftHead, TrainedDrafter
+    from test_spec_engine import GREEDY, _prompts
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.preset("tiny")).cuda().eval()
+    head = DraftHead(model.config.hidden_size).cuda()
+    ref = Engine(model, prefix_cache=False, **SMALL).generate(_prompts(), GREEDY)
+    runs = []
+    for overlap in (False, True):
+        eng = Engine(model, prefix_cache=True, speculative=SpecConfig(draft_len=3, verify="batched"), **SMALL)
+        eng.spec.drafter = TrainedDrafter(head, model, draft_vocab=sorted({t for c in ref for t in c.token_ids}))
+        eng.spec.drafter.capture_graphs()
+        eng.spec.overlap_drafting = overlap
+        out = eng.generate(_prompts(), GREEDY)
+        assert same(out, ref)
+        assert (eng.spec._draft_stream is not None) == overlap
+        runs.append({k: eng.stats[k] for k in ("spec_verifies", "spec_draft_tokens", "spec_accepted_tokens")})
+    assert runs[0] == runs[1] and runs[0]["spec_draft_tokens"] > 0

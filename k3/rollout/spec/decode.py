@@ -12,6 +12,7 @@ request's token budget.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from typing import TYPE_CHECKING
@@ -55,6 +56,12 @@ class SpecDecoder:
         self.contexts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # request -> its prompt's last-position features (what a row's first decode step of a turn drafts from)
         self.prompt_features: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # CUDA: run the trained head's batched draft steps on a side stream, so that they overlap the previous
+        # step's commit (queued on the engine's stream behind the verify whose features they read); no effect on
+        # CPU or for drafters without a batched head. Drafts are the same either way (same kernels, same inputs).
+        self.overlap_drafting = False
+        self._draft_stream = None
+        self._features_ready = None   # an event on the engine's stream once the last verify's features exist
         for k in SPEC_STATS:
             eng.stats.setdefault(k, 0)
 
@@ -135,18 +142,41 @@ class SpecDecoder:
         feats = [self._features_of(s) if k and r not in copied else None for r, (s, k) in enumerate(zip(group, limits))]
         rows = [r for r, f in enumerate(feats) if f is not None]
         if rows:
-            stacked = torch.stack([feats[r].reshape(-1) for r in rows])
             last = [key_token(group[r].key[group[r].pos]) for r in rows]
-            if cfg.branching == 1:
-                drafted = [DraftTree.chain(c) for c in batched(stacked, last, [limits[r] for r in rows])]
-            else:
-                drafted = batched(stacked, last, cfg.branching, [limits[r] for r in rows], cfg.tree_nodes)
+            with self._drafting_stream():
+                stacked = torch.stack([feats[r].reshape(-1) for r in rows])
+                if cfg.branching == 1:
+                    drafted = [DraftTree.chain(c) for c in batched(stacked, last, [limits[r] for r in rows])]
+                else:
+                    drafted = batched(stacked, last, cfg.branching, [limits[r] for r in rows], cfg.tree_nodes)
             for r, tree in zip(rows, drafted):
                 trees[r] = self._checked(tree, limits[r])
         if self.lookup:
             trees = [self._checked(self._with_lookup(s, t, k, found[r]), k) if k else t
                      for r, (s, t, k) in enumerate(zip(group, trees, limits))]
         return trees
+
+    @contextlib.contextmanager
+    def _drafting_stream(self):
+        """Where the head's batched draft steps run: the engine's stream, or with `overlap_drafting` on CUDA a side
+        stream that waits for the last verify's features (`_features_ready`; before the first verify, for all the
+        engine's work so far) but not for the commit queued behind them. The drafts come back to the host inside
+        the block (the side stream synchronised), and the engine's stream then waits for the side stream, so no
+        tensor crosses between the streams unordered."""
+        if not (self.overlap_drafting and self.eng.device.type == "cuda"):
+            yield
+            return
+        main = torch.cuda.current_stream(self.eng.device)
+        if self._draft_stream is None:
+            self._draft_stream = torch.cuda.Stream(self.eng.device)
+        side = self._draft_stream
+        if self._features_ready is not None:
+            side.wait_event(self._features_ready)
+        else:
+            side.wait_stream(main)
+        with torch.cuda.stream(side):
+            yield
+        main.wait_stream(side)
 
     def _features_of(self, s: "RunningSeq") -> torch.Tensor | None:
         """The target's features a row's next draft starts from: its last committed position's, or on the turn's
@@ -267,6 +297,9 @@ class SpecDecoder:
                 keep_path(eng, group, res, order)
         else:
             res = verify_walk(eng, group, roots, positions, advance, capture)
+        if self.overlap_drafting and eng.device.type == "cuda":   # the next drafts' inputs exist from here on
+            self._features_ready = torch.cuda.Event()
+            self._features_ready.record()
         eng.stats["forwards"] += res.forwards
         n_commit = [len(em) if spec else 1 for em, spec in zip(emitted, speculating)]
         commit(eng, group, res.scratch, n_commit)
