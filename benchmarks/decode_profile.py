@@ -17,7 +17,8 @@ import argparse
 
 import torch
 
-from benchmarks.spec_decode import _DecodeTimer, k3_width_model, phase_timers
+from benchmarks.k3_width import k3_width_model
+from benchmarks.spec_decode import _DecodeTimer, phase_timers
 from k3.rollout import Engine, SamplingParams
 from k3.rollout.spec import SpecConfig
 

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from benchmarks._results import RESULTS, run_header, write_results
+from benchmarks.k3_width import gpu_drafter, k3_width_model, sft_k3_width_model
 from k3.rollout import Engine, SamplingParams
 from k3.rollout.spec import SpecConfig
 from k3.rollout.spec.scratch import scratch_bytes_per_sequence_layer, snapshot_bytes_per_draft
@@ -245,118 +246,89 @@ def step_phases(model, prompts, sp, spec, batch: int, step_tokens: int | None, r
     return best
 
 
-def k3_width_config():
-    import dataclasses
-    from k3.config import K3Config
-    base = K3Config.preset("k3")
-    return dataclasses.replace(base, num_hidden_layers=4, num_experts=16, num_experts_per_token=8,
-                               linear_attn_config={**base.linear_attn_config, "kda_layers": [1, 2, 3],
-                                                   "full_attn_layers": [4]},
-                               attn_res_block_size=2)
-
-
-def _frozen_bf16(model):
-    for p in model.parameters():   # a frozen target (the drafter's training must not reach it)
-        p.requires_grad_(False)
-    return model.to(torch.bfloat16).eval()
-
-
-def k3_width_model():
-    from k3.model import K3ForCausalLM
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = K3ForCausalLM(k3_width_config())
-    return _frozen_bf16(model)
-
-
-def sft_k3_width_model(steps: int, lr: float, budget_s: float, batch: int = 32, config=None,
-                       device: str = "cuda") -> tuple[object, dict]:
-    """The K3-width model trained on the main job's calculator demonstrations (k3.jobs.sft's rows and loss, the
-    system prompt's state computed once per step without gradient), on the device: fp32 weights and AdamW, the
-    token embedding and the lm_head frozen at their random init (their 163,840 rows would be 2.3 B more trained
-    parameters; the other 4.4 B learn to use them), linear warm-up over 10 steps, until `steps` or `budget_s`.
-    Then bf16 and frozen, as the benchmark serves it. Returns (model, training figures)."""
-    import random
-    from k3.envs import CalculatorEnv, train_tasks
-    from k3.jobs.config import SFTSection
-    from k3.jobs.sft import sft_step
-    from k3.model import K3ForCausalLM
-    t0 = time.perf_counter()
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = K3ForCausalLM(config or k3_width_config())
-    model.model.embed_tokens.weight.requires_grad_(False)
-    model.lm_head.weight.requires_grad_(False)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=device == "cuda")
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 10))
-    env, sft, rng = CalculatorEnv(), SFTSection(), random.Random(1)
-    tasks = train_tasks(1, 4096)
-    peak = (lambda: torch.cuda.max_memory_allocated() / 2**30) if device == "cuda" else (lambda: 0.0)
-    losses, done = [], 0
-    for i in range(steps):
-        if time.perf_counter() - t0 > budget_s:
-            break
-        losses.append(sft_step(model, env, tasks, rng, sft, batch, params, opt).item())
-        sched.step()
-        done = i + 1
-        if i % 20 == 0:
-            print(f"sft step {i}: loss {losses[-1]:.3f}, {time.perf_counter() - t0:.0f} s, peak {peak():.1f} GiB",
-                  flush=True)
-    del opt, params
-    model.zero_grad(set_to_none=True)
-    fig = {"steps": done, "batch": batch, "lr": lr, "loss_first": losses[0] if losses else None,
-           "loss_last20": sum(losses[-20:]) / max(1, len(losses[-20:])), "seconds": round(time.perf_counter() - t0, 1),
-           "peak_gib": round(peak(), 1)}
-    model = _frozen_bf16(model)
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    return model, fig
-
-
-def gpu_drafter(model, out_dir: Path, tasks: int, steps: int, sp: SamplingParams, episodes: bool
-                ) -> tuple[Path, dict]:
-    """The trained drafter for the K3-width GPU model, as `k3 train-drafter` trains the CPU one: the target's own
-    greedy rollouts of calculator training tasks -- `episodes`: whole episodes, every turn (k3.jobs.episodes, the
-    main job's rollouts, greedy, turns of at most `sp.max_tokens`); else turn 0 sampled with `sp` -- teacher-forced
-    features and log-probs over the draft vocabulary (the rollouts' tokens), KL-trained head over it
-    (train_drafter.train_head). Each sequence is kept from the prompt's second-to-last position (the first draft
-    starts at its last), and the head trains where the model generated the next token."""
+def cpu_section(repeats: int) -> dict:
     from k3.envs import CalculatorEnv
-    from k3.envs.calc_task import train_tasks
-    from k3.jobs.episodes import run_episodes
-    from k3.rollout.spec.drafter import save_drafter
-    from k3.rollout.spec.train_drafter import DrafterTrainConfig, draft_vocabulary, target_features, train_head
-    t0 = time.perf_counter()
+    from k3.envs.calc_task import heldout_tasks
+    from k3.jobs.config import load_config
+    from k3.jobs.sft import ensure_base
+    from k3.model import K3ForCausalLM
+    from k3.rollout.spec.train_drafter import ensure_drafter
+    from k3_kernels.replay_ssm import naive_replay_commit
+    torch.set_num_threads(1)
+    job = load_config(None, {})
+    base, _ = ensure_base(job)
+    drafter_dir, _ = ensure_drafter(job)
+    model = K3ForCausalLM.from_pretrained(base).eval()
     env = CalculatorEnv()
-    task_list = train_tasks(7, tasks)
-    prompts = [env.prompt(t) for t in task_list]
-    if episodes:
-        eng = Engine(model, prefix_cache=True, decode_batch=64, max_running=128, device_states=512,
-                     device_pages=16384)
-        rs = run_episodes(eng, env, task_list, 1, temperature=0.0, top_p=1.0, top_k=0, max_turn_tokens=sp.max_tokens,
-                          seed=7)
-        seqs = [list(r.episode.tokens) for r in rs]
-        masks = [list(r.episode.model_mask) for r in rs]
-    else:
-        outs = Engine(model, prefix_cache=False, decode_batch=16, max_running=32, device_states=64,
-                      device_pages=8192).generate(prompts, sp)
-        seqs = [p + c.token_ids for p, c in zip(prompts, outs)]
-        masks = [[i >= len(p) for i in range(len(q))] for p, q in zip(prompts, seqs)]
-    tcfg = DrafterTrainConfig(steps=steps, batch=256, unroll=3)
-    vocab = draft_vocabulary(seqs, tcfg.draft_vocab)
-    starts = [len(p) - 2 for p in prompts]
-    feats = target_features(model, seqs, starts, vocab)
-    data = [(q[a:], f, lp, m[a:]) for q, m, a, (f, lp) in zip(seqs, masks, starts, feats)]
-    del feats
-    head, figures = train_head(model, data, tcfg, vocab)
-    generated = [sum(m) for m in masks]
-    figures.update(sequences=len(seqs), seconds=round(time.perf_counter() - t0, 1), episodes=episodes,
-                   distinct_continuations=len({tuple(q[len(p):]) for p, q in zip(prompts, seqs)}),
-                   draft_vocab=len(vocab), mean_generated_tokens=sum(generated) / len(generated))
-    save_drafter(head, out_dir, {"base": "k3-width GPU benchmark model", "train": vars(tcfg), "figures": figures,
-                                 "draft_vocab": vocab})
-    return out_dir, figures
+    tasks = heldout_tasks()
+    sp = SamplingParams(temperature=0.0, max_tokens=job.rollout.max_turn_tokens, stop_token_ids=tuple(env.stop_ids))
+    methods = {"ngram_exact": SpecConfig(draft_len=3),
+               "ngram_tree_2x3_exact": SpecConfig(draft_len=3, branching=2),
+               "drafter_exact": SpecConfig(method="drafter", draft_len=3, drafter_path=str(drafter_dir)),
+               "drafter_tree_2x3_exact": SpecConfig(method="drafter", draft_len=3, branching=2,
+                                                    drafter_path=str(drafter_dir)),
+               "drafter_batched": SpecConfig(method="drafter", draft_len=3, verify="batched",
+                                             drafter_path=str(drafter_dir)),
+               "drafter_tree_2x3_batched": SpecConfig(method="drafter", draft_len=3, branching=2, verify="batched",
+                                                      drafter_path=str(drafter_dir))}
+    job_rows = []
+    for batch in (8, 32):
+        drive = episodes_driver(env, tasks[:max(2, batch // 4)], job.rollout.max_turn_tokens)
+        plain, ref = _run(model, None, None, None, batch, repeats=repeats, drive=drive)
+        row = {"batch": batch, "tasks": max(2, batch // 4), "group": 4, "plain": plain}
+        for name, spec in (("ngram_exact_match", SpecConfig(draft_len=3, acceptance="match")),
+                           ("drafter_exact_match", SpecConfig(method="drafter", draft_len=3, acceptance="match",
+                                                              drafter_path=str(drafter_dir))),
+                           ("drafter_tree_2x3_exact_match", SpecConfig(method="drafter", draft_len=3, branching=2,
+                                                                       acceptance="match",
+                                                                       drafter_path=str(drafter_dir))),
+                           ("drafter_batched_match", SpecConfig(method="drafter", draft_len=3, acceptance="match",
+                                                                verify="batched", drafter_path=str(drafter_dir)))):
+            r, out = _run(model, None, None, spec, batch, repeats=repeats, drive=drive)
+            r["bitwise_equal_to_plain"] = _same(out, ref)
+            r["speedup_vs_plain"] = (r["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
+                                     if plain["decode_tokens_per_s"] else None)
+            row[name] = r
+        job_rows.append(row)
+        print(json.dumps({k: (v if not isinstance(v, dict) else {kk: vv for kk, vv in v.items()
+                                                                 if kk != "decode_seconds"}) for k, v in row.items()}))
+    rows = []
+    for batch in (1, 8, 32):
+        prompts = [env.prompt(t) for t in tasks[:max(batch, 8)]]
+        plain, ref = _run(model, prompts, sp, None, batch, repeats=repeats)
+        row = {"batch": batch, "prompts": len(prompts), "plain": plain}
+        for name, spec in methods.items():
+            r, out = _run(model, prompts, sp, spec, batch, repeats=repeats)
+            r["bitwise_equal_to_plain"] = _same(out, ref)
+            r["speedup_vs_plain"] = (r["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
+                                     if plain["decode_tokens_per_s"] else None)
+            row[name] = r
+        rows.append(row)
+        print(json.dumps({k: (v if not isinstance(v, dict) else {kk: vv for kk, vv in v.items()
+                                                                 if kk != "decode_seconds"}) for k, v in row.items()}))
+    mc = model.config
+    B, T, H, K = 8, 4, mc.kda_num_heads, mc.kda_head_dim
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(B, H, K, K, generator=g), torch.randn(T, B, H, K, generator=g),
+            torch.randn(T, B, H, K, generator=g), -torch.rand(T, B, H, K, generator=g),
+            torch.rand(T, B, H, generator=g),
+            torch.full((B,), 3))
+    ts = []
+    for _ in range(30):
+        t = time.perf_counter()
+        naive_replay_commit(*args)
+        ts.append(time.perf_counter() - t)
+    accept = [{"method": name, "shape": spec.shape, "verify": spec.verify.value,
+               "accept_length": rows[1][name]["accept_length"], "acceptance_rate": rows[1][name]["acceptance_rate"],
+               "bitwise_equal_to_plain": rows[1][name]["bitwise_equal_to_plain"]}
+              for name, spec in methods.items()]   # batch 8 (the rows at batch 1 and 32 hold the same walk)
+    return {"device": "cpu", "model": "tiny (the main job's SFT base)", "drafter": str(drafter_dir),
+            "accept_length_calculator": accept,
+            "workload": f"{len(tasks)} held-out calculator prompts (first max(batch, 8)), greedy, turn 0, "
+                        f"max_tokens {sp.max_tokens}, stop at the task's stop tokens",
+            "throughput": rows, "job_rollouts": job_rows,
+            "replay_commit_cpu": {"shape": f"B={B} T={T} H={H} K=V={K}, 3 accepted", "torch_fold_us_median":
+                                  statistics.median(ts) * 1e6}}
 
 
 @dataclass(frozen=True)

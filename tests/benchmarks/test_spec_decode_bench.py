@@ -1,0 +1,39 @@
+"""benchmarks/spec_decode.py's step phases (`--profile`: where a speculative step's time goes, the figure the
+batch-8 work on the H200 is steered by): the phases must add up to the step, be attributed to the phases that ran,
+and leave the engine's functions as they were; the CPU section stays wired to `--cpu`."""
+import pytest
+import torch
+
+import benchmarks.spec_decode as bench
+import k3.rollout.spec.decode as decode_module
+from k3.config import K3Config
+from k3.model import K3ForCausalLM
+from k3.rollout import SamplingParams
+from k3.rollout.spec import SpecConfig
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return K3ForCausalLM(K3Config.preset("tiny")).eval()
+
+
+def test_step_phases_add_up_and_restore_the_engine(model):
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 40, (12,), generator=g).tolist() * 2 for _ in range(3)]
+    originals = (decode_module.verify_batched, decode_module.commit, decode_module.next_logits,
+                 decode_module.SpecDecoder._propose_group)
+    seen = []
+    phases = bench.step_phases(model, prompts, SamplingParams(temperature=0.0, max_tokens=6),
+                               SpecConfig(draft_len=3, verify="batched"), 2, None, setup=seen.append)
+    assert len(seen) == 1 and seen[0].spec is not None   # setup(engine) ran on the engine it measured
+    assert phases["steps"] > 0 and {"propose", "verify_batched", "commit"} <= set(phases)
+    parts = [v for k, v in phases.items() if k not in ("steps", "step_ms", "rest_ms")]
+    assert all(v >= 0 for v in parts) and phases["verify_batched"] > 0
+    assert sum(parts) + phases["rest_ms"] == pytest.approx(phases["step_ms"], abs=0.01)
+    assert (decode_module.verify_batched, decode_module.commit, decode_module.next_logits,
+            decode_module.SpecDecoder._propose_group) == originals
+
+
+def test_cpu_section_is_the_cpu_flag():
+    assert callable(bench.cpu_section) and callable(bench.gpu_section) and callable(bench.memory_table)
