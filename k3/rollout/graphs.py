@@ -293,8 +293,9 @@ class DecodeGraphs:
                 and (lora is None or (self.adapters and (self._adapter_key(rows) is None or lora.capturable()))))
 
     def _adapter_key(self, rows: list["RunningSeq | None"]) -> tuple[int, ...] | None:
-        """GraphShape.adapters of a forward of `rows`: the adapter set when a row has an adapter, else None."""
-        if any(r is not None and adapter_slot(self.eng, r) >= 0 for r in rows):
+        """GraphShape.adapters of a forward of `rows`: the adapter set when a row has an adapter, else None (at once
+        without a LoRA manager: no per-row look-up on every decode step)."""
+        if self.eng.lora is not None and any(r is not None and adapter_slot(self.eng, r) >= 0 for r in rows):
             return self.eng.lora.signature()
         return None
 
