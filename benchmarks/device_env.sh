@@ -21,3 +21,14 @@ if [ "${K3_KEEP_TRITON_CACHE:-0}" = 1 ] && [ -n "${OUT:-}" ]; then
     [ -f .triton_cache/triton_autotune.tar.gz ] && tar -xzf .triton_cache/triton_autotune.tar.gz -C "$TRITON_CACHE_DIR"
     trap '(cd "$TRITON_CACHE_DIR" && find . -name "*.autotune.json" | tar -czf "$OUT/triton_autotune.tar.gz" -T -)' EXIT
 fi
+# K3_KEEP_TRITON_CACHE=all keeps the compiled kernels themselves, for runs whose first minutes are compilation
+# rather than autotuning (our kernels do not autotune: benchmarks/spec_decode.py's first SFT step, ~120 s, is
+# mostly compiling the model's Triton kernels). The whole cache is packed into $OUT/triton_cache_all.tar.gz (one
+# file; it comes back only under the tool's per-file limit, 16 MiB); carry it back as
+# .triton_cache/triton_cache_all.tar.gz. Same GPU, driver and Triton on the next machine: the cache keys match.
+if [ "${K3_KEEP_TRITON_CACHE:-0}" = all ] && [ -n "${OUT:-}" ]; then
+    export TRITON_CACHE_DIR=/tmp/triton_cache
+    mkdir -p "$TRITON_CACHE_DIR"
+    [ -f .triton_cache/triton_cache_all.tar.gz ] && tar -xzf .triton_cache/triton_cache_all.tar.gz -C "$TRITON_CACHE_DIR"
+    trap '(cd "$TRITON_CACHE_DIR" && tar -czf "$OUT/triton_cache_all.tar.gz" .)' EXIT
+fi
