@@ -7,7 +7,8 @@ one intra-op thread as `k3` runs):
     tokens and log-probs are bitwise plain decoding's;
   * decode tokens/s at decode batch 1, 8, 32 (as many prompts as seats): plain, n-gram exact (chain 3, tree
     2x3), drafter exact (chain 3, tree 2x3), drafter batched (chain 3, tree 2x3). Decode time = wall time inside
-    the decode forwards (plain) or the speculative steps (spec); tokens = those sampled in decode steps (each sequence's first comes from its prefill). Median of `--repeats`.
+    the decode forwards (plain) or the speculative steps (spec); tokens = those sampled in decode steps (each
+    sequence's first comes from its prefill). Median of `--repeats`.
     Also on the job's own rollouts (k3.jobs.episodes.run_episodes: G = 4 samples per task, all turns, temperature
     1, prefix cache on) with MATCH acceptance, so spec and plain produce the same episodes.
   * ReplaySSM commit time of the reference fold (torch, CPU) at the tiny model's dims.
@@ -18,6 +19,8 @@ GPU (`--gpu`): a K3-width model with 4 layers (3 KDA + 1 MLA, 96 heads x 128, hi
   tree 2x3 batched, chain 3 exact), n-gram and an oracle drafter (plain decoding's own greedy continuation, one
   draft token in three corrupted: accept length measured, not set); the Triton replay kernel against the torch fold
   at K3's dims. Rows are written as they finish (a call cut off at its limit keeps them, marked `partial`).
+  `--episodes N`: also the main job's rollouts of N held-out tasks (temperature 1, MATCH acceptance, prefix cache
+  on) at decode batch 8, plain against the n-gram and the trained drafter (`gpu_job_rollouts`).
   Token trees (2x3: top-2 at each of 3 depths, <= 14 nodes): n-gram and drafter rows on CPU (exact: the walk;
   batched: one forward under the tree mask), n-gram batched on the GPU, and the Triton tree verify vs its reference.
 Both: the memory table (spec scratch bytes per sequence per KDA layer at K3 dims vs fp32 snapshots), from the
@@ -331,6 +334,31 @@ def cpu_section(repeats: int) -> dict:
                                   statistics.median(ts) * 1e6}}
 
 
+def gpu_job_rollouts(model, env, drafter_dir: Path, cfg: "GpuSettings", batch: int = 8) -> dict:
+    """The main job's own rollouts on the GPU target (`episodes_driver`: every turn of `cfg.episodes_tasks`
+    held-out tasks, groups of 4 at temperature 1, the prefix cache on) at decode batch `batch`: plain decoding
+    against the n-gram and the trained drafter (batched chain 3) with MATCH acceptance, so both produce the same
+    episodes (bitwise checked). What an RL rollout pool sees, unlike the greedy rows."""
+    from k3.envs.calc_task import heldout_tasks
+    from k3.jobs.config import load_config
+    tasks = heldout_tasks()[:cfg.episodes_tasks]
+    drive = episodes_driver(env, tasks, load_config(None, {}).rollout.max_turn_tokens)
+    plain, ref = _run(model, None, None, None, batch, repeats=cfg.repeats, drive=drive)
+    row = {"batch": batch, "tasks": len(tasks), "group": 4, "temperature": 1.0, "plain": plain}
+    for name, spec in (("ngram_batched_match", SpecConfig(draft_len=3, acceptance="match", verify="batched")),
+                       ("drafter_batched_match", SpecConfig(method="drafter", draft_len=3, acceptance="match",
+                                                            verify="batched", drafter_path=str(drafter_dir)))):
+        r, out = _run(model, None, None, spec, batch, repeats=cfg.repeats, drive=drive)
+        r["bitwise_equal_to_plain"] = _same(out, ref)
+        r["speedup_vs_plain"] = (r["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
+                                 if plain["decode_tokens_per_s"] else None)
+        row[name] = r
+    print("job_rollouts", json.dumps({k: (v if not isinstance(v, dict) else {kk: vv for kk, vv in v.items()
+                                                                             if kk != "decode_seconds"})
+                                      for k, v in row.items()}), flush=True)
+    return row
+
+
 @dataclass(frozen=True)
 class GpuSettings:
     """The GPU section's run settings (the command line's GPU flags)."""
@@ -346,6 +374,7 @@ class GpuSettings:
     step_tokens: int | None = None      # the engines' max_step_tokens (None: the engine's default)
     only: tuple[str, ...] | None = None  # these methods (names); None: all
     profile: bool = False               # phases of a step per batch (`phase_timers`) and cProfile at batch 8
+    episodes_tasks: int = 0             # > 0: also the main job's rollouts of this many held-out tasks (`job_rollouts`)
 
 
 def gpu_section(cfg: GpuSettings, sink=None) -> dict:
@@ -450,6 +479,10 @@ def gpu_section(cfg: GpuSettings, sink=None) -> dict:
                 prof.disable()
                 print("profile", "plain" if spec is None else "drafter_batched", flush=True)
                 pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+    if cfg.episodes_tasks and time.perf_counter() - t_start <= cfg.budget_s:
+        section["job_rollouts"] = gpu_job_rollouts(model, env, drafter_dir, cfg)
+        if sink is not None:
+            sink(section)
     B, T, H, K = 8, 4, 96, 128
     dev = "cuda"
     args = (torch.randn(B, H, K, K, device=dev), torch.randn(T, B, H, K, device=dev).bfloat16(),
@@ -515,6 +548,8 @@ def main() -> None:
     ap.add_argument("--step-tokens", type=int, default=None,
                     help="GPU: the engines' max_step_tokens (e.g. 4096: every prompt prefilled before decoding)")
     ap.add_argument("--only", default=None, help="GPU: comma-separated method names (default: all)")
+    ap.add_argument("--episodes", type=int, default=0,
+                    help="GPU: also the main job's rollouts (temperature 1, MATCH) of this many held-out tasks")
     ap.add_argument("--merge", default=None, help="keep this results file's sections that this run does not measure")
     a = ap.parse_args()
     device = "cuda" if a.gpu else "cpu"
@@ -536,7 +571,7 @@ def main() -> None:
                                sft_lr=a.sft_lr, sft_budget_s=a.sft_budget, drafter_steps=a.drafter_steps,
                                drafter_tasks=a.drafter_tasks, batches=tuple(int(b) for b in a.batches.split(",")),
                                step_tokens=a.step_tokens, only=tuple(a.only.split(",")) if a.only else None,
-                               profile=a.profile)
+                               profile=a.profile, episodes_tasks=a.episodes)
         res["gpu"] = gpu_section(settings, sink)
         res.get("sections_from", {}).pop("gpu", None)
     print(json.dumps(res["memory_table_k3_dims_per_sequence_per_kda_layer"], indent=1))

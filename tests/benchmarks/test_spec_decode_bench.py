@@ -37,3 +37,18 @@ def test_step_phases_add_up_and_restore_the_engine(model):
 
 def test_cpu_section_is_the_cpu_flag():
     assert callable(bench.cpu_section) and callable(bench.gpu_section) and callable(bench.memory_table)
+
+
+def test_job_rollouts_row_compares_like_with_like(model, tmp_path):
+    """`--episodes`: the main job's rollouts (temperature 1, MATCH acceptance) through plain decoding, the n-gram
+    and a trained-format drafter (a random head here): the same episodes, bitwise, so the speedup compares like
+    with like."""
+    from k3.envs import CalculatorEnv
+    from k3.rollout.spec.drafter import DraftHead, save_drafter
+    save_drafter(DraftHead(model.config.hidden_size), tmp_path / "drafter", {"draft_vocab": list(range(3, 60))})
+    row = bench.gpu_job_rollouts(model, CalculatorEnv(), tmp_path / "drafter",
+                                 bench.GpuSettings(repeats=1, episodes_tasks=1), batch=4)
+    assert row["tasks"] == 1 and row["plain"]["decode_tokens"] > 0
+    for name in ("ngram_batched_match", "drafter_batched_match"):
+        assert row[name]["bitwise_equal_to_plain"], name
+        assert row[name]["verifies"] > 0
