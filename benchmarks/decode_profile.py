@@ -3,8 +3,9 @@ benchmarks/spec_decode.py (random weights), plain decoding and a batched chain-3
 batches (the speculative step always drafts 3 tokens, `FullDrafts`): first the wall ms per step of every
 configuration, eager and with the decode forwards as CUDA graphs (k3.rollout.graphs), then torch.profiler over
 eager runs of `--tokens` and of one token -- the decode steps' device kernel time (the difference; against the
-wall time: is the step host-bound?), the kernels by device time, the host ops by own time (`--stacks`: by Python call site). The timings come first: once the profiler has run in a process, its
-launches stay slower (they measured 2x). `--phases`: the speculative step's phases instead.
+wall time: is the step host-bound?), the kernels by device time, the host ops by own time (`--stacks`: by Python
+call site). The timings come first: once the profiler has run in a process, its launches stay slower (they
+measured 2x). `--phases`: the speculative step's phases instead.
 
     . benchmarks/device_env.sh && python3 -m benchmarks.decode_profile --batches 8 --spec > $OUT/profile.txt
 
@@ -18,8 +19,8 @@ import argparse
 import torch
 
 from benchmarks.k3_width import k3_width_model
-from benchmarks.spec_decode import _DecodeTimer, phase_timers
-from k3.rollout import Engine, SamplingParams
+from benchmarks.spec_decode import _DecodeTimer, bench_engine, step_phases
+from k3.rollout import SamplingParams
 from k3.rollout.spec import SpecConfig
 
 
@@ -40,8 +41,7 @@ class FullDrafts:
 
 def _engine(model, batch: int, spec: SpecConfig | None, graphs: bool = True):
     """An engine at decode batch `batch` (CUDA graphs on or off) and its _DecodeTimer."""
-    eng = Engine(model, prefix_cache=False, speculative=spec, decode_batch=batch, max_running=max(32, batch),
-                 device_states=max(256, 2 * batch + 2), device_pages=8192, cuda_graphs=graphs)
+    eng = bench_engine(model, spec, batch, cuda_graphs=graphs)
     if spec is not None:
         eng.spec.drafter = FullDrafts()
     return _DecodeTimer(eng), eng
@@ -101,20 +101,14 @@ def profile_decode(model, batch: int, spec: SpecConfig | None, tokens: int, stac
 
 
 def spec_phases(model, batch: int, tokens: int) -> None:
-    """Wall time of each phase of the batched chain-3 speculative step (`spec_decode.phase_timers`: the device
-    synchronised around each, so a phase's figure includes its device work): drafting, the verify forward, the
-    acceptance walk's picks, the commit, and the rest of the step. Prints ms per step."""
-    spec = SpecConfig(draft_len=3, verify="batched")
-    sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)
-    timer, eng = _run(model, batch, spec, tokens)   # kernel builds, graph captures
-    with phase_timers(sync) as spent:
-        timer, eng = _run(model, batch, spec, tokens, reuse=(timer, eng))
-    spent.pop("steps", None)
-    steps = max(1.0, _steps(timer, batch, spec, tokens))
-    parts = {k: round(v / steps * 1e3, 2) for k, v in spent.items()}
-    rest = timer.seconds / steps * 1e3 - sum(parts.values())
-    print(f"== phases, batch {batch}: step {timer.seconds / steps * 1e3:.2f} ms = {parts} + rest {rest:.2f} ms",
-          flush=True)
+    """Wall time of each phase of the batched chain-3 speculative step (`spec_decode.step_phases`: the device
+    synchronised around each, so a phase's figure includes its device work), every step drafting 3 tokens
+    (FullDrafts). Prints ms per step."""
+    def full_drafts(eng):
+        eng.spec.drafter = FullDrafts()
+    phases = step_phases(model, _prompts(batch), SamplingParams(temperature=0.0, max_tokens=tokens),
+                         SpecConfig(draft_len=3, verify="batched"), batch, None, setup=full_drafts)
+    print(f"== phases, batch {batch}: {phases}", flush=True)
 
 
 def main() -> None:

@@ -136,6 +136,16 @@ def eager_trees(eng: Engine) -> None:
             eng.spec.drafter.capture_graphs(trees=False)
 
 
+def bench_engine(model, spec, batch: int, step_tokens: int | None = None, prefix_cache: bool = False,
+                 **settings) -> Engine:
+    """The engine every throughput row, phase and profile runs on: decode batch `batch`, room for every prompt
+    (max_running, states, pages), `step_tokens` its max_step_tokens (None: the engine's default); `settings`: any
+    other EngineConfig field (e.g. cuda_graphs)."""
+    steps = {} if step_tokens is None else {"max_step_tokens": step_tokens}
+    return Engine(model, prefix_cache=prefix_cache, speculative=spec, decode_batch=batch, max_running=max(32, batch),
+                  device_states=max(256, 2 * batch + 2), device_pages=8192, **steps, **settings)
+
+
 def _run(model, prompts, sp, spec, batch, oracle_refs=None, repeats=1, drive=None, warmup=0, setup=None,
          step_tokens: int | None = None) -> dict:
     """`drive(engine) -> completions` (default: one generate of `prompts` with `sp`); `setup(engine)` after an
@@ -146,10 +156,7 @@ def _run(model, prompts, sp, spec, batch, oracle_refs=None, repeats=1, drive=Non
     times, out, stats, eng = [], None, None, None
     for i in range(warmup + repeats):
         if eng is None or drive is not None:
-            steps = {} if step_tokens is None else {"max_step_tokens": step_tokens}
-            eng = Engine(model, prefix_cache=drive is not None, speculative=spec, decode_batch=batch,
-                         max_running=max(32, batch), device_states=max(256, 2 * batch + 2), device_pages=8192,
-                         **steps)
+            eng = bench_engine(model, spec, batch, step_tokens, prefix_cache=drive is not None)
             timer = _DecodeTimer(eng)
             if setup is not None:
                 setup(eng)
@@ -228,9 +235,7 @@ def step_phases(model, prompts, sp, spec, batch: int, step_tokens: int | None, r
     the allocator growing its pool, does not stand in for a step). `setup(engine)` as in `_run`. The syncs
     around each phase also undo any overlap between phases (`overlap_drafting`): its gain shows in the
     throughput rows only."""
-    steps = {} if step_tokens is None else {"max_step_tokens": step_tokens}
-    eng = Engine(model, prefix_cache=False, speculative=spec, decode_batch=batch, max_running=max(32, batch),
-                 device_states=max(256, 2 * batch + 2), device_pages=8192, **steps)
+    eng = bench_engine(model, spec, batch, step_tokens)
     if setup is not None:
         setup(eng)
     timer = _DecodeTimer(eng)
@@ -362,7 +367,7 @@ def gpu_job_rollouts(model, env, drafter_dir: Path, cfg: "GpuSettings", batch: i
 @dataclass(frozen=True)
 class GpuSettings:
     """The GPU section's run settings (the command line's GPU flags)."""
-    repeats: int = 2
+    repeats: int = 3
     budget_s: float = 200.0             # no batch row starts after this many seconds
     target: str = "sft"                 # "random" (random weights; greedy, 32 new tokens, no stop) or "sft"
     sft_steps: int = 300
@@ -373,8 +378,8 @@ class GpuSettings:
     batches: tuple[int, ...] = (1, 8, 32)
     step_tokens: int | None = None      # the engines' max_step_tokens (None: the engine's default)
     only: tuple[str, ...] | None = None  # these methods (names); None: all
-    profile: bool = False               # phases of a step per batch (`phase_timers`) and cProfile at batch 8
-    episodes_tasks: int = 0             # > 0: also the main job's rollouts of this many held-out tasks (`job_rollouts`)
+    profile: bool = False               # phases of a step per batch (`step_phases`) and cProfile at batch 8
+    episodes_tasks: int = 0             # > 0: the main job's rollouts of this many held-out tasks (`job_rollouts`)
 
 
 def gpu_section(cfg: GpuSettings, sink=None) -> dict:
@@ -530,20 +535,22 @@ def gpu_section(cfg: GpuSettings, sink=None) -> dict:
 
 
 def main() -> None:
+    gpu = GpuSettings()   # the GPU flags' defaults
     ap = argparse.ArgumentParser()
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--gpu", action="store_true")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--gpu-budget", type=float, default=200.0)
-    ap.add_argument("--drafter-steps", type=int, default=600, help="GPU drafter training steps")
-    ap.add_argument("--drafter-tasks", type=int, default=1024, help="GPU drafter: training tasks rolled out (sft)")
+    ap.add_argument("--repeats", type=int, default=3, help="CPU and GPU rows (the GPU's: 5 advised)")
+    ap.add_argument("--gpu-budget", type=float, default=gpu.budget_s)
+    ap.add_argument("--drafter-steps", type=int, default=gpu.drafter_steps, help="GPU drafter training steps")
+    ap.add_argument("--drafter-tasks", type=int, default=gpu.drafter_tasks,
+                    help="GPU drafter: training tasks rolled out (sft)")
     ap.add_argument("--profile", action="store_true",
                     help="GPU: a step's phases per batch (n-gram, the drafter in bf16 and fp32); cProfile at batch 8")
-    ap.add_argument("--target", choices=("random", "sft"), default="sft", help="GPU target model")
-    ap.add_argument("--sft-steps", type=int, default=300)
-    ap.add_argument("--sft-lr", type=float, default=1e-4)
-    ap.add_argument("--sft-budget", type=float, default=150.0, help="GPU SFT seconds at most")
-    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--target", choices=("random", "sft"), default=gpu.target, help="GPU target model")
+    ap.add_argument("--sft-steps", type=int, default=gpu.sft_steps)
+    ap.add_argument("--sft-lr", type=float, default=gpu.sft_lr)
+    ap.add_argument("--sft-budget", type=float, default=gpu.sft_budget_s, help="GPU SFT seconds at most")
+    ap.add_argument("--batches", default=",".join(map(str, gpu.batches)))
     ap.add_argument("--out", default=str(RESULTS / "spec_decode.json"))
     ap.add_argument("--step-tokens", type=int, default=None,
                     help="GPU: the engines' max_step_tokens (e.g. 4096: every prompt prefilled before decoding)")

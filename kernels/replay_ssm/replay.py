@@ -75,7 +75,7 @@ def replay_commit(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     n = n_accept.to(device=state.device, dtype=torch.int32).contiguous()
     out = torch.empty_like(state)
     if state.shape[0]:
-        _launch(state, n, k, v, g, beta, n, out, state.shape[0], in_place=False)
+        _launch(state, n, k, v, g, beta, n, out, state.shape[0], in_place=False)   # (rows: unread when not in place)
     return out
 
 
