@@ -52,3 +52,29 @@ def test_job_rollouts_row_compares_like_with_like(model, tmp_path):
     for name in ("ngram_batched_match", "drafter_batched_match"):
         assert row[name]["bitwise_equal_to_plain"], name
         assert row[name]["verifies"] > 0
+
+
+def test_step_trace_summarises_steps_and_phases(model, tmp_path):
+    """benchmarks/step_trace.py (the H200 timeline the batch-8 work reads): on CPU the same run with a random
+    head, its phases found inside each step, host time within the step, no device time, and the engine's functions
+    restored afterwards."""
+    import benchmarks.step_trace as trace
+    originals = (decode_module.verify_batched, decode_module.commit, decode_module.next_logits,
+                 decode_module.SpecDecoder._propose_group, decode_module.SpecDecoder.step)
+    head = trace.random_head(model, tmp_path)
+    spec = SpecConfig(method="drafter", draft_len=3, verify="batched", drafter_path=str(head), lookup=0)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 40, (10,), generator=g).tolist() for _ in range(2)]
+    summary = trace.trace_run(model, 2, 8, spec, False, tmp_path, "t", prompts=prompts)
+    assert (tmp_path / "t.json.gz").exists() and summary["steps"] > 0
+    host = [summary[f"{p}_host_ms"] for p in trace.PHASES if f"{p}_host_ms" in summary]
+    assert len(host) == len(trace.PHASES) and 0 < sum(host) <= summary["step_ms"]
+    assert summary["device_busy_ms"] == 0.0
+    assert (decode_module.verify_batched, decode_module.commit, decode_module.next_logits,
+            decode_module.SpecDecoder._propose_group, decode_module.SpecDecoder.step) == originals
+
+
+def test_step_trace_union_counts_overlaps_once():
+    import benchmarks.step_trace as trace
+    assert trace._union([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4
+    assert trace._busy_within([(0, 10), (12, 14)], 5, 13) == 6
