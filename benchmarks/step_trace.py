@@ -92,7 +92,7 @@ def summarise(trace: dict) -> dict:
     ranges = {}
     for e in events:
         name = e.get("name", "")
-        if name.startswith("phase:"):
+        if name.startswith("phase:") and e.get("cat") == "user_annotation":   # host ranges (not their GPU copies)
             ranges.setdefault(name[6:], []).append((e["ts"], e["ts"] + e["dur"]))
     steps = sorted(ranges.get("step", []))[2:]
     if not steps:
@@ -146,11 +146,47 @@ def trace_run(model, batch: int, tokens: int, spec: SpecConfig | None, overlap: 
     return summarise(trace)
 
 
+def launch_costs(model, batch: int, tokens: int, spec: SpecConfig, repeats: int = 20) -> list[dict]:
+    """Host time of one `replay()` of each captured graph of a speculative engine (no profiler: the launch alone,
+    the device idle before it) beside its device time (CUDA events), medians of `repeats`: what a step's idle
+    device time between phases is made of. The graphs are replayed on their last inputs (the engine's own run
+    left them), so the replays change only buffers the next run rewrites."""
+    import statistics
+    import time
+    eng = bench_engine(model, spec, batch)
+    prompts, sp = _prompts(batch), SamplingParams(temperature=0.0, max_tokens=tokens)
+    eng.generate(prompts, sp)
+    graphs = [(f"verify {k.seats}x{k.tokens} pages {k.pages}" if k.verify else f"decode {k.seats}x{k.tokens}",
+               v.graph) for k, v in eng.graphs.shapes.items()]
+    graphs += [(f"commit {k.verify.seats}x{k.verify.tokens} steps {k.steps}", v.graph)
+               for k, v in eng.graphs.commits.items()]
+    graphs += [(f"drafter {k}", v.graph) for k, v in (getattr(eng.spec.drafter, "captured", None) or {}).items()]
+    rows = []
+    for name, graph in graphs:
+        if graph is None:
+            continue
+        host, device = [], []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            t = time.perf_counter()
+            graph.replay()
+            host.append((time.perf_counter() - t) * 1e3)
+            b.record()
+            torch.cuda.synchronize()
+            device.append(a.elapsed_time(b))
+        rows.append({"graph": name, "launch_host_ms": round(statistics.median(host), 4),
+                     "device_ms": round(statistics.median(device), 4)})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--launch", action="store_true", help="only the graphs' launch costs (no profiler)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -158,6 +194,11 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     head = random_head(model, tmp)
     spec = SpecConfig(method="drafter", draft_len=3, verify="batched", drafter_path=str(head), lookup=0)
+    if a.launch:
+        for b in [int(x) for x in a.batches.split(",")]:
+            for row in launch_costs(model, b, a.tokens, spec):
+                print(f"== batch {b} {row}", flush=True)
+        return
     for b in [int(x) for x in a.batches.split(",")]:
         for tag, sp, overlap in (("plain", None, False), ("drafter", spec, False), ("drafter_overlap", spec, True)):
             summary = trace_run(model, b, a.tokens, sp, overlap, out, f"b{b}_{tag}")

@@ -91,7 +91,7 @@ def next_logits(rows: torch.Tensor, on_host: list[bool]) -> list[NextLogits]:
     picks = [(int(t), float(p)) for t, p in zip(both[0].tolist(), both[1].tolist())]
     want = [r for r, h in enumerate(on_host) if h]
     host = rows[want].detach().float().cpu() if want else None
-    out = [NextLogits(rows[r], picks[r]) for r in range(rows.shape[0])]
+    out = [NextLogits(row, pick) for row, pick in zip(rows.unbind(0), picks)]   # one op for every row's view
     for i, r in enumerate(want):
         out[r]._host = host[i]
     return out

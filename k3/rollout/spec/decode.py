@@ -331,13 +331,24 @@ def _pick_greedy_rows(res, rows: list[int]) -> None:
     depend on the rows beside it: the same bits). Their positions' logits become NextLogits in place."""
     if not rows:
         return
-    flat = next_logits(torch.stack([x for r in rows for x in res.logits[r]]),
-                       [False] * sum(len(res.logits[r]) for r in rows))
-    at = 0
-    for r in rows:
-        n = len(res.logits[r])
-        res.logits[r] = flat[at:at + n]
-        at += n
+    if res.block is None:
+        flat = next_logits(torch.stack([x for r in rows for x in res.logits[r]]),
+                           [False] * sum(len(res.logits[r]) for r in rows))
+        at = 0
+        for r in rows:
+            n = len(res.logits[r])
+            res.logits[r] = flat[at:at + n]
+            at += n
+        return
+    # the verify's [rows, T, vocab] block (or the rows' part of it) picked whole: no per-position stacking; the
+    # padding positions of shorter drafts are picked too and dropped
+    block = res.block
+    if rows != list(range(block.shape[0])):
+        block = block[torch.tensor(rows, device=block.device)]
+    T = block.shape[1]
+    flat = next_logits(block.reshape(-1, block.shape[-1]), [False] * (len(rows) * T))
+    for i, r in enumerate(rows):
+        res.logits[r] = flat[i * T:i * T + len(res.logits[r])]
 
 
 def replay_step_inputs(mod, scratch: ReplayScratch, ki: int, window: torch.Tensor, steps: int, n_seat: torch.Tensor,

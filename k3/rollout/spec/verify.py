@@ -146,10 +146,14 @@ class TreeSpecView(TreeOps, SpecView):
 @dataclass
 class VerifyResult:
     logits: list[list]   # [row][t] logits after position t (t < len(tokens[row])): device rows [vocab], NextLogits once walked
-    routing: list[list[torch.Tensor]]   # [row][t] routed experts of position t
+    # [row][t] routed experts of position t; from a batched verify on CUDA a non-blocking copy: complete once the
+    # stream is synchronised (decode.step's first pick copy), not to be read before
+    routing: list[list[torch.Tensor]]
     scratch: ReplayScratch
     forwards: int
     features: list[list[torch.Tensor]] | None = None   # [row][t] the target's drafter features of position t
+    # batched verifies: every row's logits [rows, T, vocab] (logits[r][t] is a view of it), for one pick launch
+    block: torch.Tensor | None = None
 
 
 @contextlib.contextmanager
@@ -252,10 +256,9 @@ def verify_batched(eng: "Engine", rows: list["RunningSeq"], tokens: list[list[in
     graphed = eng.graphs is not None and eng.graphs.accepts_verify(seats, tree=par is not None)
     scratch = None if graphed else ReplayScratch.allocate(eng.model.config, len(eng.kda_index), eng.dtype,
                                                           len(rows), T, eng.device)
-    ids = torch.zeros(B, T, dtype=torch.long)
-    for r, toks in enumerate(tokens):
-        ids[r, :len(toks)] = torch.tensor(toks, dtype=torch.long)
-        ids[r, len(toks):] = toks[-1]
+    # one host tensor built from lists (not a few small tensor ops a row: host time the device waits for)
+    ids = torch.tensor([list(toks) + [toks[-1]] * (T - len(toks)) for toks in tokens] + [[0] * T] * (B - len(rows)),
+                       dtype=torch.long)
     if graphed:   # a captured verify (k3.rollout.graphs)
         out, scratch, feats = eng.graphs.verify(seats, ids, features=capture is not None, parents=par)
     elif parents is None:
@@ -266,14 +269,21 @@ def verify_batched(eng: "Engine", rows: list["RunningSeq"], tokens: list[list[in
             with eng._adapters_for(seats), (capture if capture is not None else contextlib.nullcontext()):
                 out = eng.model(ids.to(eng.device), view, return_routed_experts=True, check_ids=False)
             feats = capture.features() if capture is not None else None
+    R = len(rows)
     routed = out.routed_experts
-    all_routing = routed.to(torch.int32).cpu() if routed is not None else None
-    # device rows: the acceptance walk copies the rows it reaches to the host, depth by depth (decode.step)
-    logits = [[out.logits[r, j] for j in range(len(toks))] for r, toks in enumerate(tokens)]
-    routing = [[all_routing[r, j] if all_routing is not None else torch.zeros(0, dtype=torch.long)
-                for j in range(len(toks))] for r, toks in enumerate(tokens)]
-    features = None if feats is None else [[feats[r, j] for j in range(len(toks))] for r, toks in enumerate(tokens)]
-    return VerifyResult(logits, routing, scratch, 1, features)
+    # the routed experts come to the host without a sync of their own: the walk's first pick copy (same stream,
+    # queued after this one) waits for both; nothing reads them before that (VerifyResult.routing's contract)
+    all_routing = (routed[:R].to(torch.int32).to("cpu", non_blocking=True) if routed is not None else None)
+    # per-position views by unbind (one op a row, not one a position: ~3 host ops a position were ~1/3 of the
+    # step's idle device time at batch 8, benchmarks/step_trace.py); device rows: the acceptance walk copies the
+    # rows it reaches to the host (decode.step)
+    logits = [list(row.unbind(0))[:len(toks)] for row, toks in zip(out.logits[:R].unbind(0), tokens)]
+    empty = torch.zeros(0, dtype=torch.long)
+    routing = ([list(row.unbind(0))[:len(toks)] for row, toks in zip(all_routing.unbind(0), tokens)]
+               if all_routing is not None else [[empty] * len(toks) for toks in tokens])
+    features = (None if feats is None else
+                [list(row.unbind(0))[:len(toks)] for row, toks in zip(feats[:R].unbind(0), tokens)])
+    return VerifyResult(logits, routing, scratch, 1, features, out.logits[:R])
 
 
 def keep_path(eng: "Engine", rows: list["RunningSeq"], res: VerifyResult, order: list[list[int]]) -> None:
