@@ -294,11 +294,12 @@ def test_gpu_captured_adapters_are_the_eager_engine():
 
 @pytest.mark.gpu
 def test_gpu_overlapped_drafting_is_bitwise_and_drafts_the_same():
-    """`SpecDecoder.overlap_drafting`: the trained head's captured draft steps on a side stream, overlapping the
-    previous step's commit on the engine's stream. The head reads only the verify's features (the side stream
-    waits for them, not for the commit), so the drafts, the acceptance counts and the output are the same as on
-    the engine's stream, and bitwise plain decoding. (CPU: the same drafting path without streams, in the
-    drafter tests.)"""
+    """`SpecDecoder.overlap_drafting`: each continuing row's next chain drafted after the walk by the trained
+    head's captured steps on a side stream, beside the commit on the engine's stream, its drafts read from pinned
+    host memory at the next step. The head reads only the verify's features (the side stream waits for the verify,
+    not for the commit), so the drafts, the acceptance counts and the output are the same as drafting at the next
+    step on the engine's stream, and bitwise plain decoding. (CPU: the same path without streams,
+    test_spec_drafter.py's predrafting test.)"""
     from k3.config import K3Config
     from k3.model import K3ForCausalLM
     from k3.rollout.spec import SpecConfig
@@ -317,5 +318,6 @@ def test_gpu_overlapped_drafting_is_bitwise_and_drafts_the_same():
         out = eng.generate(_prompts(), GREEDY)
         assert same(out, ref)
         assert (eng.spec._draft_stream is not None) == overlap
+        assert (eng.stats["spec_predrafted"] > 0) == overlap
         runs.append({k: eng.stats[k] for k in ("spec_verifies", "spec_draft_tokens", "spec_accepted_tokens")})
     assert runs[0] == runs[1] and runs[0]["spec_draft_tokens"] > 0

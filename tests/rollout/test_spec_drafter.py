@@ -290,3 +290,33 @@ def test_prompt_lookup_beside_the_head(model, trained):
     with pytest.raises(ValueError, match="lookup"):
         SpecConfig(method="drafter", lookup=9).validate()
 
+
+
+@pytest.mark.parametrize("lookup", [0, 2])
+def test_predrafting_drafts_what_the_next_step_would(model, trained, lookup):
+    """`SpecDecoder.overlap_drafting`: each continuing row's next chain is drafted at the end of its step, before
+    the commit (on CUDA beside it, on a side stream). The next step takes those drafts instead of running the head:
+    the same drafts (same features, same last token), hence the same accept counts, and the output stays bitwise
+    plain decoding; rows whose position moved on (or that copy a suffix) are drafted as before. (The CUDA run with
+    the side stream: test_graphs.py's gpu test.)"""
+    prompts, sp, ref, path, _ = trained
+    runs, engines = [], []
+    for overlap in (False, True):
+        cfg = SpecConfig(method="drafter", drafter_path=str(path), verify="batched", lookup=lookup)
+        eng = Engine(model, prefix_cache=True, speculative=cfg, **SMALL)
+        eng.spec.overlap_drafting = overlap
+        drafted = []
+        propose = eng.spec._propose_group
+
+        def recorded(group, speculating, propose=propose, drafted=drafted):
+            trees = propose(group, speculating)
+            drafted.append([t.tokens for t in trees])
+            return trees
+        eng.spec._propose_group = recorded
+        eng.check_each_step = True
+        assert same(eng.generate(prompts, sp), ref)
+        runs.append(drafted)
+        engines.append(eng)
+    assert runs[0] == runs[1]
+    assert engines[0].stats["spec_predrafted"] == 0
+    assert engines[1].stats["spec_predrafted"] > 0.5 * engines[1].stats["spec_verifies"], engines[1].stats

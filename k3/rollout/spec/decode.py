@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from k3.rollout.sequence import RunningSeq
 
 SPEC_STATS = ("spec_verifies", "spec_draft_tokens", "spec_accepted_tokens", "spec_emitted_tokens",
-              "spec_scratch_bytes_max")
+              "spec_scratch_bytes_max", "spec_predrafted")
 
 
 class SpecDecoder:
@@ -56,12 +56,15 @@ class SpecDecoder:
         self.contexts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # request -> its prompt's last-position features (what a row's first decode step of a turn drafts from)
         self.prompt_features: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        # CUDA: run the trained head's batched draft steps on a side stream, so that they overlap the previous
-        # step's commit (queued on the engine's stream behind the verify whose features they read); no effect on
-        # CPU or for drafters without a batched head. Drafts are the same either way (same kernels, same inputs).
+        # Draft each continuing row's next chain right after the walk, before the commit (`_predraft`): the
+        # trained head's chain steps are launched then (on CUDA on a side stream that waits for the verify, not
+        # for the commit, so the two run side by side) and the next step takes the drafts from pinned host memory
+        # while the commit still runs. Same drafts as drafting at the next step (same features, last token and
+        # kernels); chains of a batched head only.
         self.overlap_drafting = False
         self._draft_stream = None
-        self._features_ready = None   # an event on the engine's stream once the last verify's features exist
+        # seq -> (the position its draft is for, host drafts [rows, draft_len], its row, an event or None)
+        self.predrafts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         for k in SPEC_STATS:
             eng.stats.setdefault(k, 0)
 
@@ -141,14 +144,18 @@ class SpecDecoder:
         copied = {r for r, (_, n) in enumerate(found) if self.lookup and cfg.branching == 1 and n >= cfg.lookup}
         feats = [self._features_of(s) if k and r not in copied else None for r, (s, k) in enumerate(zip(group, limits))]
         rows = [r for r, f in enumerate(feats) if f is not None]
+        if cfg.branching == 1:   # rows drafted at the end of their previous step (`_predraft`)
+            ready = [r for r in rows if self._take_predraft(group[r], limits[r], trees, r)]
+            rows = [r for r in rows if r not in ready]
+            for r in ready:
+                trees[r] = self._checked(trees[r], limits[r])
         if rows:
             last = [key_token(group[r].key[group[r].pos]) for r in rows]
-            with self._drafting_stream():
-                stacked = torch.stack([feats[r].reshape(-1) for r in rows])
-                if cfg.branching == 1:
-                    drafted = [DraftTree.chain(c) for c in batched(stacked, last, [limits[r] for r in rows])]
-                else:
-                    drafted = batched(stacked, last, cfg.branching, [limits[r] for r in rows], cfg.tree_nodes)
+            stacked = torch.stack([feats[r].reshape(-1) for r in rows])
+            if cfg.branching == 1:
+                drafted = [DraftTree.chain(c) for c in batched(stacked, last, [limits[r] for r in rows])]
+            else:
+                drafted = batched(stacked, last, cfg.branching, [limits[r] for r in rows], cfg.tree_nodes)
             for r, tree in zip(rows, drafted):
                 trees[r] = self._checked(tree, limits[r])
         if self.lookup:
@@ -156,27 +163,58 @@ class SpecDecoder:
                      for r, (s, t, k) in enumerate(zip(group, trees, limits))]
         return trees
 
-    @contextlib.contextmanager
-    def _drafting_stream(self):
-        """Where the head's batched draft steps run: the engine's stream, or with `overlap_drafting` on CUDA a side
-        stream that waits for the last verify's features (`_features_ready`; before the first verify, for all the
-        engine's work so far) but not for the commit queued behind them. The drafts come back to the host inside
-        the block (the side stream synchronised), and the engine's stream then waits for the side stream, so no
-        tensor crosses between the streams unordered."""
-        if not (self.overlap_drafting and self.eng.device.type == "cuda"):
-            yield
-            return
-        main = torch.cuda.current_stream(self.eng.device)
-        if self._draft_stream is None:
-            self._draft_stream = torch.cuda.Stream(self.eng.device)
-        side = self._draft_stream
-        if self._features_ready is not None:
-            side.wait_event(self._features_ready)
-        else:
-            side.wait_stream(main)
-        with torch.cuda.stream(side):
-            yield
-        main.wait_stream(side)
+    def _take_predraft(self, s: "RunningSeq", k: int, trees: list[DraftTree], r: int) -> bool:
+        """Row `s`'s chain drafted at the end of its previous step, if it was drafted for the row's current
+        position: its first k tokens into trees[r]; True when found."""
+        got = self.predrafts.pop(s, None)
+        if got is None or got[0] != s.pos:
+            return False
+        _, host, row, event = got
+        if event is not None:
+            event.synchronize()   # the head's steps and their copy, not the commit beside them
+        trees[r] = DraftTree.chain(host[row, :k].tolist())
+        self.eng.stats["spec_predrafted"] += 1
+        return True
+
+    def _predraft(self, group: list["RunningSeq"], emitted: list[list[Emitted]], n_commit: list[int],
+                  speculating: list[bool], res) -> "torch.cuda.Stream | None":
+        """`overlap_drafting`, after the walk and before the commit: the trained head's next chain (draft_len
+        steps) of every row that goes on speculating, from the features of its last committed position and its
+        last emitted token -- what `_propose_group` would draft from at the next step -- launched now. On CUDA on
+        a side stream that waits for the engine's stream as it is now (the verify, the picks), not for the commit
+        queued next, and the drafts copied to pinned host memory behind an event. Returns the side stream (the
+        caller makes the engine's stream wait for it after queuing the commit), or None."""
+        cfg = self.cfg
+        if not (self.overlap_drafting and cfg.branching == 1 and res.features is not None
+                and hasattr(self.drafter, "launch_chains")):
+            return None
+        rows = []
+        for r, (s, em, spec) in enumerate(zip(group, emitted, speculating)):
+            p = s.req.params
+            if spec and em and em[-1].token not in p.stop_token_ids and len(s.out_tokens) + len(em) < p.max_tokens:
+                rows.append(r)
+        if not rows:
+            return None
+        side = None
+        if self.eng.device.type == "cuda":
+            if self._draft_stream is None:
+                self._draft_stream = torch.cuda.Stream(self.eng.device)
+            side = self._draft_stream
+            side.wait_stream(torch.cuda.current_stream(self.eng.device))
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            feats = torch.stack([res.features[r][n_commit[r] - 1].reshape(-1) for r in rows])
+            drafts = self.drafter.launch_chains(feats, [emitted[r][-1].token for r in rows], cfg.draft_len)
+            event = None
+            if side is not None:
+                host = torch.empty(drafts.shape, dtype=drafts.dtype, pin_memory=True)
+                host.copy_(drafts, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(side)
+            else:
+                host = drafts
+        for i, r in enumerate(rows):
+            self.predrafts[group[r]] = (group[r].pos + n_commit[r], host, i, event)
+        return side
 
     def _features_of(self, s: "RunningSeq") -> torch.Tensor | None:
         """The target's features a row's next draft starts from: its last committed position's, or on the turn's
@@ -297,12 +335,12 @@ class SpecDecoder:
                 keep_path(eng, group, res, order)
         else:
             res = verify_walk(eng, group, roots, positions, advance, capture)
-        if self.overlap_drafting and eng.device.type == "cuda":   # the next drafts' inputs exist from here on
-            self._features_ready = torch.cuda.Event()
-            self._features_ready.record()
         eng.stats["forwards"] += res.forwards
         n_commit = [len(em) if spec else 1 for em, spec in zip(emitted, speculating)]
+        side = self._predraft(group, emitted, n_commit, speculating, res)
         commit(eng, group, res.scratch, n_commit)
+        if side is not None:   # later work on the engine's stream (the next verify) after the drafts
+            torch.cuda.current_stream(eng.device).wait_stream(side)
         st = eng.stats
         st["spec_verifies"] += sum(speculating)
         st["spec_draft_tokens"] += sum(len(t) for t in trees)

@@ -164,15 +164,22 @@ class TrainedDrafter:
         and the lm_head per draft step for the whole group, instead of one per row."""
         if not ks or max(ks) <= 0:
             return [[] for _ in ks]
-        emb = self.target.model.embed_tokens.weight
-        feats = feats.to(self.dtype).view(len(ks), -1)
-        tok = torch.tensor(last_tokens, dtype=torch.long, device=emb.device)
-        steps = max(ks)
-        if self.captured is None:
-            drafts = self._chain_steps(feats, tok, steps)
-        else:
-            drafts = self._call(("chain", len(ks), steps), lambda f, t: self._chain_steps(f, t, steps), (feats, tok))
+        drafts = self.launch_chains(feats, last_tokens, max(ks))
         return [d[:k] for d, k in zip(drafts.tolist(), ks)]
+
+    @torch.no_grad()
+    def launch_chains(self, feats: torch.Tensor, last_tokens: list[int], steps: int) -> torch.Tensor:
+        """`propose_chains`' draft steps, left on the device: token ids [R, steps] (the caller copies them when it
+        needs them; a chain's first j tokens do not depend on how many steps follow)."""
+        emb = self.target.model.embed_tokens.weight
+        feats = feats.to(self.dtype).view(len(last_tokens), -1)
+        if emb.is_cuda:   # from pinned memory: a pageable copy may wait for the stream's queued work
+            tok = torch.tensor(last_tokens, dtype=torch.long, pin_memory=True).to(emb.device, non_blocking=True)
+        else:
+            tok = torch.tensor(last_tokens, dtype=torch.long)
+        if self.captured is None:
+            return self._chain_steps(feats, tok, steps)
+        return self._call(("chain", len(last_tokens), steps), lambda f, t: self._chain_steps(f, t, steps), (feats, tok))
 
     def _chain_steps(self, feats: torch.Tensor, tok: torch.Tensor, steps: int) -> torch.Tensor:
         """Greedy draft tokens [R, steps] from the features [R, 3d] and the rows' last tokens [R]."""
