@@ -176,34 +176,37 @@ class SpecDecoder:
         self.eng.stats["spec_predrafted"] += 1
         return True
 
-    def _predraft(self, group: list["RunningSeq"], emitted: list[list[Emitted]], n_commit: list[int],
-                  speculating: list[bool], res) -> "torch.cuda.Stream | None":
-        """`overlap_drafting`, after the walk and before the commit: the trained head's next chain (draft_len
-        steps) of every row that goes on speculating, from the features of its last committed position and its
-        last emitted token -- what `_propose_group` would draft from at the next step -- launched now. On CUDA on
-        a side stream that waits for the engine's stream as it is now (the verify, the picks), not for the commit
-        queued next, and the drafts copied to pinned host memory behind an event. Returns the side stream (the
-        caller makes the engine's stream wait for it after queuing the commit), or None."""
+    def _predraft(self, group: list["RunningSeq"], speculating: list[bool], verified) -> None:
+        """`overlap_drafting`, at the end of a step (the rows' tokens emitted, the commit queued): the trained
+        head's next chain of every row that goes on speculating and would run the head at its next step -- what
+        `_propose_group` drafts then, from the same features, last token and draft limit, for the same rows (those
+        whose prompt lookup is not trusted) -- launched now. On CUDA on a side stream that waits for `verified`
+        (an event recorded after the verify, before the commit), so the head runs beside the commit; the drafts
+        go to pinned host memory behind an event, and the engine's stream waits for the side stream before its
+        next work (the next verify)."""
         cfg = self.cfg
-        if not (self.overlap_drafting and cfg.branching == 1 and res.features is not None
-                and hasattr(self.drafter, "launch_chains")):
-            return None
-        rows = []
-        for r, (s, em, spec) in enumerate(zip(group, emitted, speculating)):
-            p = s.req.params
-            if spec and em and em[-1].token not in p.stop_token_ids and len(s.out_tokens) + len(em) < p.max_tokens:
-                rows.append(r)
+        if not (self.overlap_drafting and cfg.branching == 1 and hasattr(self.drafter, "launch_chains")):
+            return
+        rows, limits = [], []
+        for s, spec in zip(group, speculating):
+            if not spec or s.pending == 0 or s not in self.features:
+                continue   # finished, or no features to draft from
+            k = self.draft_limit(s)
+            if k == 0 or (self.lookup and self._context(s).match(k)[1] >= cfg.lookup):
+                continue   # nothing to draft, or a trusted copy: the head does not run for it
+            rows.append(s)
+            limits.append(k)
         if not rows:
-            return None
+            return
         side = None
         if self.eng.device.type == "cuda":
             if self._draft_stream is None:
                 self._draft_stream = torch.cuda.Stream(self.eng.device)
             side = self._draft_stream
-            side.wait_stream(torch.cuda.current_stream(self.eng.device))
+            side.wait_event(verified)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            feats = torch.stack([res.features[r][n_commit[r] - 1].reshape(-1) for r in rows])
-            drafts = self.drafter.launch_chains(feats, [emitted[r][-1].token for r in rows], cfg.draft_len)
+            feats = torch.stack([self.features[s].reshape(-1) for s in rows])
+            drafts = self.drafter.launch_chains(feats, [key_token(s.key[s.pos]) for s in rows], max(limits))
             event = None
             if side is not None:
                 host = torch.empty(drafts.shape, dtype=drafts.dtype, pin_memory=True)
@@ -212,9 +215,10 @@ class SpecDecoder:
                 event.record(side)
             else:
                 host = drafts
-        for i, r in enumerate(rows):
-            self.predrafts[group[r]] = (group[r].pos + n_commit[r], host, i, event)
-        return side
+        if side is not None:
+            torch.cuda.current_stream(self.eng.device).wait_stream(side)
+        for i, s in enumerate(rows):
+            self.predrafts[s] = (s.pos, host, i, event)
 
     def _features_of(self, s: "RunningSeq") -> torch.Tensor | None:
         """The target's features a row's next draft starts from: its last committed position's, or on the turn's
@@ -337,10 +341,11 @@ class SpecDecoder:
             res = verify_walk(eng, group, roots, positions, advance, capture)
         eng.stats["forwards"] += res.forwards
         n_commit = [len(em) if spec else 1 for em, spec in zip(emitted, speculating)]
-        side = self._predraft(group, emitted, n_commit, speculating, res)
+        verified = None
+        if self.overlap_drafting and eng.device.type == "cuda":   # the next drafts' inputs exist from here on
+            verified = torch.cuda.Event()
+            verified.record()
         commit(eng, group, res.scratch, n_commit)
-        if side is not None:   # later work on the engine's stream (the next verify) after the drafts
-            torch.cuda.current_stream(eng.device).wait_stream(side)
         st = eng.stats
         st["spec_verifies"] += sum(speculating)
         st["spec_draft_tokens"] += sum(len(t) for t in trees)
@@ -361,6 +366,7 @@ class SpecDecoder:
                         s.pos % eng.cfg.checkpoint_interval == 0 or s.pos in s.branch_at):
                     eng._checkpoint(s, None)
                 eng._emit(s, e.token, e.logprob, e.sampling_logprob, rt[j])
+        self._predraft(group, speculating, verified)
 
 
 def _pick_greedy_rows(res, rows: list[int]) -> None:
