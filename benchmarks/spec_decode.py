@@ -122,7 +122,7 @@ class Oracle:
 
 
 def overlap_drafting(eng: Engine) -> None:
-    """The trained head's draft steps on a side stream, overlapping the previous step's commit
+    """Each row's next chain drafted at the end of its step, the head on a side stream beside the commit
     (`SpecDecoder.overlap_drafting`)."""
     eng.spec.overlap_drafting = True
 

@@ -56,11 +56,11 @@ class SpecDecoder:
         self.contexts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # request -> its prompt's last-position features (what a row's first decode step of a turn drafts from)
         self.prompt_features: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        # Draft each continuing row's next chain right after the walk, before the commit (`_predraft`): the
-        # trained head's chain steps are launched then (on CUDA on a side stream that waits for the verify, not
-        # for the commit, so the two run side by side) and the next step takes the drafts from pinned host memory
-        # while the commit still runs. Same drafts as drafting at the next step (same features, last token and
-        # kernels); chains of a batched head only.
+        # Draft each continuing row's next chain at the end of its step (`_predraft`): the trained head's chain
+        # steps are launched then (on CUDA on a side stream that waits for the verify, not for the commit, so the
+        # two run side by side) and the next step takes the drafts from pinned host memory. Same drafts as drafting
+        # at the next step (same features, last token, limit and kernels); chains of a batched head only. Off by
+        # default: on the H200 it measured the same as drafting at the next step at batch 8 (NOTES.md, session 28).
         self.overlap_drafting = False
         self._draft_stream = None
         # seq -> (the position its draft is for, host drafts [rows, draft_len], its row, an event or None)
