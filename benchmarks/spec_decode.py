@@ -422,6 +422,9 @@ def gpu_section(cfg: GpuSettings, sink=None) -> dict:
                ("drafter_fp32_batched", SpecConfig(method="drafter", draft_len=3, verify="batched",
                                                    drafter_path=str(drafter_dir), drafter_dtype="float32"), False,
                 None),
+               ("drafter_fp8_batched", SpecConfig(method="drafter", draft_len=3, verify="batched",
+                                                  drafter_path=str(drafter_dir), drafter_dtype="float8"), False,
+                None),
                ("drafter_tree_2x3_batched", tree, False, None),
                ("drafter_exact", SpecConfig(method="drafter", draft_len=3, drafter_path=str(drafter_dir)), False,
                 None),
@@ -467,7 +470,8 @@ def gpu_section(cfg: GpuSettings, sink=None) -> dict:
             sink(section)
         if cfg.profile:
             by_name = {m[0]: m for m in methods}
-            for name in ("ngram_batched", "drafter_batched", "drafter_overlap_batched", "drafter_fp32_batched"):
+            for name in ("ngram_batched", "drafter_batched", "drafter_overlap_batched", "drafter_fp32_batched",
+                         "drafter_fp8_batched"):
                 if name in by_name:
                     _, spec, _, setup = by_name[name]
                     phases = step_phases(model, prompts, sp, spec, batch, cfg.step_tokens, setup=setup)

@@ -187,13 +187,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--out", required=True)
     ap.add_argument("--launch", action="store_true", help="only the graphs' launch costs (no profiler)")
+    ap.add_argument("--drafter-dtype", default="target", help="SpecConfig.drafter_dtype of the random head")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     model = k3_width_model()
     tmp = Path(tempfile.mkdtemp())
     head = random_head(model, tmp)
-    spec = SpecConfig(method="drafter", draft_len=3, verify="batched", drafter_path=str(head), lookup=0)
+    spec = SpecConfig(method="drafter", draft_len=3, verify="batched", drafter_path=str(head), lookup=0,
+                      drafter_dtype=a.drafter_dtype)
     if a.launch:
         for b in [int(x) for x in a.batches.split(",")]:
             for row in launch_costs(model, b, a.tokens, spec):

@@ -354,3 +354,18 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
         from k3_kernels.moe.quant import dequantize_mxfp4 as triton_dequantize_mxfp4
         return triton_dequantize_mxfp4(packed, scales, dtype)
     return naive_dequant_mxfp4(packed, scales, dtype)
+
+
+# Set to True (tests) to run the weight-only FP8 linear (k3_kernels.fp8_linear) on CPU tensors too, in Triton's
+# interpreter.
+FP8_LINEAR_KERNEL_ON_CPU = False
+
+
+def fp8_weight_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ (q [N, K] e4m3 * scale [N] per row).T -> [..., N] in x's dtype, for a few rows (the trained draft
+    head's steps). CUDA: the Triton kernel (half a bf16 weight's bytes); CPU: the spec."""
+    from k3_kernels.fp8_linear.naive import MAX_ROWS, naive_fp8_weight_linear
+    if (_on_cuda(x) or FP8_LINEAR_KERNEL_ON_CPU) and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS:
+        from k3_kernels.fp8_linear import fp8_weight_linear as triton_fp8_weight_linear
+        return triton_fp8_weight_linear(x, q, scale)
+    return naive_fp8_weight_linear(x, q, scale)

@@ -320,3 +320,23 @@ def test_predrafting_drafts_what_the_next_step_would(model, trained, lookup):
     assert runs[0] == runs[1]
     assert engines[0].stats["spec_predrafted"] == 0
     assert engines[1].stats["spec_predrafted"] > 0.5 * engines[1].stats["spec_verifies"], engines[1].stats
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_float8_head_is_bitwise_plain_decoding(model, trained, kernel, monkeypatch):
+    """`drafter_dtype="float8"`: the head's matrices in e4m3 with a scale per output row (a quarter of the fp32
+    bytes a draft step reads; the Triton kernel on the GPU: here its spec, and the kernel in Triton's interpreter):
+    other drafts, the same output -- bitwise plain decoding -- and still accepted on the rollouts the head was
+    trained on."""
+    from k3.model import ops
+    from k3.rollout.spec.drafter import Fp8Linear
+    monkeypatch.setattr(ops, "FP8_LINEAR_KERNEL_ON_CPU", kernel)
+    prompts, sp, ref, path, _ = trained
+    cfg = SpecConfig(method="drafter", drafter_path=str(path), verify="batched", drafter_dtype="float8", lookup=0)
+    eng = Engine(model, prefix_cache=True, speculative=cfg, **SMALL)
+    head = eng.spec.drafter.head
+    assert all(isinstance(getattr(head, n), Fp8Linear) for n in ("fuse", "mix", "up", "down"))
+    assert head.mix.q.dtype == torch.float8_e4m3fn and eng.spec.drafter.dtype == next(model.parameters()).dtype
+    assert same(eng.generate(prompts, sp), ref)
+    st = eng.stats
+    assert st["spec_accepted_tokens"] > 0.3 * st["spec_draft_tokens"], st

@@ -54,16 +54,19 @@ class DrafterDtype(str, enum.Enum):
     """The trained head's weights and arithmetic at draft time (its RMS norms reduce in fp32 either way). TARGET
     (the default): the target model's parameter dtype (bf16 for a bf16 target, fp32 for the CPU tiny model).
     FLOAT32: as trained. BFLOAT16: half the bytes a draft step reads (at K3's width the head's fuse / mix / up /
-    down matrices are 1.8 GB in fp32, read once (fuse) and three times (the rest) for a chain of 3). The values
-    other than "target" are the torch dtypes' names."""
+    down matrices are 1.8 GB in fp32, read once (fuse) and three times (the rest) for a chain of 3). FLOAT8: those
+    four matrices in e4m3 with one scale per output row (k3_kernels.fp8_linear; a quarter of fp32's bytes), the
+    activations in the target's dtype. The values other than "target" and "float8" are the torch dtypes' names."""
     TARGET = "target"
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
+    FLOAT8 = "float8"
 
     def torch_dtype(self, target: "torch.dtype") -> "torch.dtype":
-        """The dtype it names for a target whose parameters are `target`."""
+        """The dtype of the head's activations (and, but for FLOAT8, its weights) for a target whose parameters
+        are `target`."""
         import torch
-        return target if self is DrafterDtype.TARGET else getattr(torch, self.value)
+        return target if self in (DrafterDtype.TARGET, DrafterDtype.FLOAT8) else getattr(torch, self.value)
 
 
 @dataclass(frozen=True)

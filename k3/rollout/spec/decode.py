@@ -22,7 +22,7 @@ import torch
 from k3.model import ops
 from k3.rollout.sampler import NextLogits, next_logits
 from k3.rollout.spec.accept import Emitted, accept_at_node
-from k3.rollout.spec.config import Acceptance, SpecConfig, SpecMethod, VerifyMode
+from k3.rollout.spec.config import Acceptance, DrafterDtype, SpecConfig, SpecMethod, VerifyMode
 from k3.rollout.spec.ngram import NgramDrafter, SuffixIndex
 from k3.rollout.spec.scratch import ReplayScratch
 from k3.rollout.spec.tree import DraftTree, build_tree
@@ -48,7 +48,8 @@ class SpecDecoder:
             self.drafter = NgramDrafter(cfg.ngram_max, cfg.ngram_min)
         else:
             from k3.rollout.spec.drafter import load_drafter
-            self.drafter = load_drafter(cfg.drafter_path, eng.model, cfg.drafter_dtype.torch_dtype(eng.dtype))
+            self.drafter = load_drafter(cfg.drafter_path, eng.model, cfg.drafter_dtype.torch_dtype(eng.dtype),
+                                        fp8_weights=cfg.drafter_dtype is DrafterDtype.FLOAT8)
             if eng.graphs is not None:   # the chain's draft steps as CUDA graphs too
                 self.drafter.capture_graphs(trees=eng.graphs.trees)
         self.features: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # seq -> its latest features

@@ -74,6 +74,24 @@ class FeatureCapture:
         return torch.cat([self.parts["low"], self.parts["mid"], self.parts["high"]], dim=-1).float()
 
 
+class Fp8Linear(nn.Module):
+    """A bias-free nn.Linear's weight in e4m3 with one fp32 scale per output row (k3.model.ops.fp8_weight_linear):
+    the draft head's matrices at half a bf16 weight's bytes; drafting only (no gradient)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        from k3_kernels.fp8_linear import quantize_weight_rows
+        if linear.bias is not None:
+            raise ValueError("Fp8Linear: the draft head's linears have no bias")
+        q, scale = quantize_weight_rows(linear.weight.detach())
+        self.register_buffer("q", q.to(linear.weight.device))
+        self.register_buffer("scale", scale.to(linear.weight.device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from k3.model import ops
+        return ops.fp8_weight_linear(x, self.q, self.scale)
+
+
 class DraftHead(nn.Module):
     def __init__(self, hidden: int, eps: float = 1e-6):
         super().__init__()
@@ -112,9 +130,15 @@ class TrainedDrafter:
     needs_features = True
 
     def __init__(self, head: DraftHead, target: K3ForCausalLM, draft_vocab: list[int] | None = None,
-                 dtype: torch.dtype = torch.float32):
-        """`dtype`: the head's weights and activations at draft time (SpecConfig.drafter_dtype)."""
-        self.head, self.target, self.dtype = head.to(dtype).eval(), target, dtype
+                 dtype: torch.dtype = torch.float32, fp8_weights: bool = False):
+        """`dtype`: the head's weights and activations at draft time (SpecConfig.drafter_dtype); `fp8_weights`:
+        the fuse / mix / up / down weights in e4m3 instead (`Fp8Linear`), the activations in `dtype`."""
+        if fp8_weights:   # quantised from the weights as trained (the module then holds no other tensors)
+            for name in ("fuse", "mix", "up", "down"):
+                setattr(head, name, Fp8Linear(getattr(head, name)))
+        else:
+            head = head.to(dtype)
+        self.head, self.target, self.dtype = head.eval(), target, dtype
         self.rows = lm_head_rows(target, draft_vocab)
         self.vocab = None if draft_vocab is None else torch.tensor(draft_vocab, dtype=torch.long,
                                                                    device=self.rows.device)
@@ -283,10 +307,10 @@ def save_drafter(head: DraftHead, path: Path, meta: dict) -> None:
     tmp.rename(path)
 
 
-def load_drafter(path: str | Path | None, target: K3ForCausalLM, dtype: torch.dtype = torch.float32
-                 ) -> TrainedDrafter:
-    """The trained head at `path` (a `k3 train-drafter` output directory) for `target`, drafting in `dtype`;
-    errors name the field."""
+def load_drafter(path: str | Path | None, target: K3ForCausalLM, dtype: torch.dtype = torch.float32,
+                 fp8_weights: bool = False) -> TrainedDrafter:
+    """The trained head at `path` (a `k3 train-drafter` output directory) for `target`, drafting in `dtype` (with
+    `fp8_weights`, its matrices in e4m3: TrainedDrafter); errors name the field."""
     if path is None:
         raise ValueError("speculative.drafter_path: method 'drafter' needs the trained head's directory "
                          "(`k3 train-drafter` prints it)")
@@ -307,4 +331,4 @@ def load_drafter(path: str | Path | None, target: K3ForCausalLM, dtype: torch.dt
         head = DraftHead(meta["hidden"])
     head.load_state_dict(load_file(str(p / WEIGHTS)), assign=True)
     dev = next(target.parameters()).device
-    return TrainedDrafter(head.to(dev), target, vocab, dtype)
+    return TrainedDrafter(head.to(dev), target, vocab, dtype, fp8_weights)
