@@ -182,18 +182,25 @@ def _run(model, prompts, sp, spec, batch, oracle_refs=None, repeats=1, drive=Non
 
 def episodes_driver(env, tasks, max_turn_tokens: int):
     """`drive(engine) -> completions` of the main job's rollouts: `run_episodes` of `tasks`, groups of 4 at
-    temperature 1 (seed 5), each episode as a completion (token_ids, logprobs) to compare with plain decoding's."""
+    temperature 1 (seed 5), each episode as a completion (token_ids, logprobs, the model tokens' routed experts) to
+    compare with plain decoding's."""
     from k3.jobs.episodes import run_episodes
 
     def drive(eng):
         rs = run_episodes(eng, env, tasks, 4, temperature=1.0, top_p=1.0, top_k=0, max_turn_tokens=max_turn_tokens,
                           seed=5)
-        return [types.SimpleNamespace(token_ids=list(r.episode.tokens), logprobs=list(r.logprobs)) for r in rs]
+        return [types.SimpleNamespace(token_ids=list(r.episode.tokens), logprobs=list(r.logprobs),
+                                      routed_experts=torch.stack([x for x in r.routed if x is not None])
+                                      if any(x is not None for x in r.routed) else torch.zeros(0))
+                for r in rs]
     return drive
 
 
 def _same(a, b) -> bool:
-    return all(x.token_ids == y.token_ids and x.logprobs == y.logprobs for x, y in zip(a, b))
+    """Bitwise the same completions: tokens, log-probs and the routed experts (Router Replay's record)."""
+    return len(a) == len(b) and all(
+        x.token_ids == y.token_ids and x.logprobs == y.logprobs and torch.equal(x.routed_experts, y.routed_experts)
+        for x, y in zip(a, b))
 
 
 @contextlib.contextmanager
