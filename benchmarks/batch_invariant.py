@@ -43,7 +43,8 @@ SWEEP_SPLIT = [(64, 32, 128, 4, 4, 2), (64, 32, 128, 4, 4, 4), (64, 32, 128, 4, 
                (64, 64, 128, 4, 4, 4), (64, 128, 64, 4, 4, 2)]
 
 
-def _copy_rate() -> float:
+def copy_rate() -> float:
+    """The device's copy rate, bytes a second (read + written), for bytes floors."""
     a = torch.empty(2**28, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
     ms = do_bench(lambda: b.copy_(a), return_mode="median")
@@ -69,7 +70,7 @@ def main() -> None:
     res["gpu"] = torch.cuda.get_device_name()
     res["timing"] = "do_bench_cudagraph" if a.cudagraph else "do_bench"
     res["config"] = {name: vars(config_for(torch.device("cuda"), torch.bfloat16, N, K)) for name, N, K in PROJECTIONS}
-    rate = _copy_rate()
+    rate = copy_rate()
     res["copy_TBps"] = rate / 1e12
     rows = []
     for name, N, K in PROJECTIONS:

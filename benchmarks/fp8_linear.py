@@ -1,7 +1,7 @@
 """The trained draft head's linears at K3's width (fuse 21504 -> 7168, mix 14336 -> 7168, up 7168 -> 14336,
 down 14336 -> 7168), a few rows: bf16 weights through cuBLAS (F.linear, what the head runs with
 `drafter_dtype="target"`) against e4m3 weights through k3_kernels.fp8_linear (`drafter_dtype="float8"`), in one
-process; medians of triton.testing.do_bench inside a CUDA graph (a launch's host time out of the figure), the
+process; medians of triton.testing.do_bench_cudagraph (a launch's host time out of the figure), the
 bytes floor at the measured copy rate, and the FP8 output's error against bf16. GPU only.
 
     . benchmarks/device_env.sh && python3 -m benchmarks.fp8_linear --out $OUT/fp8_linear.json
@@ -18,39 +18,25 @@ from benchmarks._results import run_header, write_results
 SHAPES = {"fuse": (7168, 21504), "mix": (7168, 14336), "up": (14336, 7168), "down": (7168, 14336)}
 
 
-def _graph_ms(fn) -> float:
-    import triton
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return triton.testing.do_bench(graph.replay, return_mode="median")
-
-
-def copy_rate_gbps() -> float:
-    import triton
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    ms = triton.testing.do_bench(lambda: b.copy_(a), return_mode="median")
-    return 2 * a.numel() / ms / 1e6
-
-
 def main() -> None:
+    from triton.testing import do_bench_cudagraph
+
+    from benchmarks.batch_invariant import copy_rate
     from k3_kernels.fp8_linear import fp8_weight_linear, quantize_weight_rows
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,8,32")
     ap.add_argument("--out", default="fp8_linear")
     a = ap.parse_args()
     torch.manual_seed(0)
-    rate = copy_rate_gbps()
+    rate = copy_rate() / 1e9   # GB/s
     points = []
     for name, (N, K) in SHAPES.items():
         w = (torch.randn(N, K, device="cuda") / K ** 0.5).bfloat16()
         q, scale = quantize_weight_rows(w.float())
         for M in [int(r) for r in a.rows.split(",")]:
             x = torch.randn(M, K, device="cuda").bfloat16()
-            bf16_ms = _graph_ms(lambda: F.linear(x, w))
-            fp8_ms = _graph_ms(lambda: fp8_weight_linear(x, q, scale))
+            bf16_ms = do_bench_cudagraph(lambda: F.linear(x, w), return_mode="median")
+            fp8_ms = do_bench_cudagraph(lambda: fp8_weight_linear(x, q, scale), return_mode="median")
             ref = F.linear(x.float(), w.float())
             err = ((fp8_weight_linear(x, q, scale).float() - ref).norm() / ref.norm()).item()
             points.append({"matrix": name, "N": N, "K": K, "rows": M, "bf16_cublas_ms": bf16_ms, "fp8_ms": fp8_ms,

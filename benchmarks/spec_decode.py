@@ -203,13 +203,36 @@ def _same(a, b) -> bool:
         for x, y in zip(a, b))
 
 
+PHASES = ("propose", "verify_batched", "next_logits", "commit")   # the speculative step's phases, in order
+
+
+@contextlib.contextmanager
+def patched_phases(wrap, step: bool = False):
+    """While the block runs, each phase of the batched speculative step (`PHASES`: `SpecDecoder._propose_group`,
+    and decode.py's `verify_batched`, `next_logits`, `commit`) -- and with `step` the whole `SpecDecoder.step` --
+    replaced by `wrap(name, fn)`; restored afterwards."""
+    import k3.rollout.spec.decode as decode_module
+    # phase -> (the object holding it, its attribute)
+    where = {n: (decode_module, n) for n in ("verify_batched", "next_logits", "commit")}
+    where["propose"] = (decode_module.SpecDecoder, "_propose_group")
+    if step:
+        where["step"] = (decode_module.SpecDecoder, "step")
+    saved = {n: getattr(owner, attr) for n, (owner, attr) in where.items()}
+    for n, (owner, attr) in where.items():
+        setattr(owner, attr, wrap(n, saved[n]))
+    try:
+        yield
+    finally:
+        for n, (owner, attr) in where.items():
+            setattr(owner, attr, saved[n])
+
+
 @contextlib.contextmanager
 def phase_timers(sync):
     """Wall time of the batched speculative step's phases while the block runs, the device synchronised (`sync`)
     around each, so a phase's figure includes its device work: drafting (`_propose_group`), the verify forward
     (`verify_batched`), the acceptance walk's picks (`next_logits`), the commit. Yields a Counter: phase ->
     seconds, and "steps" -> the steps drafted."""
-    import k3.rollout.spec.decode as decode_module
     spent = collections.Counter()
 
     def timed(name, fn):
@@ -223,17 +246,8 @@ def phase_timers(sync):
                 spent["steps"] += 1
             return out
         return wrapper
-    saved = {n: getattr(decode_module, n) for n in ("verify_batched", "commit", "next_logits")}
-    propose = decode_module.SpecDecoder._propose_group
-    for n, fn in saved.items():
-        setattr(decode_module, n, timed(n, fn))
-    decode_module.SpecDecoder._propose_group = timed("propose", propose)
-    try:
+    with patched_phases(timed):
         yield spent
-    finally:
-        for n, fn in saved.items():
-            setattr(decode_module, n, fn)
-        decode_module.SpecDecoder._propose_group = propose
 
 
 def step_phases(model, prompts, sp, spec, batch: int, step_tokens: int | None, runs: int = 2, setup=None) -> dict:

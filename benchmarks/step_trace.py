@@ -13,7 +13,6 @@ Launches run slower under the profiler (CUPTI), so the absolute figures are abov
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gzip
 import json
 import shutil
@@ -24,12 +23,9 @@ import torch
 
 from benchmarks.decode_profile import _prompts
 from benchmarks.k3_width import k3_width_model
-from benchmarks.spec_decode import bench_engine
+from benchmarks.spec_decode import PHASES, bench_engine, patched_phases
 from k3.rollout import SamplingParams
 from k3.rollout.spec import SpecConfig
-
-PHASES = ("propose", "verify_batched", "next_logits", "commit")
-
 
 def random_head(model, directory: Path, vocab: int = 64) -> Path:
     """A randomly initialised DraftHead saved where `load_drafter` reads it, scoring `vocab` draft tokens."""
@@ -41,30 +37,15 @@ def random_head(model, directory: Path, vocab: int = 64) -> Path:
     return path
 
 
-@contextlib.contextmanager
 def phase_ranges():
     """Each phase of the speculative step (`PHASES`) and the whole step inside a `record_function` range: host
     ranges in the trace, without the device syncs of spec_decode.phase_timers."""
-    import k3.rollout.spec.decode as decode_module
-
     def ranged(name, fn):
         def wrapper(*args, **kwargs):
             with torch.profiler.record_function(f"phase:{name}"):
                 return fn(*args, **kwargs)
         return wrapper
-    saved = {n: getattr(decode_module, n) for n in ("verify_batched", "commit", "next_logits")}
-    saved_methods = {n: getattr(decode_module.SpecDecoder, n) for n in ("_propose_group", "step")}
-    for n, fn in saved.items():
-        setattr(decode_module, n, ranged(n, fn))
-    decode_module.SpecDecoder._propose_group = ranged("propose", saved_methods["_propose_group"])
-    decode_module.SpecDecoder.step = ranged("step", saved_methods["step"])
-    try:
-        yield
-    finally:
-        for n, fn in saved.items():
-            setattr(decode_module, n, fn)
-        for n, fn in saved_methods.items():
-            setattr(decode_module.SpecDecoder, n, fn)
+    return patched_phases(ranged, step=True)
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3_kernels.attnres import naive_block_attnres
+from k3_kernels.fp8_linear.naive import MAX_ROWS as FP8_LINEAR_MAX_ROWS, naive_fp8_weight_linear
 from k3_kernels.kda import naive_chunk_kda, naive_recurrent_kda
 from k3_kernels.lora import naive_multi_lora
 from k3_kernels.moe import naive_dequant_mxfp4
@@ -364,8 +365,7 @@ FP8_LINEAR_KERNEL_ON_CPU = False
 def fp8_weight_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ (q [N, K] e4m3 * scale [N] per row).T -> [..., N] in x's dtype, for a few rows (the trained draft
     head's steps). CUDA: the Triton kernel (half a bf16 weight's bytes); CPU: the spec."""
-    from k3_kernels.fp8_linear.naive import MAX_ROWS, naive_fp8_weight_linear
-    if (_on_cuda(x) or FP8_LINEAR_KERNEL_ON_CPU) and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS:
+    if (_on_cuda(x) or FP8_LINEAR_KERNEL_ON_CPU) and x.numel() // max(x.shape[-1], 1) <= FP8_LINEAR_MAX_ROWS:
         from k3_kernels.fp8_linear import fp8_weight_linear as triton_fp8_weight_linear
         return triton_fp8_weight_linear(x, q, scale)
     return naive_fp8_weight_linear(x, q, scale)

@@ -139,17 +139,14 @@ class SpecDecoder:
         if batched is None:
             return [self._propose(s, k) if spec else DraftTree() for s, k, spec in zip(group, limits, speculating)]
         trees = [DraftTree() for _ in group]
-        found = [self._context(s).match(k) if self.lookup and k else ([], 0) for s, k in zip(group, limits)]
-        # chains: a row whose sequence repeats a suffix of >= `lookup` tokens drafts its continuation whatever the
-        # head says (`_with_lookup`), so the head runs only for the other rows (none: no head pass at all)
-        copied = {r for r, (_, n) in enumerate(found) if self.lookup and cfg.branching == 1 and n >= cfg.lookup}
-        feats = [self._features_of(s) if k and r not in copied else None for r, (s, k) in enumerate(zip(group, limits))]
-        rows = [r for r, f in enumerate(feats) if f is not None]
-        if cfg.branching == 1:   # rows drafted at the end of their previous step (`_predraft`)
-            ready = [r for r in rows if self._take_predraft(group[r], limits[r], trees, r)]
-            rows = [r for r in rows if r not in ready]
-            for r in ready:
-                trees[r] = self._checked(trees[r], limits[r])
+        found, feats = self._head_inputs(group, limits)
+        rows = []
+        for r, f in enumerate(feats):
+            chain = self._predrafted(group[r], limits[r]) if f is not None and cfg.branching == 1 else None
+            if chain is not None:   # drafted at the end of the row's previous step (`_predraft`)
+                trees[r] = self._checked(chain, limits[r])
+            elif f is not None:
+                rows.append(r)
         if rows:
             last = [key_token(group[r].key[group[r].pos]) for r in rows]
             stacked = torch.stack([feats[r].reshape(-1) for r in rows])
@@ -164,18 +161,29 @@ class SpecDecoder:
                      for r, (s, t, k) in enumerate(zip(group, trees, limits))]
         return trees
 
-    def _take_predraft(self, s: "RunningSeq", k: int, trees: list[DraftTree], r: int) -> bool:
-        """Row `s`'s chain drafted at the end of its previous step, if it was drafted for the row's current
-        position: its first k tokens into trees[r]; True when found."""
+    def _head_inputs(self, group: list["RunningSeq"], limits: list[int]
+                     ) -> tuple[list[tuple[list[int], int]], list[torch.Tensor | None]]:
+        """For rows with draft limits `limits`: each row's prompt-lookup match (tokens, suffix length; ([], 0)
+        without lookup) and the features the trained head drafts it from, None where the head does not run (no
+        draft, no features, or -- chains -- a row whose sequence repeats a suffix of >= `lookup` tokens: it drafts
+        that continuation whatever the head says, `_with_lookup`)."""
+        cfg = self.cfg
+        found = [self._context(s).match(k) if self.lookup and k else ([], 0) for s, k in zip(group, limits)]
+        copied = [self.lookup and cfg.branching == 1 and n >= cfg.lookup for _, n in found]
+        feats = [self._features_of(s) if k and not c else None for s, k, c in zip(group, limits, copied)]
+        return found, feats
+
+    def _predrafted(self, s: "RunningSeq", k: int) -> DraftTree | None:
+        """Row `s`'s chain drafted at the end of its previous step (its first k tokens), if it was drafted for the
+        row's current position; else None."""
         got = self.predrafts.pop(s, None)
         if got is None or got[0] != s.pos:
-            return False
+            return None
         _, host, row, event = got
         if event is not None:
             event.synchronize()   # the head's steps and their copy, not the commit beside them
-        trees[r] = DraftTree.chain(host[row, :k].tolist())
         self.eng.stats["spec_predrafted"] += 1
-        return True
+        return DraftTree.chain(host[row, :k].tolist())
 
     def _predraft(self, group: list["RunningSeq"], speculating: list[bool], verified) -> None:
         """`overlap_drafting`, at the end of a step (the rows' tokens emitted, the commit queued): the trained
@@ -188,17 +196,13 @@ class SpecDecoder:
         cfg = self.cfg
         if not (self.overlap_drafting and cfg.branching == 1 and hasattr(self.drafter, "launch_chains")):
             return
-        rows, limits = [], []
-        for s, spec in zip(group, speculating):
-            if not spec or s.pending == 0 or s not in self.features:
-                continue   # finished, or no features to draft from
-            k = self.draft_limit(s)
-            if k == 0 or (self.lookup and self._context(s).match(k)[1] >= cfg.lookup):
-                continue   # nothing to draft, or a trusted copy: the head does not run for it
-            rows.append(s)
-            limits.append(k)
+        going = [s for s, spec in zip(group, speculating) if spec and s.pending > 0]   # not finished
+        limits = [self.draft_limit(s) for s in going]
+        _, feats = self._head_inputs(going, limits)
+        rows = [s for s, f in zip(going, feats) if f is not None]
         if not rows:
             return
+        limits = [k for k, f in zip(limits, feats) if f is not None]
         side = None
         if self.eng.device.type == "cuda":
             if self._draft_stream is None:
@@ -206,8 +210,8 @@ class SpecDecoder:
             side = self._draft_stream
             side.wait_event(verified)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            feats = torch.stack([self.features[s].reshape(-1) for s in rows])
-            drafts = self.drafter.launch_chains(feats, [key_token(s.key[s.pos]) for s in rows], max(limits))
+            stacked = torch.stack([f.reshape(-1) for f in feats if f is not None])
+            drafts = self.drafter.launch_chains(stacked, [key_token(s.key[s.pos]) for s in rows], max(limits))
             event = None
             if side is not None:
                 host = torch.empty(drafts.shape, dtype=drafts.dtype, pin_memory=True)
@@ -376,17 +380,8 @@ def _pick_greedy_rows(res, rows: list[int]) -> None:
     depend on the rows beside it: the same bits). Their positions' logits become NextLogits in place."""
     if not rows:
         return
-    if res.block is None:
-        flat = next_logits(torch.stack([x for r in rows for x in res.logits[r]]),
-                           [False] * sum(len(res.logits[r]) for r in rows))
-        at = 0
-        for r in rows:
-            n = len(res.logits[r])
-            res.logits[r] = flat[at:at + n]
-            at += n
-        return
-    # the verify's [rows, T, vocab] block (or the rows' part of it) picked whole: no per-position stacking; the
-    # padding positions of shorter drafts are picked too and dropped
+    # the batched verify's [rows, T, vocab] block (or the rows' part of it) picked whole: no per-position stacking;
+    # the padding positions of shorter drafts are picked too and dropped
     block = res.block
     if rows != list(range(block.shape[0])):
         block = block[torch.tensor(rows, device=block.device)]
