@@ -18,6 +18,21 @@ from benchmarks._results import run_header, write_results
 SHAPES = {"fuse": (7168, 21504), "mix": (7168, 14336), "up": (14336, 7168), "down": (7168, 14336)}
 
 
+TILES = [dict(block_n=n, block_k=k, num_warps=w, num_stages=st) for n in (16, 32, 64) for k in (128, 256, 512)
+         for w in (4, 8) for st in (3, 5) if n * k <= 16384]
+
+
+def sweep(run, bench) -> list[dict]:
+    """Every tile of TILES timed on `run(**tile)`, fastest first (tiles that do not fit are left out)."""
+    timed = []
+    for tile in TILES:
+        try:
+            timed.append({**tile, "ms": bench(lambda: run(**tile), return_mode="median")})
+        except Exception as e:   # noqa: BLE001 -- Triton's OutOfResources and kin: the tile does not fit
+            timed.append({**tile, "error": type(e).__name__})
+    return sorted(timed, key=lambda t: t.get("ms", float("inf")))
+
+
 def main() -> None:
     from triton.testing import do_bench_cudagraph
 
@@ -26,6 +41,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,8,32")
     ap.add_argument("--out", default="fp8_linear")
+    ap.add_argument("--sweep", action="store_true", help="also the kernel's tiles at every shape, at 8 rows")
     a = ap.parse_args()
     torch.manual_seed(0)
     rate = copy_rate() / 1e9   # GB/s
@@ -43,6 +59,9 @@ def main() -> None:
                            "speedup": bf16_ms / fp8_ms, "bf16_floor_ms": N * K * 2 / rate / 1e6,
                            "fp8_floor_ms": N * K / rate / 1e6, "fp8_rel_rms_vs_fp32": err})
             print(points[-1], flush=True)
+            if a.sweep and M == 8:
+                points[-1]["tiles"] = sweep(lambda **tile: fp8_weight_linear(x, q, scale, **tile), do_bench_cudagraph)
+                print("  best tile", points[-1]["tiles"][0], flush=True)
     chain = {}
     for M in [int(r) for r in a.rows.split(",")]:   # a chain of 3: fuse once, mix / up / down three times
         rows = {p["matrix"]: p for p in points if p["rows"] == M}

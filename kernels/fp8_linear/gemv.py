@@ -36,7 +36,7 @@ def _fp8_linear_kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, x_stride, BLOCK_M: t
 
 
 def fp8_weight_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block_n: int = 32,
-                      block_k: int = 256) -> torch.Tensor:
+                      block_k: int = 256, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
     """x [..., K] (bf16 or fp32, at most MAX_ROWS rows), q [N, K] e4m3, scale [N] fp32 -> [..., N] in x's dtype."""
     check_fp8_linear_args(x, q, scale)
     rows = x.reshape(-1, x.shape[-1])
@@ -50,5 +50,5 @@ def fp8_weight_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, blo
     if M:
         _fp8_linear_kernel[(cdiv(N, block_n),)](rows, q.contiguous(), scale, y, M, N, K, rows.stride(0),
                                                 BLOCK_M=max(16, next_pow2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
-                                                num_warps=4, num_stages=4)
+                                                num_warps=num_warps, num_stages=num_stages)
     return y.reshape(*x.shape[:-1], N)
