@@ -92,16 +92,19 @@ class SpecDecoder:
                 self.prompt_features[s.req] = feats[b, -1].clone()
 
     # ------------------------------------------------------------------ drafting
-    def draft_limit(self, s: "RunningSeq") -> int:
-        """Draft tokens row `s` may verify now: one short of its remaining budget, and never past the next position
-        where plain decoding checkpoints."""
+    def draft_limit(self, s: "RunningSeq", pos: int | None = None, produced: int | None = None) -> int:
+        """Draft tokens row `s` may verify now (or at position `pos` with `produced` tokens out: its next step, seen
+        before its tokens are emitted): one short of its remaining budget, and never past the next position where
+        plain decoding checkpoints."""
         eng = self.eng
-        k = min(self.cfg.draft_len, s.req.params.max_tokens - len(s.out_tokens) - 1)
+        pos = s.pos if pos is None else pos
+        produced = len(s.out_tokens) if produced is None else produced
+        k = min(self.cfg.draft_len, s.req.params.max_tokens - produced - 1)
         if eng.prefix_cache:
             interval = eng.cfg.checkpoint_interval
-            nxt = (s.pos // interval + 1) * interval
-            nxt = min([nxt] + [b for b in s.branch_at if b > s.pos])
-            k = min(k, nxt - s.pos - 1)
+            nxt = (pos // interval + 1) * interval
+            nxt = min([nxt] + [b for b in s.branch_at if b > pos])
+            k = min(k, nxt - pos - 1)
         return max(k, 0)
 
     def _propose(self, s: "RunningSeq", k: int) -> DraftTree:
@@ -185,24 +188,41 @@ class SpecDecoder:
         self.eng.stats["spec_predrafted"] += 1
         return DraftTree.chain(host[row, :k].tolist())
 
-    def _predraft(self, group: list["RunningSeq"], speculating: list[bool], verified) -> None:
-        """`overlap_drafting`, at the end of a step (the rows' tokens emitted, the commit queued): the trained
-        head's next chain of every row that goes on speculating and would run the head at its next step -- what
-        `_propose_group` drafts then, from the same features, last token and draft limit, for the same rows (those
-        whose prompt lookup is not trusted) -- launched now. On CUDA on a side stream that waits for `verified`
-        (an event recorded after the verify, before the commit), so the head runs beside the commit; the drafts
-        go to pinned host memory behind an event, and the engine's stream waits for the side stream before its
-        next work (the next verify)."""
+    def _predraft(self, group: list["RunningSeq"], speculating: list[bool], verified, emitted: list[list[Emitted]],
+                  features: list[list[torch.Tensor]] | None, n_commit: list[int]) -> None:
+        """`overlap_drafting`, right after the commit is queued and before the rows' tokens are emitted: the
+        trained head's next chain of every row that goes on speculating and would run the head at its next step
+        -- what `_propose_group` drafts then, from the same features (its last committed position's), last token
+        and draft limit, for the same rows (not finishing here; a draft limit above 0; with prompt lookup, a
+        sequence whose trusted suffix match would be copied instead: its index is extended by this step's tokens
+        now) -- launched now. On CUDA on a side stream that waits for `verified` (an event recorded after the
+        verify, before the commit), so the head runs beside the commit while the host emits; the drafts go to
+        pinned host memory behind an event, and the engine's stream waits for the side stream before its next
+        work (the next verify)."""
         cfg = self.cfg
-        if not (self.overlap_drafting and cfg.branching == 1 and hasattr(self.drafter, "launch_chains")):
+        if not (self.overlap_drafting and cfg.branching == 1 and hasattr(self.drafter, "launch_chains")) \
+                or features is None:
             return
-        going = [s for s, spec in zip(group, speculating) if spec and s.pending > 0]   # not finished
-        limits = [self.draft_limit(s) for s in going]
-        _, feats = self._head_inputs(going, limits)
-        rows = [s for s, f in zip(going, feats) if f is not None]
+        rows, feats, lasts, limits = [], [], [], []
+        for r, s in enumerate(group):
+            em = emitted[r]
+            if not speculating[r] or not em or _finishes(s, em):
+                continue
+            pos = s.pos + n_commit[r]
+            k = self.draft_limit(s, pos, len(s.out_tokens) + len(em))
+            if k == 0:
+                continue
+            if self.lookup:   # the index as the next step sees it (its tokens then are in the row's key)
+                index = self._context(s)
+                index.extend([e.token for e in em])
+                if index.match(k)[1] >= cfg.lookup:
+                    continue
+            rows.append((s, pos))
+            feats.append(features[r][n_commit[r] - 1])
+            lasts.append(em[-1].token)
+            limits.append(k)
         if not rows:
             return
-        limits = [k for k, f in zip(limits, feats) if f is not None]
         side = None
         if self.eng.device.type == "cuda":
             if self._draft_stream is None:
@@ -210,8 +230,7 @@ class SpecDecoder:
             side = self._draft_stream
             side.wait_event(verified)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            stacked = torch.stack([f.reshape(-1) for f in feats if f is not None])
-            drafts = self.drafter.launch_chains(stacked, [key_token(s.key[s.pos]) for s in rows], max(limits))
+            drafts = self.drafter.launch_chains(torch.stack([f.reshape(-1) for f in feats]), lasts, max(limits))
             event = None
             if side is not None:
                 host = torch.empty(drafts.shape, dtype=drafts.dtype, pin_memory=True)
@@ -222,8 +241,8 @@ class SpecDecoder:
                 host = drafts
         if side is not None:
             torch.cuda.current_stream(self.eng.device).wait_stream(side)
-        for i, s in enumerate(rows):
-            self.predrafts[s] = (s.pos, host, i, event)
+        for i, (s, pos) in enumerate(rows):
+            self.predrafts[s] = (pos, host, i, event)
 
     def _features_of(self, s: "RunningSeq") -> torch.Tensor | None:
         """The target's features a row's next draft starts from: its last committed position's, or on the turn's
@@ -351,6 +370,7 @@ class SpecDecoder:
             verified = torch.cuda.Event()
             verified.record()
         commit(eng, group, res.scratch, n_commit)
+        self._predraft(group, speculating, verified, emitted, res.features, n_commit)
         st = eng.stats
         st["spec_verifies"] += sum(speculating)
         st["spec_draft_tokens"] += sum(len(t) for t in trees)
@@ -371,7 +391,12 @@ class SpecDecoder:
                         s.pos % eng.cfg.checkpoint_interval == 0 or s.pos in s.branch_at):
                     eng._checkpoint(s, None)
                 eng._emit(s, e.token, e.logprob, e.sampling_logprob, rt[j])
-        self._predraft(group, speculating, verified)
+
+
+def _finishes(s: "RunningSeq", emitted: list[Emitted]) -> bool:
+    """Row `s` finishes when its step's `emitted` tokens are emitted (engine._emit: a stop token, or its budget)."""
+    p = s.req.params
+    return emitted[-1].token in p.stop_token_ids or len(s.out_tokens) + len(emitted) >= p.max_tokens
 
 
 def _pick_greedy_rows(res, rows: list[int]) -> None:
