@@ -151,6 +151,13 @@ class StaticView:
             fed = ids.reshape(-1).tolist()
         self.index.fill(fed + w_slot + w_off + past + s_slots + table + adapters)
 
+    def set_ids(self, ids: torch.Tensor) -> None:
+        """The fed tokens [seats, tokens] of a view `pack` already filled (every other index unchanged)."""
+        B, T = self.seats, self.tokens
+        if tuple(ids.shape) != (B, T):
+            raise ValueError(f"ids: expected [{B}, {T}], got {tuple(ids.shape)}")
+        self.index.host[:B * T].copy_(ids.reshape(-1))
+
     def load(self) -> None:
         self.index.load()
 
@@ -274,11 +281,13 @@ class DecodeGraphs:
         self.shapes: dict[GraphShape, _Shape] = {}
         self.commits: dict[CommitShape, _Commit] = {}
         self._served: tuple[object, GraphShape] | None = None   # the last verify's scratch (handed out) and shape
+        # (shape, the rows' identities) of the verify `prepare_verify` packed; the next replay of it writes the ids
+        self._prepared: tuple[GraphShape, list[int]] | None = None
         # seats -> the verify scratch every verify shape of that many seats shares (read by the commit before the
         # next verify): one allocation of `seats` rows x the widest verify, not one per (width, pages)
         self._scratch: dict[int, object] = {}
         self._pool = None
-        self.stats = {"captures": 0, "replays": 0}
+        self.stats = {"captures": 0, "replays": 0, "prepared_verifies": 0}
 
     def accepts(self, rows: list["RunningSeq | None"], tokens: int) -> bool:
         """A decode-shaped forward: one token a seat, every row past position 0, the base model (no adapters)."""
@@ -321,6 +330,18 @@ class DecodeGraphs:
         self._served = (scratch, key)
         return out, scratch, feats
 
+    def prepare_verify(self, rows: list["RunningSeq | None"], tokens: int, features: bool) -> bool:
+        """A chain verify of `rows` (seats) at `tokens` positions packed before its tokens are known (the drafter
+        still running): the next `verify` of the same rows and shape only writes the ids. False when such a
+        verify is not captured (nothing done)."""
+        if not self.accepts_verify(rows):
+            return False
+        key = GraphShape(len(rows), tokens, self._pages(rows, tokens), True, features, False, self._adapter_key(rows))
+        shape = self._shape(key)
+        shape.view.pack(rows, torch.zeros(len(rows), tokens, dtype=torch.long))
+        self._prepared = (key, [id(r) for r in rows])
+        return True
+
     def commit(self, rows: list["RunningSeq"], scratch, n_commit: list[int]) -> bool:
         """k3.rollout.spec.decode's commit of `rows` (in seats 0..) from the scratch of the last captured verify,
         as a captured fold over every seat (idle seats: the spare state, nothing accepted): True when it ran;
@@ -349,20 +370,31 @@ class DecodeGraphs:
         self.commits.clear()
         self._scratch.clear()
         self._served = None
+        self._prepared = None
         self._pool = None
 
     def _pages(self, rows, tokens: int) -> int:
         P = self.eng.cfg.page_size
         return page_bucket(max(math.ceil((r.pos + tokens) / P) for r in rows if r is not None))
 
-    def _replay(self, rows, key: GraphShape, ids: torch.Tensor | None, parents: list[list[int]] | None):
+    def _shape(self, key: GraphShape) -> _Shape:
+        """The captured forward of `key` (made on first use), after dropping every graph if the adapter set
+        changed."""
         lora = self.eng.lora
         signature = lora.signature() if lora is not None else None
         if signature != self._signature:   # adapters added, removed, merged: graphs of other sets are stale
             self.reset()
             self._signature = signature
-        shape = self.shapes.get(key) or self._build(key)
-        shape.view.pack(rows, ids)
+        return self.shapes.get(key) or self._build(key)
+
+    def _replay(self, rows, key: GraphShape, ids: torch.Tensor | None, parents: list[list[int]] | None):
+        shape = self._shape(key)
+        prepared, self._prepared = self._prepared, None
+        if ids is not None and prepared == (key, [id(r) for r in rows]):   # packed by prepare_verify
+            shape.view.set_ids(ids)
+            self.stats["prepared_verifies"] += 1
+        else:
+            shape.view.pack(rows, ids)
         if key.tree:
             shape.view.pack_tree(parents)
         shape.view.load()

@@ -59,6 +59,34 @@ def test_static_verify_is_the_eager_verify(model, spec):
     eng.check()
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_verify_prepared_while_the_head_drafts(model, overlap):
+    """Chains of the trained head: the verify's pages and packed indices are prepared before the drafts are
+    read (`DecodeGraphs.prepare_verify`, at 1 + the longest draft limit), the verify then writes only the ids
+    (rows whose chain is shorter, e.g. near their token budget, padded to that width): bitwise plain decoding,
+    with and without pre-drafting, and the prepared pack is what the verifies used."""
+    from k3.rollout.spec import SpecConfig
+    from k3.rollout.spec.drafter import DraftHead, TrainedDrafter
+    from test_spec_engine import GREEDY, _prompts
+    torch.manual_seed(0)
+    ref = Engine(model, prefix_cache=False, **SMALL).generate(_prompts(), GREEDY)
+    eng = Engine(model, prefix_cache=True, speculative=SpecConfig(draft_len=3, verify="batched"), **SMALL)
+    head = DraftHead(model.config.hidden_size)
+    eng.spec.drafter = TrainedDrafter(head, model, draft_vocab=sorted({t for c in ref for t in c.token_ids}))
+    eng.spec.drafter.capture_graphs(capture=False)
+    eng.spec.overlap_drafting = overlap
+    eng.graphs = DecodeGraphs(eng, capture=False)
+    calls, verify = [], eng.graphs.verify
+    eng.graphs.verify = lambda *a, **kw: calls.append(1) or verify(*a, **kw)
+    eng.check_each_step = True
+    assert same(eng.generate(_prompts(), GREEDY), ref)
+    verifies = [k for k in eng.graphs.shapes if k.verify]
+    assert verifies and all(k.features for k in verifies)
+    assert eng.graphs.stats["prepared_verifies"] == len(calls) > 0   # every verify was prepared
+    assert (eng.stats["spec_predrafted"] > 0) == overlap
+    eng.check()
+
+
 ADAPTER_CONFIGS = {"a": LoRAConfig(rank=4, alpha=8.0, init_scale=0.05),
                    "b": LoRAConfig(rank=2, alpha=4.0, init_scale=0.05)}
 

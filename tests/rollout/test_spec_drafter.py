@@ -278,12 +278,12 @@ def test_prompt_lookup_beside_the_head(model, trained):
         want = Engine(model, prefix_cache=False, **SMALL).generate(looped, sp)
         got = Engine(model, prefix_cache=True, speculative=cfg, **SMALL)
         got.check_each_step = True
-        head_rows, chains = [], got.spec.drafter.propose_chains
+        head_rows, chains = [], got.spec.drafter.launch_chains
 
-        def counted(feats, last, limits):   # chains: rows that copy a >= 2-token suffix skip the head
+        def counted(feats, last, steps):   # chains: rows that copy a >= 2-token suffix skip the head
             head_rows.append(len(last))
-            return chains(feats, last, limits)
-        got.spec.drafter.propose_chains = counted
+            return chains(feats, last, steps)
+        got.spec.drafter.launch_chains = counted
         assert same(got.generate(looped, sp), want)
         if branching == 1:
             assert 0 < sum(head_rows) < got.stats["spec_verifies"], (head_rows, got.stats["spec_verifies"])
@@ -308,8 +308,8 @@ def test_predrafting_drafts_what_the_next_step_would(model, trained, lookup):
         drafted = []
         propose = eng.spec._propose_group
 
-        def recorded(group, speculating, propose=propose, drafted=drafted):
-            trees = propose(group, speculating)
+        def recorded(group, speculating, meanwhile=None, propose=propose, drafted=drafted):
+            trees = propose(group, speculating, meanwhile)
             drafted.append([t.tokens for t in trees])
             return trees
         eng.spec._propose_group = recorded

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -133,36 +134,72 @@ class SpecDecoder:
                 tree = self.drafter.propose_tree(context, cfg.branching, k, nodes)
         return self._checked(tree, k)
 
-    def _propose_group(self, group: list["RunningSeq"], speculating: list[bool]) -> list[DraftTree]:
+    def _propose_group(self, group: list["RunningSeq"], speculating: list[bool],
+                       meanwhile: Callable[[int], None] | None = None) -> list[DraftTree]:
         """Every row's draft; a trained drafter's chains or trees for the whole group in one batched pass per draft
-        step (`propose_chains` / `propose_trees`), the other drafters row by row (`_propose`)."""
+        step (`launch_chains` / `propose_trees`), the other drafters row by row (`_propose`). Chains of the batched
+        head: `meanwhile(width)` runs once the head's steps are queued and before their drafts are waited for
+        (the step's host work that does not need the drafts, done while the device drafts), with `width` = 1 +
+        the longest draft limit, which no row's chain exceeds."""
         cfg = self.cfg
         limits = [self.draft_limit(s) if spec else 0 for s, spec in zip(group, speculating)]
-        batched = getattr(self.drafter, "propose_chains" if cfg.branching == 1 else "propose_trees", None)
+        if cfg.branching == 1 and hasattr(self.drafter, "launch_chains"):
+            return self._propose_chains(group, limits, meanwhile)
+        batched = getattr(self.drafter, "propose_trees", None) if cfg.branching > 1 else None
         if batched is None:
             return [self._propose(s, k) if spec else DraftTree() for s, k, spec in zip(group, limits, speculating)]
         trees = [DraftTree() for _ in group]
         found, feats = self._head_inputs(group, limits)
-        rows = []
-        for r, f in enumerate(feats):
-            chain = self._predrafted(group[r], limits[r]) if f is not None and cfg.branching == 1 else None
-            if chain is not None:   # drafted at the end of the row's previous step (`_predraft`)
-                trees[r] = self._checked(chain, limits[r])
-            elif f is not None:
-                rows.append(r)
+        rows = [r for r, f in enumerate(feats) if f is not None]
         if rows:
             last = [key_token(group[r].key[group[r].pos]) for r in rows]
             stacked = torch.stack([feats[r].reshape(-1) for r in rows])
-            if cfg.branching == 1:
-                drafted = [DraftTree.chain(c) for c in batched(stacked, last, [limits[r] for r in rows])]
-            else:
-                drafted = batched(stacked, last, cfg.branching, [limits[r] for r in rows], cfg.tree_nodes)
+            drafted = batched(stacked, last, cfg.branching, [limits[r] for r in rows], cfg.tree_nodes)
             for r, tree in zip(rows, drafted):
                 trees[r] = self._checked(tree, limits[r])
-        if self.lookup:
-            trees = [self._checked(self._with_lookup(s, t, k, found[r]), k) if k else t
-                     for r, (s, t, k) in enumerate(zip(group, trees, limits))]
-        return trees
+        return self._looked_up(group, trees, limits, found)
+
+    def _propose_chains(self, group: list["RunningSeq"], limits: list[int],
+                        meanwhile: Callable[[int], None] | None) -> list[DraftTree]:
+        """`_propose_group` for chains of the batched head: the rows pre-drafted at their previous step
+        (`_predraft`) take those drafts, the others' head steps are launched for all of them at once (their drafts
+        copied to pinned host memory behind an event on CUDA), then `meanwhile`, then the drafts are read."""
+        found, feats = self._head_inputs(group, limits)
+        pre, rows = {}, []
+        for r, f in enumerate(feats):
+            got = self._predraft_of(group[r]) if f is not None else None
+            if got is not None:   # drafted at the end of the row's previous step
+                pre[r] = got
+            elif f is not None:
+                rows.append(r)
+        launched = None
+        if rows:
+            last = [key_token(group[r].key[group[r].pos]) for r in rows]
+            stacked = torch.stack([feats[r].reshape(-1) for r in rows])
+            launched = _to_host(self.drafter.launch_chains(stacked, last, max(limits[r] for r in rows)))
+        if meanwhile is not None:
+            meanwhile(1 + max(limits, default=0))
+        trees = [DraftTree() for _ in group]
+        for r, (host, row, event) in pre.items():
+            if event is not None:
+                event.synchronize()   # the head's steps and their copy, not the commit beside them
+            self.eng.stats["spec_predrafted"] += 1
+            trees[r] = self._checked(DraftTree.chain(host[row, :limits[r]].tolist()), limits[r])
+        if launched is not None:
+            host, event = launched
+            if event is not None:
+                event.synchronize()
+            for r, chain in zip(rows, host.tolist()):
+                trees[r] = self._checked(DraftTree.chain(chain[:limits[r]]), limits[r])
+        return self._looked_up(group, trees, limits, found)
+
+    def _looked_up(self, group: list["RunningSeq"], trees: list[DraftTree], limits: list[int],
+                   found: list[tuple[list[int], int]]) -> list[DraftTree]:
+        """With prompt lookup: each row's head draft combined with its lookup match (`_with_lookup`)."""
+        if not self.lookup:
+            return trees
+        return [self._checked(self._with_lookup(s, t, k, found[r]), k) if k else t
+                for r, (s, t, k) in enumerate(zip(group, trees, limits))]
 
     def _head_inputs(self, group: list["RunningSeq"], limits: list[int]
                      ) -> tuple[list[tuple[list[int], int]], list[torch.Tensor | None]]:
@@ -176,17 +213,13 @@ class SpecDecoder:
         feats = [self._features_of(s) if k and not c else None for s, k, c in zip(group, limits, copied)]
         return found, feats
 
-    def _predrafted(self, s: "RunningSeq", k: int) -> DraftTree | None:
-        """Row `s`'s chain drafted at the end of its previous step (its first k tokens), if it was drafted for the
-        row's current position; else None."""
+    def _predraft_of(self, s: "RunningSeq") -> tuple[torch.Tensor, int, "torch.cuda.Event | None"] | None:
+        """Row `s`'s chain drafted at the end of its previous step (`_predraft`), if it was drafted for the row's
+        current position: (host drafts [rows, steps], its row, the event they wait for); else None."""
         got = self.predrafts.pop(s, None)
         if got is None or got[0] != s.pos:
             return None
-        _, host, row, event = got
-        if event is not None:
-            event.synchronize()   # the head's steps and their copy, not the commit beside them
-        self.eng.stats["spec_predrafted"] += 1
-        return DraftTree.chain(host[row, :k].tolist())
+        return got[1:]
 
     def _predraft(self, group: list["RunningSeq"], speculating: list[bool], verified, emitted: list[list[Emitted]],
                   features: list[list[torch.Tensor]] | None, n_commit: list[int]) -> None:
@@ -230,15 +263,8 @@ class SpecDecoder:
             side = self._draft_stream
             side.wait_event(verified)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            drafts = self.drafter.launch_chains(torch.stack([f.reshape(-1) for f in feats]), lasts, max(limits))
-            event = None
-            if side is not None:
-                host = torch.empty(drafts.shape, dtype=drafts.dtype, pin_memory=True)
-                host.copy_(drafts, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(side)
-            else:
-                host = drafts
+            host, event = _to_host(self.drafter.launch_chains(torch.stack([f.reshape(-1) for f in feats]), lasts,
+                                                              max(limits)))
         if side is not None:
             torch.cuda.current_stream(self.eng.device).wait_stream(side)
         for i, (s, pos) in enumerate(rows):
@@ -302,17 +328,24 @@ class SpecDecoder:
         eng = self.eng
         # rows recomputing a history's decode span (prefix cache off, or past its hit) feed known tokens: no draft
         speculating = [s.sampling and s.pending == 1 for s in group]
-        trees = self._propose_group(group, speculating)
-        roots = [key_token(s.key[s.pos]) for s in group]
         batched = self.cfg.verify is VerifyMode.BATCHED
+        prepared: list[int] = []   # the verify width prepared while the head drafted (`_propose_chains`)
+
+        def prepare(width: int) -> None:
+            """A batched verify's host work that needs no drafts: pages and, when graphed, its packed indices."""
+            _prepare_rows(eng, group, [width] * len(group))
+            if eng.graphs is not None:
+                seats = list(group) + [None] * (eng.cfg.decode_batch - len(group))
+                eng.graphs.prepare_verify(seats, width, getattr(self.drafter, "needs_features", False))
+            prepared.append(width)
+
+        trees = self._propose_group(group, speculating, prepare if batched else None)
+        roots = [key_token(s.key[s.pos]) for s in group]
         positions = [1 + t.depth for t in trees]
-        if batched:   # every node at its own verify position
-            positions = [1 + max(len(t) for t in trees)] * len(group)
-        for s, n in zip(group, positions):
-            eng._prepare_pages(s, n)
-            for p in s.bt:
-                eng.pages.touch(p)
-            eng.states.touch(s.state)
+        if batched:   # every node at its own verify position (chains of the head: the prepared width)
+            positions = [max([1 + max(len(t) for t in trees)] + prepared)] * len(group)
+        if not prepared:
+            _prepare_rows(eng, group, positions)
         capture = None
         if getattr(self.drafter, "needs_features", False):
             from k3.rollout.spec.drafter import FeatureCapture
@@ -338,7 +371,7 @@ class SpecDecoder:
         if batched:
             chains = all(t.is_chain() for t in trees)
             res = verify_batched(eng, group, [[rt] + list(t.tokens) for rt, t in zip(roots, trees)], capture,
-                                 None if chains else [t.verify_parents() for t in trees])
+                                 None if chains else [t.verify_parents() for t in trees], width=positions[0])
             # the walk over the computed positions (node i at position i + 1), depth by depth: the rows' current
             # logits picked as a decode step picks its rows' last logits (`next_logits`: greedy picks on the
             # device, sampled rows copied to the host; a tree's unwalked nodes never leave the device). Greedy
@@ -391,6 +424,28 @@ class SpecDecoder:
                         s.pos % eng.cfg.checkpoint_interval == 0 or s.pos in s.branch_at):
                     eng._checkpoint(s, None)
                 eng._emit(s, e.token, e.logprob, e.sampling_logprob, rt[j])
+
+
+def _prepare_rows(eng: "Engine", group: list["RunningSeq"], positions: list[int]) -> None:
+    """Pages for each row's verify positions (allocated, copied on write), and the rows' pages and states marked
+    recently used."""
+    for s, n in zip(group, positions):
+        eng._prepare_pages(s, n)
+        for p in s.bt:
+            eng.pages.touch(p)
+        eng.states.touch(s.state)
+
+
+def _to_host(drafts: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+    """Device drafts queued for the host: on CUDA a non-blocking copy into pinned memory and the event after it
+    (the current stream's), else the tensor itself and None."""
+    if not drafts.is_cuda:
+        return drafts, None
+    host = torch.empty(drafts.shape, dtype=drafts.dtype, pin_memory=True)
+    host.copy_(drafts, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
 
 
 def _finishes(s: "RunningSeq", emitted: list[Emitted]) -> bool:

@@ -239,15 +239,16 @@ def verify_walk(eng: "Engine", rows: list["RunningSeq"], roots: list[int], max_p
 
 
 def verify_batched(eng: "Engine", rows: list["RunningSeq"], tokens: list[list[int]], capture=None,
-                   parents: list[list[int]] | None = None) -> VerifyResult:
+                   parents: list[list[int]] | None = None, width: int = 0) -> VerifyResult:
     """BATCHED verification: one [decode_batch, T] forward from the committed states (pages prepared for T
-    positions). Chains: `tokens[r]` = the pending token and the draft, causal (rows with shorter drafts repeat
-    their last token). Token trees: `parents[r]` gives each position's parent position (TreeSpecView's tree mask
-    and tree KDA); shorter rows are padded with positions chained to their last one."""
+    positions), T = the longest row's tokens, at least `width`. Chains: `tokens[r]` = the pending token and the
+    draft, causal (rows with shorter drafts repeat their last token). Token trees: `parents[r]` gives each
+    position's parent position (TreeSpecView's tree mask and tree KDA); shorter rows are padded with positions
+    chained to their last one."""
     B = eng.cfg.decode_batch
     if len(rows) > B:
         raise ValueError(f"verify: {len(rows)} rows exceed decode_batch {B}")
-    T = max(len(t) for t in tokens)
+    T = max([len(t) for t in tokens] + [width])
     row_of_seat: list[int | None] = list(range(len(rows))) + [None] * (B - len(rows))
     seats = list(rows) + [None] * (B - len(rows))
     par = None if parents is None else [
