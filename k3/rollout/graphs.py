@@ -63,6 +63,12 @@ def page_bucket(pages: int) -> int:
     return 1 << max(pages - 1, 0).bit_length()
 
 
+def _packed_rows(rows: list["RunningSeq | None"]) -> list:
+    """What a pack of `rows` reads besides their tokens: each seat's row, position, pages and state (a prepared
+    pack is reused only while all of them are unchanged)."""
+    return [None if r is None else (id(r), r.pos, tuple(r.bt), r.state) for r in rows]
+
+
 class IndexBuffer:
     """int64 values a captured graph reads: a device buffer (`parts`: its views of `sizes`) and a pinned host twin;
     `fill` writes the twin, `load` copies it over (one host-to-device copy before a replay)."""
@@ -281,8 +287,8 @@ class DecodeGraphs:
         self.shapes: dict[GraphShape, _Shape] = {}
         self.commits: dict[CommitShape, _Commit] = {}
         self._served: tuple[object, GraphShape] | None = None   # the last verify's scratch (handed out) and shape
-        # (shape, the rows' identities) of the verify `prepare_verify` packed; the next replay of it writes the ids
-        self._prepared: tuple[GraphShape, list[int]] | None = None
+        # (shape, `_packed_rows`) of the verify `prepare_verify` packed; the next replay of it writes only the ids
+        self._prepared: tuple[GraphShape, list] | None = None
         # seats -> the verify scratch every verify shape of that many seats shares (read by the commit before the
         # next verify): one allocation of `seats` rows x the widest verify, not one per (width, pages)
         self._scratch: dict[int, object] = {}
@@ -339,7 +345,7 @@ class DecodeGraphs:
         key = GraphShape(len(rows), tokens, self._pages(rows, tokens), True, features, False, self._adapter_key(rows))
         shape = self._shape(key)
         shape.view.pack(rows, torch.zeros(len(rows), tokens, dtype=torch.long))
-        self._prepared = (key, [id(r) for r in rows])
+        self._prepared = (key, _packed_rows(rows))
         return True
 
     def commit(self, rows: list["RunningSeq"], scratch, n_commit: list[int]) -> bool:
@@ -390,7 +396,7 @@ class DecodeGraphs:
     def _replay(self, rows, key: GraphShape, ids: torch.Tensor | None, parents: list[list[int]] | None):
         shape = self._shape(key)
         prepared, self._prepared = self._prepared, None
-        if ids is not None and prepared == (key, [id(r) for r in rows]):   # packed by prepare_verify
+        if ids is not None and prepared == (key, _packed_rows(rows)):   # packed by prepare_verify
             shape.view.set_ids(ids)
             self.stats["prepared_verifies"] += 1
         else:
