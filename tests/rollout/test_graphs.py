@@ -87,6 +87,40 @@ def test_verify_prepared_while_the_head_drafts(model, overlap):
     eng.check()
 
 
+def test_a_failed_step_after_the_prepared_verify_leaves_nothing_behind(model):
+    """A head draft refused after the verify was prepared (pages allocated, indices packed): the request fails
+    naming the drafter, the pools' accounting holds, and the next call on the same engine -- same shapes, same
+    rows' positions -- is plain decoding's bits (the stale pack is never replayed)."""
+    from k3.rollout import RequestFailed
+    from k3.rollout.spec import SpecConfig
+    from k3.rollout.spec.drafter import DraftHead, TrainedDrafter
+    from test_spec_engine import GREEDY, _prompts
+    torch.manual_seed(0)
+    ref = Engine(model, prefix_cache=False, **SMALL).generate(_prompts(), GREEDY)
+    eng = Engine(model, prefix_cache=True, speculative=SpecConfig(draft_len=3, verify="batched"), **SMALL)
+    drafter = TrainedDrafter(DraftHead(model.config.hidden_size), model,
+                             draft_vocab=sorted({t for c in ref for t in c.token_ids}))
+    drafter.capture_graphs(capture=False)
+    eng.spec.drafter = drafter
+    eng.graphs = DecodeGraphs(eng, capture=False)
+    launch, calls = drafter.launch_chains, []
+
+    def bad_third(feats, last, steps):
+        calls.append(1)
+        drafts = launch(feats, last, steps)
+        return drafts + model.config.vocab_size if len(calls) == 3 else drafts
+    drafter.launch_chains = bad_third
+    with pytest.raises(RequestFailed) as err:
+        eng.generate(_prompts(), GREEDY)
+    assert "drafter" in str(err.value.__cause__) and "vocabulary" in str(err.value.__cause__)
+    assert eng.graphs._prepared is not None   # prepared, never replayed
+    eng.check()
+    assert not eng.running
+    drafter.launch_chains = launch
+    assert same(eng.generate(_prompts(), GREEDY), ref)
+    eng.check()
+
+
 ADAPTER_CONFIGS = {"a": LoRAConfig(rank=4, alpha=8.0, init_scale=0.05),
                    "b": LoRAConfig(rank=2, alpha=4.0, init_scale=0.05)}
 
