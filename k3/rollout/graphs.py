@@ -349,7 +349,7 @@ class DecodeGraphs:
         return True
 
     def commit(self, rows: list["RunningSeq"], scratch, n_commit: list[int]) -> bool:
-        """k3.rollout.spec.decode's commit of `rows` (in seats 0..) from the scratch of the last captured verify,
+        """k3.rollout.spec.commit.commit of `rows` (in seats 0..) from the scratch of the last captured verify,
         as a captured fold over every seat (idle seats: the spare state, nothing accepted): True when it ran;
         False for any other scratch (an eager verify's), which the caller commits itself."""
         if self._served is None or self._served[0] is not scratch:
@@ -462,7 +462,7 @@ class DecodeGraphs:
         return shape
 
     def _build_commit(self, key: CommitShape) -> _Commit:
-        from k3.rollout.spec.decode import fold_and_write
+        from k3.rollout.spec.commit import fold_and_write
         eng, B = self.eng, key.verify.seats
         scratch = self.shapes[key.verify].view.scratch   # every seat's step inputs
         index = IndexBuffer(eng.device, [B, B])

@@ -315,18 +315,19 @@ def test_job_config_refuses_bad_speculative_settings(bad):
 
 @pytest.mark.parametrize("layers_per_fold", [16, 4])
 def test_commit_with_the_layers_folded_together_is_the_per_layer_commit(model, monkeypatch, layers_per_fold):
-    """CUDA commits with the KDA layers side by side (`decode._fold_layers_together`: one replay call for up to
+    """CUDA commits with the KDA layers side by side (`commit._fold_layers_together`: one replay call for up to
     LAYERS_PER_FOLD layers' states, folded in place in the pool, one conv roll, one gather and one write of the
     windows, instead of a handful of launches per layer; K3 has 69 KDA layers). Under the same fold kernel -- the Triton fold, in the interpreter on CPU, whose
     programs each own one row, head and value block -- it must commit exactly what the per-layer commit does: the
     same tokens and log-probs over several steps (a state that differed would change every later logit), with
     accepted, partial and rejected drafts, the tiny model's 6 KDA layers in one group and in groups of 4 + 2."""
+    import k3.rollout.spec.commit as commit_module
     import k3.rollout.spec.decode as decode
     from k3.model import ops
     from k3_kernels.replay_ssm.replay import replay_commit, replay_commit_into
     monkeypatch.setattr(ops, "kda_replay_commit", replay_commit)
     monkeypatch.setattr(ops, "kda_replay_commit_into", replay_commit_into)
-    monkeypatch.setattr(decode, "LAYERS_PER_FOLD", layers_per_fold)
+    monkeypatch.setattr(commit_module, "LAYERS_PER_FOLD", layers_per_fold)
     prompts = [rand_tokens(14 + 3 * i, 900 + i) for i in range(3)]
     sp = SamplingParams(temperature=0.0, max_tokens=10)
     refs = [p + c.token_ids for p, c in zip(prompts, Engine(model, prefix_cache=False, **SMALL).generate(prompts, sp))]

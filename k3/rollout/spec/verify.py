@@ -1,6 +1,6 @@
 """The verify pass: the target scores the pending token and the draft (a chain or a token tree) of every row of one
 decode group, writing the MLA latents of the verified positions into the rows' pages and, for KDA, only the step
-inputs (ReplayScratch) -- the state pool is never written here. `decode.commit` keeps the accepted path.
+inputs (ReplayScratch) -- the state pool is never written here. `commit.commit` keeps the accepted path.
 
 EXACT mode (`verify_walk`) runs each verify position with decode's shapes ([decode_batch, 1]) and walks the
 acceptance down the tree as it goes; the KDA layers continue from a working state that lives only in this pass
