@@ -62,11 +62,24 @@ def _busy_within(kernels: list[tuple[float, float]], lo: float, hi: float) -> fl
     return _union([(max(a, lo), min(b, hi)) for a, b in kernels if b > lo and a < hi])
 
 
+def _concurrent(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Time within [lo, hi) during which two or more of `intervals` run at once (kernels on several streams: the
+    head beside the commit with `overlap_drafting`)."""
+    edges = sorted([(max(a, lo), 1) for a, b in intervals if b > lo and a < hi]
+                   + [(min(b, hi), -1) for a, b in intervals if b > lo and a < hi])
+    total, running, last = 0.0, 0, lo
+    for t, step in edges:
+        if running >= 2:
+            total += t - last
+        running, last = running + step, t
+    return total
+
+
 def summarise(trace: dict) -> dict:
     """Per step (host range `phase:step`, or for plain decoding the engine's `_forward`s): wall, device busy, and
     per phase host ms and device-busy ms under it (kernels whose interval falls in the phase's host range shifted
     by nothing: a kernel runs after its launch, so busy time under a phase is work that phase or an earlier one
-    launched). Means over the steps after the first two."""
+    launched), and the device time two kernels shared (`_concurrent`). Means over the steps after the first two."""
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy",
                                                                                          "gpu_memset"))
@@ -78,10 +91,11 @@ def summarise(trace: dict) -> dict:
     steps = sorted(ranges.get("step", []))[2:]
     if not steps:
         return {}
-    out = {"steps": len(steps), "step_ms": 0.0, "device_busy_ms": 0.0}
+    out = {"steps": len(steps), "step_ms": 0.0, "device_busy_ms": 0.0, "device_concurrent_ms": 0.0}
     for lo, hi in steps:
         out["step_ms"] += (hi - lo) / 1e3
         out["device_busy_ms"] += _busy_within(kernels, lo, hi) / 1e3
+        out["device_concurrent_ms"] += _concurrent(kernels, lo, hi) / 1e3
         for p in PHASES:
             for a, b in ranges.get(p, []):
                 if lo <= a and b <= hi:

@@ -78,3 +78,6 @@ def test_step_trace_union_counts_overlaps_once():
     import benchmarks.step_trace as trace
     assert trace._union([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4
     assert trace._busy_within([(0, 10), (12, 14)], 5, 13) == 6
+    # two streams: [2, 5) shared by two kernels, [4, 5) by three (still counted once); clipped to the window
+    assert trace._concurrent([(0, 5), (2, 8), (4, 5), (9, 10)], 0, 10) == 3
+    assert trace._concurrent([(0, 5), (2, 8)], 3, 4) == 1 and trace._concurrent([(0, 1), (1, 2)], 0, 2) == 0
