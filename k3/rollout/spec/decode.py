@@ -217,20 +217,20 @@ class SpecDecoder:
         return got[1:]
 
     def _predraft(self, group: list["RunningSeq"], speculating: list[bool], verified, emitted: list[list[Emitted]],
-                  features: list[list[torch.Tensor]] | None, n_commit: list[int]) -> None:
-        """`overlap_drafting`, right after the commit is queued and before the rows' tokens are emitted: the
-        trained head's next chain of every row that goes on speculating and would run the head at its next step
-        -- what `_propose_group` drafts then, from the same features (its last committed position's), last token
-        and draft limit, for the same rows (not finishing here; a draft limit above 0; with prompt lookup, a
+                  features: list[list[torch.Tensor]] | None, n_commit: list[int]) -> "torch.cuda.Stream | None":
+        """`overlap_drafting`, right after the walk, before the commit is queued and the rows' tokens are emitted:
+        the trained head's next chain of every row that goes on speculating and would run the head at its next
+        step -- what `_propose_group` drafts then, from the same features (its last committed position's), last
+        token and draft limit, for the same rows (not finishing here; a draft limit above 0; with prompt lookup, a
         sequence whose trusted suffix match would be copied instead: its index is extended by this step's tokens
         now) -- launched now. On CUDA on a side stream that waits for `verified` (an event recorded after the
-        verify, before the commit), so the head runs beside the commit while the host emits; the drafts go to
-        pinned host memory behind an event, and the engine's stream waits for the side stream before its next
-        work (the next verify)."""
+        verify), returned: the caller queues the commit, then makes the engine's stream wait for it, so the head
+        runs beside the commit while the host emits, and the next verify follows both. The drafts go to pinned
+        host memory behind an event. None when nothing was launched on a side stream."""
         cfg = self.cfg
         if not (self.overlap_drafting and cfg.branching == 1 and hasattr(self.drafter, "launch_chains")) \
                 or features is None:
-            return
+            return None
         rows, feats, lasts, limits = [], [], [], []
         for r, s in enumerate(group):
             em = emitted[r]
@@ -250,7 +250,7 @@ class SpecDecoder:
             lasts.append(em[-1].token)
             limits.append(k)
         if not rows:
-            return
+            return None
         side = None
         if self.eng.device.type == "cuda":
             if self._draft_stream is None:
@@ -260,10 +260,9 @@ class SpecDecoder:
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             host, event = _to_host(self.drafter.launch_chains(torch.stack([f.reshape(-1) for f in feats]), lasts,
                                                               max(limits)))
-        if side is not None:
-            torch.cuda.current_stream(self.eng.device).wait_stream(side)
         for i, (s, pos) in enumerate(rows):
             self.predrafts[s] = (pos, host, i, event)
+        return side
 
     def _features_of(self, s: "RunningSeq") -> torch.Tensor | None:
         """The target's features a row's next draft starts from: its last committed position's, or on the turn's
@@ -397,8 +396,10 @@ class SpecDecoder:
         if self.overlap_drafting and eng.device.type == "cuda":   # the next drafts' inputs exist from here on
             verified = torch.cuda.Event()
             verified.record()
+        side = self._predraft(group, speculating, verified, emitted, res.features, n_commit)
         commit(eng, group, res.scratch, n_commit)
-        self._predraft(group, speculating, verified, emitted, res.features, n_commit)
+        if side is not None:   # queued after the commit: the commit runs beside the head, the next verify after both
+            torch.cuda.current_stream(eng.device).wait_stream(side)
         st = eng.stats
         st["spec_verifies"] += sum(speculating)
         st["spec_draft_tokens"] += sum(len(t) for t in trees)
