@@ -202,11 +202,15 @@ class SpecDecoder:
         without lookup) and the features the trained head drafts it from, None where the head does not run (no
         draft, no features, or -- chains -- a row whose sequence repeats a suffix of >= `lookup` tokens: it drafts
         that continuation whatever the head says, `_with_lookup`)."""
-        cfg = self.cfg
         found = [self._context(s).match(k) if self.lookup and k else ([], 0) for s, k in zip(group, limits)]
-        copied = [self.lookup and cfg.branching == 1 and n >= cfg.lookup for _, n in found]
-        feats = [self._features_of(s) if k and not c else None for s, k, c in zip(group, limits, copied)]
+        feats = [self._features_of(s) if k and not self._copies(f) else None
+                 for s, k, f in zip(group, limits, found)]
         return found, feats
+
+    def _copies(self, found: tuple[list[int], int]) -> bool:
+        """A chain whose prompt-lookup match `found` (tokens, suffix length) is trusted: the row drafts that
+        continuation whatever the head says (`_with_lookup`), so the head does not run for it."""
+        return self.lookup and self.cfg.branching == 1 and found[1] >= self.cfg.lookup
 
     def _predraft_of(self, s: "RunningSeq") -> tuple[torch.Tensor, int, "torch.cuda.Event | None"] | None:
         """Row `s`'s chain drafted at the end of its previous step (`_predraft`), if it was drafted for the row's
@@ -243,7 +247,7 @@ class SpecDecoder:
             if self.lookup:   # the index as the next step sees it (its tokens then are in the row's key)
                 index = self._context(s)
                 index.extend([e.token for e in em])
-                if index.match(k)[1] >= cfg.lookup:
+                if self._copies(index.match(k)):
                     continue
             rows.append((s, pos))
             feats.append(features[r][n_commit[r] - 1])
