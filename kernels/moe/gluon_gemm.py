@@ -1,0 +1,183 @@
+"""Block-scaled FP8 grouped GEMM for Hopper in Gluon: C = A B_e^T over each expert's sorted rows, A in e4m3 with
+1 x 128 scales along K, B_e in e4m3 with 128 x 128 block scales. The same product as the Triton kernel
+(`grouped_gemm._segment_mm_kernel` with FP8=True, the CPU-tested path) and the same bits: each 128-wide K block is
+one wgmma chain started from zero, its fp32 partial scaled as (P * s_a) * s_b and added to the accumulator in K order.
+
+Why a second kernel: Triton's `tl.dot` waits for each wgmma before its result can be scaled, and all warps run one
+instruction stream, so the tensor cores idle while the CUDA cores scale (the FP8 forward ran slower than bf16;
+kernels/moe/NOTES.md). Here the work is warp-specialised (DeepGEMM's layout of it): two consumer warpgroups each
+own half of the tile's rows and run chain -> wait -> scale on their own, so one scales while the other's chain
+runs; a one-warp producer fills a ring of `stages` shared-memory slots by TMA, each slot freed when both consumers'
+chains have read it (mbarriers, no CTA-wide barrier in the loop). Keeping two partials in flight within one
+warpgroup instead (wgmma of block k + 1 issued before block k is scaled) does not work: ptxas serialises every
+wgmma when non-MMA instructions read one accumulator while another MMA is in flight (C7514, seen offline).
+
+Gluon has no interpreter: this file runs only on sm_90 GPUs (`tests/kernels/test_moe_gluon.py` compares it bit for
+bit with the Triton kernel there; on CPU the test compiles it ahead of time for sm_90a and checks the machine code).
+`grouped_gemm.scaled_segment_mm` chooses it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+QUANT_BLOCK = 128  # the K block of both operands' scales and of one wgmma chain
+# 12 warps (4 + 4 + the producer's group) x 32 threads x 168 <= 65,536 registers; setmaxnreg then moves them
+_MAXNREG = 168
+
+
+@dataclass(frozen=True)
+class GluonTile:
+    """Launch settings: block_m rows (two consumer warpgroups of block_m / 2 = 64 rows), block_n = 128 output
+    columns (one weight-scale block), block_k = 128 (one scale block), `stages` TMA slots, registers a consumer
+    thread gets (setmaxnreg; the producer warp's group gets 40; 3 groups of 128 threads share 64K registers)."""
+    block_m: int = 128
+    stages: int = 4
+    consumer_regs: int = 232
+    group_m: int = 8
+    block_n: int = QUANT_BLOCK
+    block_k: int = QUANT_BLOCK
+
+    def validate(self) -> None:
+        if self.block_n != QUANT_BLOCK or self.block_k != QUANT_BLOCK:
+            raise ValueError(f"tile: block_n and block_k must be {QUANT_BLOCK} (one scale block)")
+        if self.block_m != 128:
+            raise ValueError(f"tile: block_m must be 128 (64 rows a consumer warpgroup), got {self.block_m}")
+        if not 2 <= self.stages <= 6:
+            raise ValueError(f"tile: stages must lie in [2, 6], got {self.stages}")
+        if self.consumer_regs % 8 or not 24 <= self.consumer_regs or 2 * self.consumer_regs + 40 > 512:
+            raise ValueError(f"tile: consumer_regs must be a multiple of 8 in [24, 236], got {self.consumer_regs}")
+
+
+DEFAULT_TILE = GluonTile()
+
+
+def usable(k: int, n: int) -> bool:
+    """Shapes this kernel takes: whole scale blocks along K and N (K3: K = 3072, 3584, 6144; N = 3584, 6144,
+    7168); the caller falls back to the Triton kernel otherwise."""
+    return k % QUANT_BLOCK == 0 and n % QUANT_BLOCK == 0 and k > 0
+
+
+@gluon.jit
+def _producer(a_desc, b_desc, ready, empty, a_lo, a_hi, b_bufs, r0, off_b, n_k, STAGES: gl.constexpr,
+              BLOCK_K: gl.constexpr, HALF_M: gl.constexpr):
+    """One warp: TMA loads of each K block (both row halves of A, the B tile) into the next free slot."""
+    for k in range(n_k):
+        slot = k % STAGES
+        mbarrier.wait(empty.index(slot), ((k // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1 at once
+        bar = ready.index(slot)
+        mbarrier.expect(bar, 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(a_desc, [r0, k * BLOCK_K], bar, a_lo.index(slot))
+        tma.async_copy_global_to_shared(a_desc, [r0 + HALF_M, k * BLOCK_K], bar, a_hi.index(slot))
+        tma.async_copy_global_to_shared(b_desc, [off_b, k * BLOCK_K], bar, b_bufs.index(slot))
+
+
+@gluon.jit
+def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, r0, r1, col0, N, n_k, sb_base, c_stride,
+              HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warpgroup: rows [r0, r0 + HALF_M) of the tile. Per K block: wgmma chain from zero, wait, free the slot,
+    then acc + (P * s_a) * s_b on the CUDA cores -- while the other warpgroup's chain runs on the tensor cores."""
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 32])
+    rows = r0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, mma_layout))
+    rmask = rows < r1
+    sa_ptrs = as_ptr + rows.to(gl.int64) * n_k
+    sb_ptr = bs_ptr + sb_base
+    acc = gl.zeros((HALF_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+    part = gl.zeros((HALF_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+    for k in range(n_k):
+        slot = k % STAGES
+        sa = gl.load(sa_ptrs + k, mask=rmask, other=0.0)
+        sb = gl.load(sb_ptr + k)
+        mbarrier.wait(ready.index(slot), (k // STAGES) & 1)
+        part = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), part, use_acc=False,
+                             is_async=True)
+        part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+        mbarrier.arrive(empty.index(slot), count=1)
+        acc = acc + part * sa[:, None] * sb
+        # a wait with nothing in flight, taking acc: the scaling cannot sink past the next wgmma's issue (which
+        # would keep both partials live and make ptxas serialise the MMAs)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
+    ptrs = c_ptr + rows.to(gl.int64)[:, None] * c_stride + cols[None, :]
+    gl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & (cols < N)[None, :])
+
+
+@gluon.jit
+def _scaled_mm_kernel(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, tiles_ptr, n_tiles_m, N, K, c_stride,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                      STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """Warp-specialised: this partition (4 warps) and a worker partition (4 warps) each own half of the tile's
+    rows; a 1-warp worker issues the TMA loads. Slots are freed when both halves' chains have read them."""
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    # tile of this program: the swizzle of grouped_gemm._tile (GROUP_M m-tiles share the n sweep)
+    pid = gl.program_id(0)
+    n_tiles_n = gl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * n_tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = gl.minimum(n_tiles_m - first_m, GROUP_M)
+    tm = first_m + (pid % per_group) % size_m
+    tn = (pid % per_group) // size_m
+    e = gl.load(tiles_ptr + tm * 3)
+    r0 = gl.load(tiles_ptr + tm * 3 + 1)
+    r1 = gl.load(tiles_ptr + tm * 3 + 2)
+    if e >= 0:
+        a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES, HALF_M, BLOCK_K], a_desc.layout)
+        a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES, HALF_M, BLOCK_K], a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+        n_k = K // BLOCK_K
+        off_b = e * N + tn * BLOCK_N  # B is [E * N, K]: expert e's rows start at e * N
+        col0 = tn * BLOCK_N
+        sb_base = (e.to(gl.int64) * n_tiles_n + tn) * n_k
+        gl.warp_specialize([
+            (_consumer, (a_lo, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, r0, r1, col0, N, n_k, sb_base,
+                         c_stride, HALF_M, BLOCK_N, STAGES)),
+            (_consumer, (a_hi, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, r0 + HALF_M, r1, col0, N, n_k,
+                         sb_base, c_stride, HALF_M, BLOCK_N, STAGES)),
+            (_producer, (a_desc, b_desc, ready, empty, a_lo, a_hi, b_bufs, r0, off_b, n_k, STAGES, BLOCK_K,
+                         HALF_M)),
+        ], [4, 1], [CONSUMER_REGS, 40])
+
+
+def _descriptor(t: torch.Tensor, block: list[int]):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
+    return TensorDescriptor.from_tensor(t, block, layout)
+
+
+def scaled_segment_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                      tiles: torch.Tensor, out: torch.Tensor, tile: GluonTile = DEFAULT_TILE) -> torch.Tensor:
+    """out[r] = sum_kb (A[r, kb] B_e[:, kb]^T * a_scale[r, kb]) * b_scale[e, :, kb] over each tile's rows.
+
+    a [P, K] e4m3, a_scale [P, K / 128] fp32, b [E, N, K] e4m3, b_scale [E, N / 128, K / 128] fp32,
+    tiles = RoutingPlan.tiles(tile.block_m), out [P, N] (any float dtype, row stride free, columns contiguous)."""
+    tile.validate()
+    P, K = a.shape
+    E, N, Kb = b.shape
+    if Kb != K or not usable(K, N):
+        raise ValueError(f"b: expected [E, N, {K}] with N and K multiples of {QUANT_BLOCK}, got {tuple(b.shape)}")
+    if a_scale.shape != (P, K // QUANT_BLOCK) or b_scale.shape != (E, N // QUANT_BLOCK, K // QUANT_BLOCK):
+        raise ValueError(f"a_scale / b_scale: expected {(P, K // QUANT_BLOCK)} / "
+                         f"{(E, N // QUANT_BLOCK, K // QUANT_BLOCK)}, got {tuple(a_scale.shape)} / "
+                         f"{tuple(b_scale.shape)}")
+    if out.shape != (P, N) or out.stride(1) != 1:
+        raise ValueError(f"out: expected [{P}, {N}] with contiguous columns, got {tuple(out.shape)}")
+    if P == 0:
+        return out
+    a_desc = _descriptor(a, [tile.block_m // 2, tile.block_k])
+    b_desc = _descriptor(b.view(E * N, K), [tile.block_n, tile.block_k])
+    n_m = tiles.shape[0]
+    grid = (n_m * (N // tile.block_n),)
+    _scaled_mm_kernel[grid](a_desc, b_desc, a_scale, b_scale, out, tiles, n_m, N, K, out.stride(0),
+                            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+                            STAGES=tile.stages, CONSUMER_REGS=tile.consumer_regs, num_warps=4, maxnreg=_MAXNREG)
+    return out
