@@ -63,9 +63,10 @@ def usable(k: int, n: int) -> bool:
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, ready, empty, a_lo, a_hi, b_bufs, r0, off_b, n_k, STAGES: gl.constexpr,
-              BLOCK_K: gl.constexpr, HALF_M: gl.constexpr):
-    """One warp: TMA loads of each K block (both row halves of A, the B tile) into the next free slot."""
+def _producer(a_desc, b_desc, b2_desc, ready, empty, a_lo, a_hi, b_bufs, r0, off_b, second, n_k,
+              STAGES: gl.constexpr, BLOCK_K: gl.constexpr, HALF_M: gl.constexpr):
+    """One warp: TMA loads of each K block (both row halves of A, the B tile from the first or `second` B) into
+    the next free slot."""
     for k in range(n_k):
         slot = k % STAGES
         mbarrier.wait(empty.index(slot), ((k // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1 at once
@@ -73,7 +74,8 @@ def _producer(a_desc, b_desc, ready, empty, a_lo, a_hi, b_bufs, r0, off_b, n_k, 
         mbarrier.expect(bar, 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(a_desc, [r0, k * BLOCK_K], bar, a_lo.index(slot))
         tma.async_copy_global_to_shared(a_desc, [r0 + HALF_M, k * BLOCK_K], bar, a_hi.index(slot))
-        tma.async_copy_global_to_shared(b_desc, [off_b, k * BLOCK_K], bar, b_bufs.index(slot))
+        tma.async_copy_global_to_shared(b_desc, [off_b, k * BLOCK_K], bar, b_bufs.index(slot), not second)
+        tma.async_copy_global_to_shared(b2_desc, [off_b, k * BLOCK_K], bar, b_bufs.index(slot), second)
 
 
 @gluon.jit
@@ -108,11 +110,13 @@ def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, r0, r1, col0,
 
 
 @gluon.jit
-def _scaled_mm_kernel(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, tiles_ptr, n_tiles_m, N, K, c_stride,
+def _scaled_mm_kernel(a_desc, b_desc, b2_desc, as_ptr, bs_ptr, bs2_ptr, c_ptr, tiles_ptr, n_tiles_m, N, N_B, K,
+                      c_stride,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                       STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Warp-specialised: this partition (4 warps) and a worker partition (4 warps) each own half of the tile's
-    rows; a 1-warp worker issues the TMA loads. Slots are freed when both halves' chains have read them."""
+    rows; a 1-warp worker issues the TMA loads. Slots are freed when both halves' chains have read them.
+    Output columns [0, N_B) come from B (b_desc, bs_ptr), [N_B, N) from B2 (gate/up: W1 then W3, one launch)."""
     HALF_M: gl.constexpr = BLOCK_M // 2
     # tile of this program: the swizzle of grouped_gemm._tile (GROUP_M m-tiles share the n sweep)
     pid = gl.program_id(0)
@@ -135,16 +139,19 @@ def _scaled_mm_kernel(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, tiles_ptr, n_tiles_
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
         n_k = K // BLOCK_K
-        off_b = e * N + tn * BLOCK_N  # B is [E * N, K]: expert e's rows start at e * N
         col0 = tn * BLOCK_N
-        sb_base = (e.to(gl.int64) * n_tiles_n + tn) * n_k
+        second = col0 >= N_B
+        local = col0 - gl.where(second, N_B, 0)  # column within its B
+        off_b = e * N_B + local  # B is [E * N_B, K]: expert e's rows start at e * N_B
+        sb_base = (e.to(gl.int64) * gl.cdiv(N_B, BLOCK_N) + local // BLOCK_N) * n_k
+        sb_ptr = gl.where(second, bs2_ptr, bs_ptr)
         gl.warp_specialize([
-            (_consumer, (a_lo, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, r0, r1, col0, N, n_k, sb_base,
+            (_consumer, (a_lo, b_bufs, ready, empty, as_ptr, sb_ptr, c_ptr, r0, r1, col0, N, n_k, sb_base,
                          c_stride, HALF_M, BLOCK_N, STAGES)),
-            (_consumer, (a_hi, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, r0 + HALF_M, r1, col0, N, n_k,
+            (_consumer, (a_hi, b_bufs, ready, empty, as_ptr, sb_ptr, c_ptr, r0 + HALF_M, r1, col0, N, n_k,
                          sb_base, c_stride, HALF_M, BLOCK_N, STAGES)),
-            (_producer, (a_desc, b_desc, ready, empty, a_lo, a_hi, b_bufs, r0, off_b, n_k, STAGES, BLOCK_K,
-                         HALF_M)),
+            (_producer, (a_desc, b_desc, b2_desc, ready, empty, a_lo, a_hi, b_bufs, r0, off_b, second, n_k,
+                         STAGES, BLOCK_K, HALF_M)),
         ], [4, 1], [CONSUMER_REGS, 40])
 
 
@@ -155,29 +162,41 @@ def _descriptor(t: torch.Tensor, block: list[int]):
 
 
 def scaled_segment_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                      tiles: torch.Tensor, out: torch.Tensor, tile: GluonTile = DEFAULT_TILE) -> torch.Tensor:
-    """out[r] = sum_kb (A[r, kb] B_e[:, kb]^T * a_scale[r, kb]) * b_scale[e, :, kb] over each tile's rows.
+                      tiles: torch.Tensor, out: torch.Tensor, b2: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      tile: GluonTile = DEFAULT_TILE) -> torch.Tensor:
+    """out[r] = sum_kb (A[r, kb] B_e[:, kb]^T * a_scale[r, kb]) * b_scale[e, :, kb] over each tile's rows; with
+    b2 = (B2, B2 scales) the output columns are B's then B2's (gate/up: out = G | U from W1, W3).
 
-    a [P, K] e4m3, a_scale [P, K / 128] fp32, b [E, N, K] e4m3, b_scale [E, N / 128, K / 128] fp32,
-    tiles = RoutingPlan.tiles(tile.block_m), out [P, N] (any float dtype, row stride free, columns contiguous)."""
+    a [P, K] e4m3, a_scale [P, K / 128] fp32, b (and B2) [E, N_B, K] e4m3, b_scale [E, N_B / 128, K / 128] fp32,
+    tiles = RoutingPlan.tiles(tile.block_m), out [P, N_B or 2 N_B] (any float dtype, contiguous columns)."""
     tile.validate()
     P, K = a.shape
-    E, N, Kb = b.shape
-    if Kb != K or not usable(K, N):
+    E, N_B, Kb = b.shape
+    if Kb != K or not usable(K, N_B):
         raise ValueError(f"b: expected [E, N, {K}] with N and K multiples of {QUANT_BLOCK}, got {tuple(b.shape)}")
-    if a_scale.shape != (P, K // QUANT_BLOCK) or b_scale.shape != (E, N // QUANT_BLOCK, K // QUANT_BLOCK):
-        raise ValueError(f"a_scale / b_scale: expected {(P, K // QUANT_BLOCK)} / "
-                         f"{(E, N // QUANT_BLOCK, K // QUANT_BLOCK)}, got {tuple(a_scale.shape)} / "
+    scales = (P, K // QUANT_BLOCK), (E, N_B // QUANT_BLOCK, K // QUANT_BLOCK)
+    if a_scale.shape != scales[0] or b_scale.shape != scales[1]:
+        raise ValueError(f"a_scale / b_scale: expected {scales[0]} / {scales[1]}, got {tuple(a_scale.shape)} / "
                          f"{tuple(b_scale.shape)}")
+    b2_q, b2_scale = b2 if b2 is not None else (b, b_scale)
+    if b2_q.shape != b.shape or b2_scale.shape != b_scale.shape:
+        raise ValueError(f"b2: expected {tuple(b.shape)} / {tuple(b_scale.shape)}, got {tuple(b2_q.shape)} / "
+                         f"{tuple(b2_scale.shape)}")
+    N = N_B * (2 if b2 is not None else 1)
     if out.shape != (P, N) or out.stride(1) != 1:
         raise ValueError(f"out: expected [{P}, {N}] with contiguous columns, got {tuple(out.shape)}")
+    for name, t in (("a", a), ("b", b), ("b2", b2_q)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: must be contiguous")
     if P == 0:
         return out
     a_desc = _descriptor(a, [tile.block_m // 2, tile.block_k])
-    b_desc = _descriptor(b.view(E * N, K), [tile.block_n, tile.block_k])
+    b_desc = _descriptor(b.view(E * N_B, K), [tile.block_n, tile.block_k])
+    b2_desc = _descriptor(b2_q.view(E * N_B, K), [tile.block_n, tile.block_k])
     n_m = tiles.shape[0]
     grid = (n_m * (N // tile.block_n),)
-    _scaled_mm_kernel[grid](a_desc, b_desc, a_scale, b_scale, out, tiles, n_m, N, K, out.stride(0),
-                            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-                            STAGES=tile.stages, CONSUMER_REGS=tile.consumer_regs, num_warps=4, maxnreg=_MAXNREG)
+    _scaled_mm_kernel[grid](a_desc, b_desc, b2_desc, a_scale, b_scale, b2_scale, out, tiles, n_m, N, N_B, K,
+                            out.stride(0), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                            GROUP_M=tile.group_m, STAGES=tile.stages, CONSUMER_REGS=tile.consumer_regs, num_warps=4,
+                            maxnreg=_MAXNREG)
     return out
