@@ -12,6 +12,8 @@ Spec: naive.py (naive_experts, naive_experts_fp8).
 """
 from __future__ import annotations
 
+import contextlib
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +33,38 @@ class TileConfig:
     num_warps: int
     num_stages: int
     group_m: int = 8
+
+
+class Fp8Gemm(enum.Enum):
+    """Which kernel runs the FP8 forward GEMMs on CUDA: TRITON (`_gate_up_kernel` / `_segment_mm_kernel`, the
+    CPU-tested path) or GLUON (gluon_gemm.py, warp-specialised, sm_90 only; same bits)."""
+    TRITON = "triton"
+    GLUON = "gluon"
+
+
+_FP8_GEMM_OVERRIDE: list[Fp8Gemm] = []
+
+
+@contextlib.contextmanager
+def fp8_gemm(impl: Fp8Gemm):
+    """Run the FP8 GEMMs with `impl` inside the block (benchmarks and tests compare the two)."""
+    if not isinstance(impl, Fp8Gemm):
+        raise ValueError(f"impl: expected an Fp8Gemm, got {impl!r}")
+    _FP8_GEMM_OVERRIDE.append(impl)
+    try:
+        yield
+    finally:
+        _FP8_GEMM_OVERRIDE.pop()
+
+
+def fp8_gemm_for(device: torch.device, k: int, n: int) -> Fp8Gemm:
+    """GLUON on an sm_90 GPU for whole scale blocks, unless overridden; TRITON otherwise (CPU: the interpreter)."""
+    if device.type != "cuda" or _interpreting():
+        return Fp8Gemm.TRITON
+    from k3_kernels.moe import gluon_gemm
+    if not gluon_gemm.usable(k, n) or torch.cuda.get_device_capability(device) != (9, 0):
+        return Fp8Gemm.TRITON
+    return _FP8_GEMM_OVERRIDE[-1] if _FP8_GEMM_OVERRIDE else Fp8Gemm.GLUON
 
 
 def _interpreting() -> bool:
@@ -249,6 +283,8 @@ def gate_up(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan: RoutingPl
     hs = torch.empty(P, I // QUANT_BLOCK, device=dev, dtype=torch.float32) if quant_h else None
     if P == 0:
         return gu, h, hq, hs
+    if fp8 is not None and fp8_gemm_for(x.device, K, I) is Fp8Gemm.GLUON:
+        return _gate_up_gluon(fp8, plan, beta, linear_beta, gu, h, hq, hs, dt)
     tiles, n_m, grid = _grid(plan, cfg, I)
     any_out = next(t for t in (gu, h, hq) if t is not None)
     if fp8 is not None:
@@ -267,6 +303,59 @@ def gate_up(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan: RoutingPl
     return gu, h, hq, hs
 
 
+@triton.jit
+def _situ_quant_kernel(gu_ptr, h_ptr, hq_ptr, hs_ptr, P, I, beta, linear_beta, WRITE_H: tl.constexpr,
+                       QUANT_H: tl.constexpr, BLOCK_M: tl.constexpr, QB: tl.constexpr):
+    """H = SiTU(G) * cap(U) from the stored G | U [P, 2I], and H's FP8 rows (1 x QB blocks): the gate/up kernel's
+    epilogue as a pass of its own (the Gluon GEMM writes G | U), the same arithmetic, so the same bits."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * QB + tl.arange(0, QB)
+    rmask = rows < P
+    m = rmask[:, None] & (cols < I)[None, :]
+    r64 = rows.to(tl.int64)
+    gp = gu_ptr + r64[:, None] * (2 * I) + cols[None, :]
+    gf = tl.load(gp, mask=m, other=0.0).to(tl.float32)
+    uf = tl.load(gp + I, mask=m, other=0.0).to(tl.float32)
+    h = beta * _tanh(gf / beta) * tl.sigmoid(gf) * (linear_beta * _tanh(uf / linear_beta))
+    if WRITE_H:
+        tl.store(h_ptr + r64[:, None] * I + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=m)
+    if QUANT_H:
+        amax = tl.max(tl.abs(tl.where(m, h, 0.0)), axis=1)
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, _E4M3_MAX), 1.0)
+        q = tl.clamp(tl.math.div_rn(h, scale[:, None]), -_E4M3_MAX, _E4M3_MAX)
+        tl.store(hq_ptr + r64[:, None] * I + cols[None, :], q.to(hq_ptr.dtype.element_ty), mask=m)
+        tl.store(hs_ptr + r64 * tl.cdiv(I, QB) + tl.program_id(1), scale, mask=rmask)
+
+
+def situ_quant(gu: torch.Tensor, beta: float, linear_beta: float, h: torch.Tensor | None, hq: torch.Tensor | None,
+               hs: torch.Tensor | None) -> None:
+    """Fill h [P, I] (if given) and hq / hs (if given: FP8 rows of H and their 1 x 128 scales) from gu [P, 2I]."""
+    P, I2 = gu.shape
+    I = I2 // 2
+    if P == 0 or (h is None and hq is None):
+        return
+    if hq is not None and I % QUANT_BLOCK:
+        raise ValueError(f"gu: FP8 H needs an intermediate size divisible by {QUANT_BLOCK}, got {I}")
+    BM = 16
+    any_out = h if h is not None else hq
+    _situ_quant_kernel[(cdiv(P, BM), cdiv(I, QUANT_BLOCK))](
+        gu, any_out if h is None else h, any_out if hq is None else hq, any_out if hs is None else hs, P, I,
+        float(beta), float(linear_beta), WRITE_H=h is not None, QUANT_H=hq is not None, BLOCK_M=BM,
+        QB=QUANT_BLOCK, num_warps=4)
+
+
+def _gate_up_gluon(fp8, plan: RoutingPlan, beta: float, linear_beta: float, gu, h, hq, hs, dt):
+    """The FP8 gate/up on the Gluon GEMM: G | U in one launch (W1's columns then W3's), then `situ_quant`."""
+    from k3_kernels.moe import gluon_gemm
+    xq, xs, w1q, w1s, w3q, w3s = fp8
+    P, I = xq.shape[0], w1q.shape[1]
+    out = gu if gu is not None else torch.empty(P, 2 * I, device=xq.device, dtype=dt)
+    gluon_gemm.scaled_segment_mm(xq, xs, w1q, w1s, plan.tiles(gluon_gemm.DEFAULT_TILE.block_m), out,
+                                 b2=(w3q, w3s))
+    situ_quant(out, beta, linear_beta, h, hq, hs)
+    return gu, h, hq, hs
+
+
 def down(h: torch.Tensor, w2: torch.Tensor, plan: RoutingPlan, out_dtype: torch.dtype,
          fp8: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Y = H W2_e^T per expert: h [P, I] (or fp8 = (hq, hs, w2q, w2s)), w2 [E, L, I] -> [P, L]."""
@@ -275,6 +364,10 @@ def down(h: torch.Tensor, w2: torch.Tensor, plan: RoutingPlan, out_dtype: torch.
     y = torch.empty(P, L, device=h.device, dtype=out_dtype)
     if P == 0:
         return y
+    if fp8 is not None and fp8_gemm_for(h.device, I, L) is Fp8Gemm.GLUON:
+        from k3_kernels.moe import gluon_gemm
+        hq, hs, w2q, w2s = fp8
+        return gluon_gemm.scaled_segment_mm(hq, hs, w2q, w2s, plan.tiles(gluon_gemm.DEFAULT_TILE.block_m), y)
     cfg = configs(h.device, out_dtype)["mm_fp8" if fp8 is not None and h.is_cuda else "mm"]
     tiles, n_m, grid = _grid(plan, cfg, L)
     if fp8 is not None:

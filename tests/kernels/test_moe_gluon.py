@@ -1,0 +1,156 @@
+"""The warp-specialised FP8 grouped GEMM (k3_kernels.moe.gluon_gemm) and what the FP8 forward runs around it.
+
+Why these tests: the Gluon kernel exists only for speed, so it must give the Triton FP8 kernels' bits (which the
+interpreter tests check against the spec in test_moe.py) -- the `gpu` tests compare them at K3 shapes. Gluon has no
+interpreter; on CPU its sm_90a build is checked for what the design rests on: warp specialisation (setmaxnreg),
+FP8 wgmma chains, no spills, and no ptxas serialisation of the MMAs (the failure mode of the first design, which
+kept two partials in flight in one warpgroup). The SiTU + H-quantisation pass that follows the Gluon gate/up runs
+under the interpreter against the fused Triton epilogue it replaces, bit for bit."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # (tests/conftest.py sets it too, before anything imports triton)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import _moe_interp  # noqa: E402,F401  (FP8 conversions in the interpreter)
+from k3_kernels.moe import grouped_gemm as gg  # noqa: E402
+from k3_kernels.moe.layer import Precision, fp8_weight, moe_experts  # noqa: E402
+from k3_kernels.moe.permute import permute_rows, plan_routing  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(N, L, I, E, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(N, L, generator=g).to(DEV, torch.bfloat16)
+    w1 = (torch.randn(E, I, L, generator=g) / L ** 0.5).to(DEV, torch.bfloat16)
+    w3 = (torch.randn(E, I, L, generator=g) / L ** 0.5).to(DEV, torch.bfloat16)
+    w2 = (torch.randn(E, L, I, generator=g) / I ** 0.5).to(DEV, torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)]).to(DEV)
+    w = torch.rand(N, k, generator=g).to(DEV)
+    return z, ids, w, w1, w3, w2
+
+
+def test_situ_quant_pass_matches_the_fused_epilogue():
+    """G | U written by a GEMM, then H and its FP8 rows in a pass of their own: the fused gate/up kernel's bits
+    (what the Gluon gate/up path relies on to stay bitwise with the Triton one)."""
+    z, ids, w, w1, w3, w2 = _case(11, 128, 256, 3, 2, seed=3)
+    plan = plan_routing(ids, 3)
+    _, xq, xs = permute_rows(z, plan, bf16=False, fp8=True)
+    (w1q, w1s), (w3q, w3s) = fp8_weight(w1), fp8_weight(w3)
+    with gg.fp8_gemm(gg.Fp8Gemm.TRITON):
+        gu, h, hq, hs = gg.gate_up(xq, w1, w3, plan, 4.0, 25.0, act_dtype=torch.bfloat16, save_gu=True,
+                                   write_h=True, quant_h=True, fp8=(xq, xs, w1q, w1s, w3q, w3s))
+    h2, hq2, hs2 = torch.empty_like(h), torch.empty_like(hq), torch.empty_like(hs)
+    gg.situ_quant(gu, 4.0, 25.0, h2, hq2, hs2)
+    assert torch.equal(h2, h) and torch.equal(hs2, hs)
+    assert torch.equal(hq2.view(torch.uint8), hq.view(torch.uint8))
+    hq3, hs3 = torch.empty_like(hq), torch.empty_like(hs)
+    gg.situ_quant(gu, 4.0, 25.0, None, hq3, hs3)  # inference: no bf16 H
+    assert torch.equal(hq3.view(torch.uint8), hq.view(torch.uint8)) and torch.equal(hs3, hs)
+
+
+def test_the_gluon_path_is_chosen_only_where_it_runs():
+    assert gg.fp8_gemm_for(torch.device("cpu"), 3584, 3072) is gg.Fp8Gemm.TRITON
+    with pytest.raises(ValueError, match="impl"):
+        with gg.fp8_gemm("gluon"):
+            pass
+    from k3_kernels.moe import gluon_gemm
+    assert gluon_gemm.usable(3584, 6144) and gluon_gemm.usable(3072, 7168) and not gluon_gemm.usable(3584, 100)
+    with pytest.raises(ValueError, match="stages"):
+        gluon_gemm.GluonTile(stages=1).validate()
+    with pytest.raises(ValueError, match="consumer_regs"):
+        gluon_gemm.GluonTile(consumer_regs=240).validate()
+
+
+_BUILD = r"""
+import collections, json, os, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from k3_kernels.moe import gluon_gemm as G
+desc = ("tensordesc<fp8e4nv[{}, 128],NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2, "
+        "transposed=False, fp4_padded=False, cga_layout=[])>")
+t = G.DEFAULT_TILE
+types = dict(a_desc=desc.format(t.block_m // 2), b_desc=desc.format(128), b2_desc=desc.format(128),
+             as_ptr="*fp32", bs_ptr="*fp32", bs2_ptr="*fp32", c_ptr="*bf16", tiles_ptr="*i32", n_tiles_m="i32",
+             N="i32", N_B="i32", K="i32", c_stride="i32")
+consts = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m, STAGES=t.stages,
+              CONSUMER_REGS=t.consumer_regs, num_warps=4)
+fn = G._scaled_mm_kernel
+sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+         if n not in consts and n != "n_tiles_m"}
+src = GluonASTSource(fn, sig, {(i,): consts[n] for i, n in enumerate(fn.arg_names) if n in consts}, attrs)
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=G._MAXNREG))
+bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+with tempfile.TemporaryDirectory() as d:
+    ptx = os.path.join(d, "k.ptx")
+    open(ptx, "w").write(k.asm["ptx"])
+    info = subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "--gpu-name", "sm_90a", ptx, "-o",
+                           os.path.join(d, "k.cubin")], capture_output=True, text=True, check=True).stderr
+    sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", os.path.join(d, "k.cubin")],
+                          capture_output=True, text=True, check=True).stdout
+ops = collections.Counter(re.findall(r"\b(QGMMA\.[0-9x]+\.F32\.E4M3\.E4M3|USETMAXREG|WARPGROUP\.DEPBAR)", sass))
+print(json.dumps({"info": info, "ops": ops, "spill": int(re.search(r"(\d+) bytes spill stores", info).group(1))}))
+"""
+
+
+def test_gluon_gemm_builds_for_the_h200():
+    """The kernel's sm_90a build (no GPU needed): FP8 wgmma chains of 64 x 128 x 32, setmaxnreg (the partitions),
+    no spills and no "wgmma serialized" from ptxas."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _BUILD], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert "serialized" not in out["info"], out["info"]
+    assert out["spill"] == 0, out["info"]
+    assert out["ops"].get("QGMMA.64x128x32.F32.E4M3.E4M3", 0) >= 8, out["ops"]  # two consumers x 4 k32 steps
+    assert out["ops"].get("USETMAXREG", 0) > 0, out["ops"]
+
+
+# ------------------------------------------------------------------------------------------------- GPU (sm_90)
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="Gluon's kernel needs an sm_90 GPU (H100/H200)")
+def test_gpu_gluon_gemms_give_the_triton_bits():
+    """K3 widths (latent 3584, intermediate 3072), 112 experts, uneven expert loads: the gate/up (G | U in one
+    launch, then the SiTU + quantisation pass) and the down GEMM give the Triton FP8 kernels' bits."""
+    z, ids, w, w1, w3, w2 = _case(2048, 3584, 3072, 112, 16, seed=11)
+    plan = plan_routing(ids, 112)
+    _, xq, xs = permute_rows(z, plan, bf16=False, fp8=True)
+    fp8 = (xq, xs, *fp8_weight(w1), *fp8_weight(w3))
+    outs = {}
+    for impl in (gg.Fp8Gemm.TRITON, gg.Fp8Gemm.GLUON):
+        with gg.fp8_gemm(impl):
+            gu, h, hq, hs = gg.gate_up(xq, w1, w3, plan, 4.0, 25.0, act_dtype=torch.bfloat16, save_gu=True,
+                                       write_h=True, quant_h=True, fp8=fp8)
+            y = gg.down(hq, w2, plan, torch.bfloat16, fp8=(hq, hs, *fp8_weight(w2)))
+        torch.cuda.synchronize()
+        outs[impl] = (gu, h, hq.view(torch.uint8), hs, y)
+    for name, a, b in zip(("gu", "h", "hq", "hs", "y"), outs[gg.Fp8Gemm.TRITON], outs[gg.Fp8Gemm.GLUON]):
+        assert torch.equal(a, b), (name, (a.float() - b.float()).abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="Gluon's kernel needs an sm_90 GPU (H100/H200)")
+def test_gpu_fp8_layer_same_bits_either_gemm_and_across_batches():
+    """The FP8 experts layer: the same bits with either GEMM, on a rerun, and for a subset of the tokens."""
+    z, ids, w, w1, w3, w2 = _case(1024, 3584, 3072, 112, 16, seed=12)
+    with torch.no_grad():
+        with gg.fp8_gemm(gg.Fp8Gemm.TRITON):
+            y_t = moe_experts(z, ids, w, w1, w3, w2, precision=Precision.FP8)
+        y_g = moe_experts(z, ids, w, w1, w3, w2, precision=Precision.FP8)
+        assert torch.equal(y_g, y_t)
+        assert torch.equal(moe_experts(z, ids, w, w1, w3, w2, precision=Precision.FP8), y_g)
+        sub = torch.arange(3, 1024, 7, device=DEV)
+        assert torch.equal(moe_experts(z[sub], ids[sub], w[sub], w1, w3, w2, precision=Precision.FP8), y_g[sub])
