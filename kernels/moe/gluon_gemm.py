@@ -63,19 +63,20 @@ def usable(k: int, n: int) -> bool:
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, b2_desc, ready, empty, a_lo, a_hi, b_bufs, r0, off_b, second, n_k,
+def _producer(a_desc, b_desc, b2_desc, ready, empty, a_lo, a_hi, b_bufs, r0, off_b, second, kb0, n_k,
               STAGES: gl.constexpr, BLOCK_K: gl.constexpr, HALF_M: gl.constexpr):
-    """One warp: TMA loads of each K block (both row halves of A, the B tile from the first or `second` B) into
-    the next free slot."""
+    """One warp: TMA loads of K blocks kb0 .. kb0 + n_k - 1 (both row halves of A, the B tile from the first or
+    `second` B) into the next free slot."""
     for k in range(n_k):
+        kc = (kb0 + k) * BLOCK_K
         slot = k % STAGES
         mbarrier.wait(empty.index(slot), ((k // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1 at once
         bar = ready.index(slot)
         mbarrier.expect(bar, 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(a_desc, [r0, k * BLOCK_K], bar, a_lo.index(slot))
-        tma.async_copy_global_to_shared(a_desc, [r0 + HALF_M, k * BLOCK_K], bar, a_hi.index(slot))
-        tma.async_copy_global_to_shared(b_desc, [off_b, k * BLOCK_K], bar, b_bufs.index(slot), not second)
-        tma.async_copy_global_to_shared(b2_desc, [off_b, k * BLOCK_K], bar, b_bufs.index(slot), second)
+        tma.async_copy_global_to_shared(a_desc, [r0, kc], bar, a_lo.index(slot))
+        tma.async_copy_global_to_shared(a_desc, [r0 + HALF_M, kc], bar, a_hi.index(slot))
+        tma.async_copy_global_to_shared(b_desc, [off_b, kc], bar, b_bufs.index(slot), not second)
+        tma.async_copy_global_to_shared(b2_desc, [off_b, kc], bar, b_bufs.index(slot), second)
 
 
 @gluon.jit
@@ -150,9 +151,73 @@ def _scaled_mm_kernel(a_desc, b_desc, b2_desc, as_ptr, bs_ptr, bs2_ptr, c_ptr, t
                          c_stride, HALF_M, BLOCK_N, STAGES)),
             (_consumer, (a_hi, b_bufs, ready, empty, as_ptr, sb_ptr, c_ptr, r0 + HALF_M, r1, col0, N, n_k,
                          sb_base, c_stride, HALF_M, BLOCK_N, STAGES)),
-            (_producer, (a_desc, b_desc, b2_desc, ready, empty, a_lo, a_hi, b_bufs, r0, off_b, second, n_k,
+            (_producer, (a_desc, b_desc, b2_desc, ready, empty, a_lo, a_hi, b_bufs, r0, off_b, second, 0, n_k,
                          STAGES, BLOCK_K, HALF_M)),
         ], [4, 1], [CONSUMER_REGS, 40])
+
+
+@gluon.jit
+def _wgrad_consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, out_ptr, m0, out_m0, col0, M_ALL, N, t0, n_k,
+                    HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warpgroup of the wgrad: rows [m0, m0 + HALF_M) of A (rows out_m0.. of its output); per token block t
+    the partial is scaled by s_a[t, m] and s_b[t, n] (both per row of their operand: 128 tokens x 1 blocks)."""
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 32])
+    rows = m0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, mma_layout))
+    cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
+    acc = gl.zeros((HALF_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+    part = gl.zeros((HALF_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+    for k in range(n_k):
+        slot = k % STAGES
+        t = (t0 + k).to(gl.int64)  # scales are [T, channels]: a block's scales are one contiguous row
+        sa = gl.load(as_ptr + t * M_ALL + rows)
+        sb = gl.load(bs_ptr + t * N + cols)
+        mbarrier.wait(ready.index(slot), (k // STAGES) & 1)
+        part = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), part, use_acc=False,
+                             is_async=True)
+        part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+        mbarrier.arrive(empty.index(slot), count=1)
+        acc = acc + part * sa[:, None] * sb[None, :]
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # (see _consumer)
+    ptrs = out_ptr + (rows - m0 + out_m0).to(gl.int64)[:, None] * N + cols[None, :]
+    gl.store(ptrs, acc.to(out_ptr.dtype.element_ty))
+
+
+@gluon.jit
+def _scaled_wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, out2_ptr, tile_off_ptr, M, N, M_SPLIT,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                         CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """out[e] tile (tm, tn) = sum over expert e's token blocks (fp8_grad._wgrad_kernel's product, same order):
+    the forward kernel's partitions with K running over the expert's blocks and both scales per row."""
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    e = gl.program_id(1).to(gl.int64)
+    n_tn = gl.cdiv(N, BLOCK_N)
+    tm = gl.program_id(0) // n_tn
+    tn = gl.program_id(0) % n_tn
+    t0 = gl.load(tile_off_ptr + e).to(gl.int32)
+    n_k = gl.load(tile_off_ptr + e + 1).to(gl.int32) - t0
+    m0 = tm * BLOCK_M
+    col0 = tn * BLOCK_N
+    second = m0 >= M_SPLIT
+    out_rows = gl.where(second, M - M_SPLIT, M_SPLIT)
+    base = gl.where(second, out2_ptr, out_ptr) + e * out_rows * N
+    local = m0 - gl.where(second, M_SPLIT, 0)
+    a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES, HALF_M, BLOCK_K], a_desc.layout)
+    a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES, HALF_M, BLOCK_K], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    gl.warp_specialize([
+        (_wgrad_consumer, (a_lo, b_bufs, ready, empty, as_ptr, bs_ptr, base, m0, local, col0, M, N, t0, n_k,
+                           HALF_M, BLOCK_N, STAGES)),
+        (_wgrad_consumer, (a_hi, b_bufs, ready, empty, as_ptr, bs_ptr, base, m0 + HALF_M, local + HALF_M, col0, M,
+                           N, t0, n_k, HALF_M, BLOCK_N, STAGES)),
+        (_producer, (a_desc, b_desc, b_desc, ready, empty, a_lo, a_hi, b_bufs, m0, col0, False, t0, n_k, STAGES,
+                     BLOCK_K, HALF_M)),
+    ], [4, 1], [CONSUMER_REGS, 40])
 
 
 def _descriptor(t: torch.Tensor, block: list[int]):
@@ -200,3 +265,19 @@ def scaled_segment_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
                             GROUP_M=tile.group_m, STAGES=tile.stages, CONSUMER_REGS=tile.consumer_regs, num_warps=4,
                             maxnreg=_MAXNREG)
     return out
+
+
+def scaled_wgrad(aq: torch.Tensor, a_scale: torch.Tensor, bq: torch.Tensor, b_scale: torch.Tensor,
+                 tile_offsets: torch.Tensor, out: torch.Tensor, out2: torch.Tensor, split: int,
+                 tile: GluonTile = DEFAULT_TILE) -> None:
+    """fp8_grad.wgrad_fp8's product (checked there): aq [M, T 128], bq [N, T 128] token-block-quantised, scales
+    [T, M] / [T, N]; rows [0, split) of each expert's [M, N] gradient into out [E, split, N], the rest into out2."""
+    tile.validate()
+    M, N = aq.shape[0], bq.shape[0]
+    E = out.shape[0]
+    a_desc = _descriptor(aq, [tile.block_m // 2, tile.block_k])
+    b_desc = _descriptor(bq, [tile.block_n, tile.block_k])
+    grid = ((M // tile.block_m) * (N // tile.block_n), E)
+    _scaled_wgrad_kernel[grid](a_desc, b_desc, a_scale, b_scale, out, out2, tile_offsets, M, N, split,
+                               BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.stages,
+                               CONSUMER_REGS=tile.consumer_regs, num_warps=4, maxnreg=_MAXNREG)

@@ -351,7 +351,7 @@ def _gate_up_gluon(fp8, plan: RoutingPlan, beta: float, linear_beta: float, gu, 
     P, I = xq.shape[0], w1q.shape[1]
     out = gu if gu is not None else torch.empty(P, 2 * I, device=xq.device, dtype=dt)
     gluon_gemm.scaled_segment_mm(xq, xs, w1q, w1s, plan.tiles(gluon_gemm.DEFAULT_TILE.block_m), out,
-                                 b2=(w3q, w3s))
+                                 b2=(w3q, w3s), tile=gluon_gemm.DEFAULT_TILE)
     situ_quant(out, beta, linear_beta, h, hq, hs)
     return gu, h, hq, hs
 
@@ -367,7 +367,8 @@ def down(h: torch.Tensor, w2: torch.Tensor, plan: RoutingPlan, out_dtype: torch.
     if fp8 is not None and fp8_gemm_for(h.device, I, L) is Fp8Gemm.GLUON:
         from k3_kernels.moe import gluon_gemm
         hq, hs, w2q, w2s = fp8
-        return gluon_gemm.scaled_segment_mm(hq, hs, w2q, w2s, plan.tiles(gluon_gemm.DEFAULT_TILE.block_m), y)
+        return gluon_gemm.scaled_segment_mm(hq, hs, w2q, w2s, plan.tiles(gluon_gemm.DEFAULT_TILE.block_m), y,
+                                            tile=gluon_gemm.DEFAULT_TILE)
     cfg = configs(h.device, out_dtype)["mm_fp8" if fp8 is not None and h.is_cuda else "mm"]
     tiles, n_m, grid = _grid(plan, cfg, L)
     if fp8 is not None:
@@ -421,6 +422,16 @@ def down_dgrad_situ(dy: torch.Tensor, w2: torch.Tensor, gu: torch.Tensor, plan: 
                              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                              QB=QUANT_BLOCK, PREC=_prec(dy.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if not fused:
+        situ_backward(dh, gu, beta, linear_beta, dgu)
+    return dgu
+
+
+def situ_backward(dh: torch.Tensor, gu: torch.Tensor, beta: float, linear_beta: float,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """dG | dU [P, 2I] (gu's dtype) from dH [P, I] and the saved G | U [P, 2I]: SiTU-and-mul's backward."""
+    P, I = dh.shape
+    dgu = out if out is not None else torch.empty(P, 2 * I, device=dh.device, dtype=gu.dtype)
+    if P:
         BM, BI = 4, 512
         _situ_bwd_kernel[(cdiv(P, BM), cdiv(I, BI))](dh, gu, dgu, P, I, float(beta), float(linear_beta),
                                                      BLOCK_M=BM, BLOCK_I=BI, num_warps=4)

@@ -7,9 +7,11 @@ k3.model.moe.RoutedExperts layout). Forward: plan (stable sort by expert) -> per
 pass) -> gate/up GEMM with SiTU (FP8: H quantised in its epilogue) -> down GEMM -> combine in slot order.
 Backward: combine's backward (rows' and gate weights' gradients) -> down dgrad with SiTU's backward fused -> gate/up
 dgrad -> un-permute as a fixed-order sum; weight gradients per expert by one program per weight tile.
-Saved for the backward: the permuted rows, G|U and H (bf16) and the down output. FP8 covers the forward GEMMs;
-the backward runs in bf16 from the saved bf16 tensors (weights' FP8 copies are cached per weight version).
-Spec: naive.naive_experts / naive_experts_fp8.
+Saved for the backward: the permuted rows, G|U and H (bf16) and the down output. Precision.FP8 covers the forward
+GEMMs and runs the backward in bf16 from the saved bf16 tensors; Precision.FP8_FULL runs the dgrads and wgrads in
+e4m3 as well (fp8_grad.py), quantising the saved tensors and the gradients as they come. The weights' FP8 copies
+(and their transposes, for the dgrads) are cached per weight version.
+Spec: naive.naive_experts / naive_experts_fp8 / naive_wgrad_fp8.
 """
 from __future__ import annotations
 
@@ -17,29 +19,51 @@ import enum
 
 import torch
 
+from k3_kernels.moe import fp8_grad
 from k3_kernels.moe import grouped_gemm as gg
 from k3_kernels.moe.permute import QUANT_BLOCK, combine, combine_backward, permute_rows, plan_routing
 from k3_kernels.moe.quant import quantize_weight_fp8
 
 
 class Precision(enum.Enum):
-    BF16 = "bf16"   # GEMM inputs in the activations' dtype (bf16, or fp32 in the interpreter tests)
-    FP8 = "fp8"     # forward GEMMs in e4m3 with 1 x 128 / 128 x 128 block scales; backward in the activation dtype
+    BF16 = "bf16"           # GEMM inputs in the activations' dtype (bf16, or fp32 in the interpreter tests)
+    FP8 = "fp8"             # forward GEMMs in e4m3 with 1 x 128 / 128 x 128 block scales; backward in bf16
+    FP8_FULL = "fp8_full"   # forward, dgrad and wgrad GEMMs in e4m3 (fp8_grad.py: DeepSeek-V3's recipe)
 
 
-_FP8_CACHE: dict[int, tuple[int, int, tuple[torch.Tensor, torch.Tensor]]] = {}
+# key -> ((data_ptr, version) of each source weight, (q, scale)): requantised only when a source changed
+_FP8_CACHE: dict[tuple, tuple[tuple, tuple[torch.Tensor, torch.Tensor]]] = {}
 
 
 def fp8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The FP8 copy of an expert weight, requantised only when the tensor changed (its version counter moved)."""
-    key = id(w)
+    return _cached(("w", id(w)), (w,), lambda: quantize_weight_fp8(w.detach()))
+
+
+def fp8_weight_t(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 copy of w^T ([E, K, N] from w [E, N, K]) for the dgrads: 128 x 128 blocks quantise the same either
+    way round, so it is the forward copy transposed (cached per weight version too)."""
+    return _cached(("t", id(w)), (w,), lambda: tuple(t.transpose(1, 2).contiguous() for t in fp8_weight(w)))
+
+
+def fp8_weight_t13(w1: torch.Tensor, w3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[W1^T | W3^T] in FP8 ([E, L, 2I], scales [E, L / 128, 2I / 128]): the gate/up dgrad's B over K = 2I."""
+    def make():
+        (q1, s1), (q3, s3) = fp8_weight(w1), fp8_weight(w3)
+        return (torch.cat([q1.transpose(1, 2), q3.transpose(1, 2)], dim=2),
+                torch.cat([s1.transpose(1, 2), s3.transpose(1, 2)], dim=2))
+    return _cached(("t13", id(w1), id(w3)), (w1, w3), make)
+
+
+def _cached(key, sources: tuple[torch.Tensor, ...], make):
+    stamp = tuple((t.data_ptr(), t._version) for t in sources)
     hit = _FP8_CACHE.get(key)
-    if hit is not None and hit[0] == w.data_ptr() and hit[1] == w._version:
-        return hit[2]
+    if hit is not None and hit[0] == stamp:
+        return hit[1]
     with torch.no_grad():
-        q = quantize_weight_fp8(w.detach())
-    _FP8_CACHE[key] = (w.data_ptr(), w._version, q)
-    return q
+        value = make()
+    _FP8_CACHE[key] = (stamp, value)
+    return value
 
 
 def clear_fp8_cache() -> None:
@@ -49,7 +73,7 @@ def clear_fp8_cache() -> None:
 
 class _ExpertsFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z, w, w1, w3, w2, ids, beta, linear_beta, fp8, training):
+    def forward(ctx, z, w, w1, w3, w2, ids, beta, linear_beta, fp8, training, fp8_grads):
         plan = plan_routing(ids, w1.shape[0])
         xp, xq, xs = permute_rows(z, plan, bf16=not fp8 or training, fp8=fp8)
         if fp8:
@@ -64,7 +88,7 @@ class _ExpertsFn(torch.autograd.Function):
         out = combine(y, plan, w, z.dtype)
         if training:
             ctx.save_for_backward(w, w1, w3, w2, xp, gu, h, y)
-            ctx.plan, ctx.meta = plan, (beta, linear_beta)
+            ctx.plan, ctx.meta, ctx.fp8_grads = plan, (beta, linear_beta), fp8_grads
         return out
 
     @staticmethod
@@ -73,6 +97,8 @@ class _ExpertsFn(torch.autograd.Function):
         w, w1, w3, w2, xp, gu, h, y = ctx.saved_tensors
         plan, (beta, linear_beta) = ctx.plan, ctx.meta
         dy, dw = combine_backward(dout, y, plan, w)
+        if ctx.fp8_grads:
+            return _fp8_backward(ctx, dout, dy, dw, xp, gu, h, w1, w3, w2)
         dgu = gg.down_dgrad_situ(dy, w2, gu, plan, beta, linear_beta)
         I = w1.shape[1]
         dw2 = gg.wgrad(dy, h, plan, w2.dtype) if ctx.needs_input_grad[4] else None
@@ -82,7 +108,27 @@ class _ExpertsFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dxp = gg.gate_up_dgrad(dgu, w1, w3, plan)
             dz = combine(dxp, plan, None, dout.dtype)  # each token's k rows summed in slot order
-        return dz, dw, dw1, dw3, dw2, None, None, None, None, None
+        return dz, dw, dw1, dw3, dw2, None, None, None, None, None, None
+
+
+def _fp8_backward(ctx, dout, dy, dw, xp, gu, h, w1, w3, w2):
+    """Precision.FP8_FULL: the dgrads and wgrads of the routed experts in e4m3 (fp8_grad.py)."""
+    plan, (beta, linear_beta) = ctx.plan, ctx.meta
+    E, I = w1.shape[0], w1.shape[1]
+    dh = fp8_grad.scaled_mm(fp8_grad.quantize_rows(dy), fp8_weight_t(w2), plan, gu.dtype)
+    dgu = gg.situ_backward(dh, gu, beta, linear_beta)
+    tiles, tile_offsets = fp8_grad.token_block_tiles(plan)
+    dw1 = dw3 = dw2 = dz = None
+    if ctx.needs_input_grad[4]:
+        dw2 = fp8_grad.wgrad_fp8(fp8_grad.quantize_token_blocks(dy, tiles), fp8_grad.quantize_token_blocks(h, tiles),
+                                 tile_offsets, E, w2.dtype)
+    if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
+        dw1, dw3 = fp8_grad.wgrad_fp8(fp8_grad.quantize_token_blocks(dgu, tiles),
+                                      fp8_grad.quantize_token_blocks(xp, tiles), tile_offsets, E, w1.dtype, split=I)
+    if ctx.needs_input_grad[0]:
+        dxp = fp8_grad.scaled_mm(fp8_grad.quantize_rows(dgu), fp8_weight_t13(w1, w3), plan, dgu.dtype)
+        dz = combine(dxp, plan, None, dout.dtype)  # each token's k rows summed in slot order
+    return dz, dw, dw1, dw3, dw2, None, None, None, None, None, None
 
 
 def check_expert_args(z: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
@@ -115,7 +161,7 @@ def check_expert_args(z: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w1: t
             raise ValueError(f"{name}: must be contiguous")
     if not isinstance(precision, Precision):
         raise ValueError(f"precision: expected a Precision, got {precision!r}")
-    if precision is Precision.FP8 and (L % QUANT_BLOCK or I % QUANT_BLOCK):
+    if precision is not Precision.BF16 and (L % QUANT_BLOCK or I % QUANT_BLOCK):
         raise ValueError(f"w1: FP8 needs latent and intermediate sizes divisible by {QUANT_BLOCK}, got {L}, {I}")
     # (on CUDA one host sync: an id out of range would send the kernels outside the weights)
     if not ids_checked and ids.numel() and bool(((ids < 0) | (ids >= E)).any()):
@@ -133,4 +179,4 @@ def moe_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
     # (inside a Function's forward, needs_input_grad says True even under no_grad: decide here what to save)
     training = torch.is_grad_enabled() and any(t.requires_grad for t in (z, weights, w1, w3, w2))
     return _ExpertsFn.apply(z.contiguous(), weights.float(), w1, w3, w2, ids, float(beta), float(linear_beta),
-                            precision is Precision.FP8, training)
+                            precision is not Precision.BF16, training, precision is Precision.FP8_FULL)

@@ -144,6 +144,33 @@ def naive_dequant_weight(q: torch.Tensor, scale: torch.Tensor, block: int = QUAN
     return (q.float().view(E, N // block, block, K // block, block) * scale[:, :, None, :, None]).view(E, N, K)
 
 
+def naive_quant_token_blocks(x: torch.Tensor, offsets: torch.Tensor, block: int = QUANT_BLOCK
+                             ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """x [P, C] expert-sorted rows -> per expert e: (q e4m3 [C, n_e 128], scale fp32 [C, n_e]), n_e = its blocks of
+    `block` rows (the last one zero-padded): x_e^T quantised in block x 1 blocks along the tokens."""
+    out = []
+    for e in range(offsets.numel() - 1):
+        lo, hi = int(offsets[e]), int(offsets[e + 1])
+        n = -(-(hi - lo) // block)
+        xe = torch.zeros(n * block, x.shape[1], dtype=torch.float32, device=x.device)
+        xe[:hi - lo] = x[lo:hi].float()
+        q, s = naive_quant_rows(xe.t().contiguous(), block)  # rows = channels: 1 x block along the tokens
+        out.append((q, s))
+    return out
+
+
+def naive_wgrad_fp8(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """sum over expert e's rows of a^T b from token-block-quantised operands, in fp32: a [P, M], b [P, N] ->
+    [E, M, N] (the FP8 wgrad: dW2 = dY^T H, dW13 = dGU^T X)."""
+    qa, qb = naive_quant_token_blocks(a, offsets), naive_quant_token_blocks(b, offsets)
+    E = offsets.numel() - 1
+    out = torch.zeros(E, a.shape[1], b.shape[1], dtype=torch.float32, device=a.device)
+    for e in range(E):
+        (aq, a_s), (bq, b_s) = qa[e], qb[e]
+        out[e] = naive_dequant_rows(aq, a_s) @ naive_dequant_rows(bq, b_s).t()
+    return out
+
+
 def naive_experts_fp8(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1, w3, w2, beta: float = 4.0,
                       linear_beta: float = 25.0) -> torch.Tensor:
     """The FP8 forward: permuted activations and H quantised 1 x 128, weights 128 x 128, GEMMs on the dequantised

@@ -79,28 +79,34 @@ types = dict(a_desc=desc.format(t.block_m // 2), b_desc=desc.format(128), b2_des
              N="i32", N_B="i32", K="i32", c_stride="i32")
 consts = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m, STAGES=t.stages,
               CONSUMER_REGS=t.consumer_regs, num_warps=4)
-fn = G._scaled_mm_kernel
-sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
-attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-         if n not in consts and n != "n_tiles_m"}
-src = GluonASTSource(fn, sig, {(i,): consts[n] for i, n in enumerate(fn.arg_names) if n in consts}, attrs)
-k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=G._MAXNREG))
+wgrad_types = dict(a_desc=types["a_desc"], b_desc=types["b_desc"], as_ptr="*fp32", bs_ptr="*fp32", out_ptr="*bf16",
+                   out2_ptr="*bf16", tile_off_ptr="*i64", M="i32", N="i32", M_SPLIT="i32")
 bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-with tempfile.TemporaryDirectory() as d:
-    ptx = os.path.join(d, "k.ptx")
-    open(ptx, "w").write(k.asm["ptx"])
-    info = subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "--gpu-name", "sm_90a", ptx, "-o",
-                           os.path.join(d, "k.cubin")], capture_output=True, text=True, check=True).stderr
-    sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", os.path.join(d, "k.cubin")],
-                          capture_output=True, text=True, check=True).stdout
-ops = collections.Counter(re.findall(r"\b(QGMMA\.[0-9x]+\.F32\.E4M3\.E4M3|USETMAXREG|WARPGROUP\.DEPBAR)", sass))
-print(json.dumps({"info": info, "ops": ops, "spill": int(re.search(r"(\d+) bytes spill stores", info).group(1))}))
+out = {}
+for fn, tys in ((G._scaled_mm_kernel, types), (G._scaled_wgrad_kernel, wgrad_types)):
+    cs = {n: v for n, v in consts.items() if n in fn.arg_names}
+    sig = {n: "constexpr" if n in cs else tys[n] for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in cs and n != "n_tiles_m"}
+    src = GluonASTSource(fn, sig, {(i,): cs[n] for i, n in enumerate(fn.arg_names) if n in cs}, attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=G._MAXNREG))
+    with tempfile.TemporaryDirectory() as d:
+        ptx = os.path.join(d, "k.ptx")
+        open(ptx, "w").write(k.asm["ptx"])
+        info = subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "--gpu-name", "sm_90a", ptx, "-o",
+                               os.path.join(d, "k.cubin")], capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", os.path.join(d, "k.cubin")],
+                              capture_output=True, text=True, check=True).stdout
+    ops = collections.Counter(re.findall(r"\b(QGMMA\.[0-9x]+\.F32\.E4M3\.E4M3|USETMAXREG|WARPGROUP\.DEPBAR)",
+                                         sass))
+    out[fn.__name__] = {"info": info, "ops": ops,
+                        "spill": int(re.search(r"(\d+) bytes spill stores", info).group(1))}
+print(json.dumps(out))
 """
 
 
 def test_gluon_gemm_builds_for_the_h200():
-    """The kernel's sm_90a build (no GPU needed): FP8 wgmma chains of 64 x 128 x 32, setmaxnreg (the partitions),
-    no spills and no "wgmma serialized" from ptxas."""
+    """The kernels' sm_90a builds (forward / dgrad GEMM and wgrad; no GPU needed): FP8 wgmma chains of
+    64 x 128 x 32, setmaxnreg (the partitions), no spills and no "wgmma serialized" from ptxas."""
     import json
     import subprocess
     import sys
@@ -108,11 +114,13 @@ def test_gluon_gemm_builds_for_the_h200():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", _BUILD], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
-    assert "serialized" not in out["info"], out["info"]
-    assert out["spill"] == 0, out["info"]
-    assert out["ops"].get("QGMMA.64x128x32.F32.E4M3.E4M3", 0) >= 8, out["ops"]  # two consumers x 4 k32 steps
-    assert out["ops"].get("USETMAXREG", 0) > 0, out["ops"]
+    builds = json.loads(run.stdout.strip().splitlines()[-1])
+    assert set(builds) == {"_scaled_mm_kernel", "_scaled_wgrad_kernel"}
+    for name, out in builds.items():
+        assert "serialized" not in out["info"], (name, out["info"])
+        assert out["spill"] == 0, (name, out["info"])
+        assert out["ops"].get("QGMMA.64x128x32.F32.E4M3.E4M3", 0) >= 8, (name, out["ops"])  # 2 consumers x 4 k32
+        assert out["ops"].get("USETMAXREG", 0) > 0, (name, out["ops"])
 
 
 # ------------------------------------------------------------------------------------------------- GPU (sm_90)

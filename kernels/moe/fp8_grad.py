@@ -1,0 +1,193 @@
+"""FP8 (e4m3) backward GEMMs of the routed experts, DeepSeek-V3's recipe: the gradients that feed a dgrad are
+quantised 1 x 128 along its K (the row quantiser, `quantize_rows`), the weights come as 128 x 128 blocks of their
+transposes, and the wgrad's two operands are quantised in 128-token blocks along the tokens it sums over
+(`quantize_token_blocks`: each expert's rows in blocks of 128 that never cross an expert, stored transposed and
+zero-padded so that a block is one contiguous K step). Every K step's fp32 partial is scaled and accumulated in
+order, one program per output tile: deterministic, no atomics.
+
+  dH   = dY  W2_e          A = dY q (1 x 128 along L),        B = W2_e^T q (128 x 128)
+  dX   = [dG | dU] [W1_e ; W3_e]   A = dGU q (1 x 128 along 2I), B = [W1_e^T | W3_e^T] q
+  dW2_e = dY_e^T H_e       A = dY^T, B = H^T      (128 tokens x 1 blocks, per expert)
+  dW1_e | dW3_e = [dG | dU]_e^T X_e                (the same)
+
+Dgrads reuse the forward's block-scaled GEMM (grouped_gemm._segment_mm_kernel / gluon_gemm on sm_90); the wgrad
+is `_wgrad_kernel` here (Triton, the CPU-tested path) or gluon_gemm's wgrad on sm_90. Spec: naive.py
+(naive_quant_rows, naive_quant_token_blocks, naive_wgrad_fp8).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k3_kernels.launch import cdiv
+from k3_kernels.moe import grouped_gemm as gg
+from k3_kernels.moe.permute import _E4M3_MAX, QUANT_BLOCK, RoutingPlan
+
+
+# ------------------------------------------------------------------------------------------------- quantisers
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, P, C, x_stride, BLOCK_P: tl.constexpr, QB: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    cols = tl.program_id(1) * QB + tl.arange(0, QB)
+    rmask = rows < P
+    r64 = rows.to(tl.int64)
+    v = tl.load(x_ptr + r64[:, None] * x_stride + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(v), axis=1)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, _E4M3_MAX), 1.0)
+    q = tl.clamp(tl.math.div_rn(v, scale[:, None]), -_E4M3_MAX, _E4M3_MAX)
+    tl.store(q_ptr + r64[:, None] * C + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=rmask[:, None])
+    tl.store(s_ptr + r64 * (C // QB) + tl.program_id(1), scale, mask=rmask)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [P, C] (C % 128 == 0, rows may be strided) -> (q e4m3 [P, C], scale fp32 [P, C / 128]): 1 x 128 blocks."""
+    P, C = x.shape
+    if C % QUANT_BLOCK or x.stride(1) != 1:
+        raise ValueError(f"x: expected contiguous rows of a width divisible by {QUANT_BLOCK}, got {tuple(x.shape)}")
+    q = torch.empty(P, C, device=x.device, dtype=torch.float8_e4m3fn)
+    s = torch.empty(P, C // QUANT_BLOCK, device=x.device, dtype=torch.float32)
+    if P:
+        BP = 16
+        _quant_rows_kernel[(cdiv(P, BP), C // QUANT_BLOCK)](x, q, s, P, C, x.stride(0), BLOCK_P=BP, QB=QUANT_BLOCK,
+                                                            num_warps=4)
+    return q, s
+
+
+@triton.jit
+def _quant_token_blocks_kernel(x_ptr, tiles_ptr, q_ptr, s_ptr, C, x_stride, n_tiles, BLOCK_C: tl.constexpr,
+                               QB: tl.constexpr):
+    """Tile t = (expert, first row, expert's end row): rows [first, min(first + QB, end)) -> columns
+    [t QB, t QB + QB) of the transposed output, one scale per channel (zeros past the expert's end)."""
+    t = tl.program_id(0)
+    e = tl.load(tiles_ptr + t * 3)
+    if e >= 0:
+        r0 = tl.load(tiles_ptr + t * 3 + 1)
+        r1 = tl.load(tiles_ptr + t * 3 + 2)
+        rows = r0 + tl.arange(0, QB)
+        rmask = rows < r1
+        chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        v = tl.load(x_ptr + rows.to(tl.int64)[:, None] * x_stride + chans[None, :], mask=rmask[:, None],
+                    other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(v), axis=0)
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, _E4M3_MAX), 1.0)
+        q = tl.clamp(tl.math.div_rn(v, scale[None, :]), -_E4M3_MAX, _E4M3_MAX)
+        slots = t * QB + tl.arange(0, QB)
+        tl.store(q_ptr + chans.to(tl.int64)[None, :] * (n_tiles * QB) + slots[:, None],
+                 q.to(q_ptr.dtype.element_ty))
+        tl.store(s_ptr + t.to(tl.int64) * C + chans, scale)
+
+
+def token_block_tiles(plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tiles = plan.tiles(128): one row per 128-token block of an expert, expert e's blocks
+    [tile_offsets[e], tile_offsets[e + 1]) -- int64 [E + 1], computed on the device)."""
+    tiles = plan.tiles(QUANT_BLOCK)
+    per = (plan.counts + QUANT_BLOCK - 1) // QUANT_BLOCK
+    return tiles, torch.cat([per.new_zeros(1), torch.cumsum(per, 0)])
+
+
+def quantize_token_blocks(x: torch.Tensor, tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [P, C] (expert-sorted rows; C % 128 == 0) -> (q e4m3 [C, T 128], scale fp32 [T, C]) for the T tiles of
+    `token_block_tiles`: column block t holds tile t's rows quantised per channel (128 x 1 blocks), transposed,
+    and row t of the scales their scales (a block's scales contiguous: the GEMMs read one row a K step); unused
+    tiles are left unwritten (no expert's range reaches them)."""
+    P, C = x.shape
+    if C % QUANT_BLOCK or x.stride(1) != 1:
+        raise ValueError(f"x: expected contiguous rows of a width divisible by {QUANT_BLOCK}, got {tuple(x.shape)}")
+    T = tiles.shape[0]
+    q = torch.empty(C, T * QUANT_BLOCK, device=x.device, dtype=torch.float8_e4m3fn)
+    s = torch.empty(T, C, device=x.device, dtype=torch.float32)
+    if P and T:
+        BC = 64
+        _quant_token_blocks_kernel[(T, C // BC)](x, tiles, q, s, C, x.stride(0), T, BLOCK_C=BC, QB=QUANT_BLOCK,
+                                                 num_warps=4)
+    return q, s
+
+
+# ---------------------------------------------------------------------------------------------------- wgrad
+@triton.jit
+def _wgrad_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, out2_ptr, tile_off_ptr, M, N, M_SPLIT, n_tiles,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr):
+    """out[e, m, n] = sum over expert e's token blocks t of (A_t B_t^T * s_a[t, m]) * s_b[t, n], A = [M, T QB],
+    B = [N, T QB] (token-block-quantised, transposed). Rows m >= M_SPLIT go to out2 (row m - M_SPLIT)."""
+    e = tl.program_id(1).to(tl.int64)
+    n_tn = tl.cdiv(N, BLOCK_N)
+    tm = tl.program_id(0) // n_tn
+    tn = tl.program_id(0) % n_tn
+    t0 = tl.load(tile_off_ptr + e)
+    t1 = tl.load(tile_off_ptr + e + 1)
+    ms = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+    ns = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, QB)
+    K = n_tiles * QB
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t in range(t0, t1):
+        a = tl.load(a_ptr + ms.to(tl.int64)[:, None] * K + t * QB + kk[None, :])
+        b = tl.load(b_ptr + ns.to(tl.int64)[None, :] * K + t * QB + kk[:, None])
+        sa = tl.load(as_ptr + t * M + ms)  # (T M and T N stay far below 2^31)
+        sb = tl.load(bs_ptr + t * N + ns)
+        acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+    second = tm * BLOCK_M >= M_SPLIT
+    rows = ms - tl.where(second, M_SPLIT, 0)
+    m_out = tl.where(second, M - M_SPLIT, M_SPLIT)
+    base = tl.where(second, out2_ptr, out_ptr)
+    tl.store(base + e * m_out * N + rows.to(tl.int64)[:, None] * N + ns[None, :], acc.to(out_ptr.dtype.element_ty))
+
+
+def _wgrad_tile(device: torch.device) -> tuple[int, int, int]:
+    return (128, 128, 8) if device.type == "cuda" else (32, 32, 4)
+
+
+def wgrad_fp8(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor], tile_offsets: torch.Tensor,
+              n_experts: int, out_dtype: torch.dtype, split: int | None = None
+              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Per-expert weight gradient from token-block-quantised operands: a = (q [M, T 128], scale [T, M]),
+    b = (q [N, T 128], scale [T, N]) -> [E, M, N] (experts without rows: zeros); with `split`, rows [0, split)
+    and [split, M) as two tensors [E, split, N], [E, M - split, N] (dW1, dW3 from [dG | dU])."""
+    (aq, a_s), (bq, b_s) = a, b
+    M, N = aq.shape[0], bq.shape[0]
+    T = a_s.shape[0]
+    if (aq.shape[1] != T * QUANT_BLOCK or bq.shape[1] != T * QUANT_BLOCK or a_s.shape != (T, M)
+            or b_s.shape != (T, N)):
+        raise ValueError(f"a, b: expected [M, {T * QUANT_BLOCK}] / [N, {T * QUANT_BLOCK}] with scales [{T}, .], got "
+                         f"{tuple(aq.shape)} / {tuple(bq.shape)} / {tuple(a_s.shape)} / {tuple(b_s.shape)}")
+    if M % QUANT_BLOCK or N % QUANT_BLOCK or (split is not None and split % QUANT_BLOCK):
+        raise ValueError(f"a, b: rows must be multiples of {QUANT_BLOCK}, got {M}, {N}, split {split}")
+    s = M if split is None else split
+    out = torch.empty(n_experts, s, N, device=aq.device, dtype=out_dtype)
+    out2 = torch.empty(n_experts, M - s, N, device=aq.device, dtype=out_dtype) if split is not None else out
+    if n_experts == 0:
+        return out if split is None else (out, out2)
+    if gg.fp8_gemm_for(aq.device, QUANT_BLOCK, N) is gg.Fp8Gemm.GLUON:
+        from k3_kernels.moe import gluon_gemm
+        gluon_gemm.scaled_wgrad(aq, a_s, bq, b_s, tile_offsets, out, out2, s)
+    else:
+        BM, BN, warps = _wgrad_tile(aq.device)
+        _wgrad_kernel[(cdiv(M, BM) * cdiv(N, BN), n_experts)](aq, a_s, bq, b_s, out, out2, tile_offsets, M, N, s, T,
+                                                             BLOCK_M=BM, BLOCK_N=BN, QB=QUANT_BLOCK,
+                                                             num_warps=warps, num_stages=3 if aq.is_cuda else 1)
+    return out if split is None else (out, out2)
+
+
+# ---------------------------------------------------------------------------------------------------- dgrads
+def scaled_mm(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor], plan: RoutingPlan,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """C = A B_e^T per expert from a = (rows e4m3 [P, K], scales [P, K / 128]) and b = (e4m3 [E, N, K], scales
+    [E, N / 128, K / 128]) -> [P, N]: the forward's block-scaled GEMM (Gluon on sm_90, Triton elsewhere)."""
+    (aq, a_s), (bq, b_s) = a, b
+    P, K = aq.shape
+    E, N, _ = bq.shape
+    c = torch.empty(P, N, device=aq.device, dtype=out_dtype)
+    if P == 0:
+        return c
+    if gg.fp8_gemm_for(aq.device, K, N) is gg.Fp8Gemm.GLUON:
+        from k3_kernels.moe import gluon_gemm
+        return gluon_gemm.scaled_segment_mm(aq, a_s, bq, b_s, plan.tiles(gluon_gemm.DEFAULT_TILE.block_m), c,
+                                            tile=gluon_gemm.DEFAULT_TILE)
+    cfg = gg.configs(aq.device, out_dtype)["mm_fp8" if aq.is_cuda else "mm"]
+    tiles, n_m, grid = gg._grid(plan, cfg, N)
+    gg._segment_mm_kernel[grid](aq, a_s, bq, bq, b_s, c, c, tiles, n_m, N, K, K, N * K, K, 1, N, 0.0, 0.0,
+                                TWO_B=False, FP8=True, SITU_BWD=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                                BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, QB=QUANT_BLOCK, PREC="tf32",
+                                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return c
