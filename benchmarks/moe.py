@@ -9,12 +9,15 @@ process, at K3's expert widths (latent 3584, intermediate 3072, top-16, 2 shared
 * ours: `fused_router` (bf16 operands, fp32 accumulation) + `moe_experts` (grouped Triton GEMMs, SiTU fused, bf16
   or FP8 forward) + the shared SiTU MLP on cuBLAS with the fused SiTU kernel. FP8: the weights' FP8 copies are
   made once per weight version (once per optimizer step) and reused, so the timed calls exclude it; its cost is
-  `fp8_weight_quant_ms`.
+  `fp8_weight_quant_ms`. On the H200 the FP8 GEMMs run on the warp-specialised Gluon kernels
+  (k3_kernels.moe.gluon_gemm); `ours_fp8_triton` / `ours_fp8_full_triton` run the same layer on the Triton ones.
+  `ours_fp8_full`: every GEMM in e4m3, the backward's too (Precision.FP8_FULL, k3_kernels.moe.fp8_grad).
 The routed-expert weights are the same tensors for all (their gradients reset between runs). Times are medians
 of `triton.testing.do_bench`; peak = max allocated during one call minus allocated before it; floors = the FLOPs
 over the measured bf16 (or FP8) GEMM rate, and the bytes that must move (weights, their gradients, the layer's
 input and output) over the measured copy bandwidth. Determinism: two forward+backward runs compared bit for bit,
 and a token subset's forward against the full batch's rows (batch invariance).
+`--fp8-gemms E,N`: each FP8 GEMM alone, Triton vs Gluon (same bits? TFLOP/s), and the Gluon settings swept.
 `--smoke`: tiny shapes on CPU (our kernels in Triton's interpreter), to check the script. Writes
 benchmarks/results/moe.json (or $OUT/moe.json when OUT is set).
 """
@@ -67,6 +70,15 @@ class OursMoE(nn.Module):
 
     def forward(self, x):
         return self.routed(x) + F.linear(situ(F.linear(x, self.sg), F.linear(x, self.su)), self.sd)
+
+
+class OursMoETritonFp8(OursMoE):
+    """Ours with the FP8 GEMMs on the Triton kernels (the default on the H200 is the Gluon ones): the A/B."""
+
+    def routed(self, x):
+        from k3_kernels.moe import grouped_gemm as gg
+        with gg.fp8_gemm(gg.Fp8Gemm.TRITON):
+            return super().routed(x)
 
 
 class NaiveMoE(OursMoE):
@@ -167,7 +179,7 @@ def rates(device):
             "copy_gbps": 2 * big.numel() * 2 / tc / 1e6}
 
 
-def floors(N, L, I, E, k, n_shared, rate, fp8):
+def floors(N, L, I, E, k, n_shared, rate, fp8, backward_fp8=False):
     if rate is None:
         return None
     P = N * k
@@ -178,7 +190,8 @@ def floors(N, L, I, E, k, n_shared, rate, fp8):
     bw = rate["copy_gbps"] * 1e6  # bytes per ms
     fwd_ms = max(f_fwd / (tf * 1e9), (w_bytes + act) / bw)
     # backward: dgrad + wgrad (2x the forward FLOPs), weights read again, their gradients written
-    fb_ms = max((f_fwd / (tf * 1e9)) + 2 * f_fwd / (rate["bf16_tflops"] * 1e9), (3 * w_bytes + 2 * act) / bw)
+    tb = tf if backward_fp8 else rate["bf16_tflops"]
+    fb_ms = max((f_fwd / (tf * 1e9)) + 2 * f_fwd / (tb * 1e9), (3 * w_bytes + 2 * act) / bw)
     return {"fwd_ms": fwd_ms, "fwd_bwd_ms": fb_ms, "fwd_tflop": f_fwd / 1e12}
 
 
@@ -241,7 +254,7 @@ def run_point(impls, N, L, device, dtype, reps_ms, params):
                 with torch.no_grad():
                     return bool(torch.equal(mod.routed(x[sub]), mod.routed(x)[sub]))
             stage("routed_batch_invariant", invariant)
-        if name == "ours_fp8":
+        if name == "ours_fp8_triton":
             ws = params[name][1:4]
             clear_fp8_cache()
             stage("fp8_weight_quant_ms", lambda: measure(lambda: [quantize_weight_fp8(w) for w in ws], reps_ms, None)
@@ -321,16 +334,96 @@ def sweep(E, N, L, I, k, device, reps_ms):
     return out
 
 
+OURS = {"ours_bf16": (OursMoE, Precision.BF16), "ours_fp8": (OursMoE, Precision.FP8),
+        "ours_fp8_triton": (OursMoETritonFp8, Precision.FP8), "ours_fp8_full": (OursMoE, Precision.FP8_FULL),
+        "ours_fp8_full_triton": (OursMoETritonFp8, Precision.FP8_FULL)}
+
+GLUON_TILES = [(4, 232), (3, 232), (5, 232), (6, 232), (4, 216)]  # (stages, consumer registers)
+
+
+def fp8_gemms(E, N, L, I, k, device, reps_ms):
+    """Each FP8 GEMM of the layer (and the quantisation passes around them), Triton vs Gluon in one process at one
+    point: medians, TFLOP/s, whether the two give the same bits; then the Gluon kernel's settings swept."""
+    from k3_kernels.moe import fp8_grad, gluon_gemm
+    from k3_kernels.moe import grouped_gemm as gg
+    from k3_kernels.moe.layer import fp8_weight, fp8_weight_t, fp8_weight_t13
+    from k3_kernels.moe.permute import permute_rows, plan_routing
+
+    torch.manual_seed(3)
+    z = torch.randn(N, L, device=device, dtype=torch.bfloat16)
+    ids = torch.rand(N, E, device=device).topk(k, dim=-1).indices
+    w1, w3 = ((torch.randn(E, I, L, device=device) * 0.02).bfloat16() for _ in range(2))
+    w2 = (torch.randn(E, L, I, device=device) * 0.02).bfloat16()
+    plan = plan_routing(ids, E)
+    xp, xq, xs = permute_rows(z, plan, fp8=True)
+    P = plan.rows
+    fwd8 = (xq, xs, *fp8_weight(w1), *fp8_weight(w3))
+    gu, h, hq, hs = gg.gate_up(xp, w1, w3, plan, BETA, LINEAR_BETA, save_gu=True, quant_h=True)
+    dy = torch.randn(P, L, device=device, dtype=torch.bfloat16)
+    dgu = torch.randn(P, 2 * I, device=device, dtype=torch.bfloat16) * 0.1
+    dyq, dguq = fp8_grad.quantize_rows(dy), fp8_grad.quantize_rows(dgu)
+    tiles, offsets = fp8_grad.token_block_tiles(plan)
+    tdy, th = fp8_grad.quantize_token_blocks(dy, tiles), fp8_grad.quantize_token_blocks(h, tiles)
+    tdgu, tx = fp8_grad.quantize_token_blocks(dgu, tiles), fp8_grad.quantize_token_blocks(xp, tiles)
+    w2t, w13t = fp8_weight_t(w2), fp8_weight_t13(w1, w3)
+    gemms = {  # name: (FLOPs, call)
+        "gate_up": (4 * P * L * I, lambda: gg.gate_up(xq, w1, w3, plan, BETA, LINEAR_BETA, act_dtype=torch.bfloat16,
+                                                      save_gu=True, write_h=True, quant_h=True, fp8=fwd8)),
+        "down": (2 * P * L * I, lambda: gg.down(hq, w2, plan, torch.bfloat16, fp8=(hq, hs, *fp8_weight(w2)))),
+        "down_dgrad": (2 * P * L * I, lambda: fp8_grad.scaled_mm(dyq, w2t, plan, torch.bfloat16)),
+        "gate_up_dgrad": (4 * P * L * I, lambda: fp8_grad.scaled_mm(dguq, w13t, plan, torch.bfloat16)),
+        "wgrad_w2": (2 * P * L * I, lambda: fp8_grad.wgrad_fp8(tdy, th, offsets, E, torch.bfloat16)),
+        "wgrad_w13": (4 * P * L * I, lambda: fp8_grad.wgrad_fp8(tdgu, tx, offsets, E, torch.bfloat16, split=I)),
+    }
+    passes = {"quantize_rows_dgu": lambda: fp8_grad.quantize_rows(dgu),
+              "quantize_token_blocks_dgu": lambda: fp8_grad.quantize_token_blocks(dgu, tiles),
+              "situ_backward": lambda: gg.situ_backward(dy[:, :I].contiguous(), gu, BETA, LINEAR_BETA)}
+    out = {"experts": E, "tokens": N, "rows": P, "gemms": {}, "passes_ms": {}, "gluon_sweep": {}}
+    flat = lambda r: [t for t in (r if isinstance(r, tuple) else (r,)) if t is not None]  # noqa: E731
+    for name, (flops, fn) in gemms.items():
+        row = {}
+        results = {}
+        for impl in (gg.Fp8Gemm.TRITON, gg.Fp8Gemm.GLUON):
+            with gg.fp8_gemm(impl):
+                ms = measure(fn, reps_ms, None)
+                results[impl] = [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in flat(fn())]
+            row[impl.value] = {"ms": ms, "tflops": flops / ms / 1e9}
+        row["same_bits"] = all(torch.equal(a, b) for a, b in zip(results[gg.Fp8Gemm.TRITON],
+                                                                 results[gg.Fp8Gemm.GLUON]))
+        row["gluon_speedup"] = row["triton"]["ms"] / row["gluon"]["ms"]
+        out["gemms"][name] = row
+        print(f"fp8 {name}: triton {row['triton']['tflops']:.0f} gluon {row['gluon']['tflops']:.0f} TFLOP/s, "
+              f"same bits {row['same_bits']}", flush=True)
+    for name, fn in passes.items():
+        out["passes_ms"][name] = measure(fn, reps_ms, None)
+    base = gluon_gemm.DEFAULT_TILE
+    for stages, regs in GLUON_TILES:
+        gluon_gemm.DEFAULT_TILE = gluon_gemm.GluonTile(stages=stages, consumer_regs=regs)
+        key = f"stages{stages}_regs{regs}"
+        try:
+            with gg.fp8_gemm(gg.Fp8Gemm.GLUON):
+                out["gluon_sweep"][key] = {n: gemms[n][0] / measure(gemms[n][1], reps_ms, None) / 1e9
+                                           for n in ("down", "gate_up_dgrad", "wgrad_w13")}
+        except Exception as err:  # a setting that does not compile or launch is recorded
+            out["gluon_sweep"][key] = {"error": f"{type(err).__name__}: {str(err)[:160]}"}
+        finally:
+            gluon_gemm.DEFAULT_TILE = base
+        print("gluon", key, out["gluon_sweep"][key], flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter): checks the script")
     ap.add_argument("--experts", default="112,896")
     ap.add_argument("--tokens", default="4096,16384,32768")
-    ap.add_argument("--impls", default="torchtitan,naive,ours_bf16,ours_fp8")
+    ap.add_argument("--impls", default=",".join(["torchtitan", "naive", *OURS]))
     ap.add_argument("--naive-max-tokens", type=int, default=4096, help="the naive loop only up to this many tokens")
     ap.add_argument("--rep-ms", type=int, default=150)
     ap.add_argument("--out", default=None)
     ap.add_argument("--sweep", default=None, help="E,N: per-kernel tile sweep at that point first")
+    ap.add_argument("--fp8-gemms", default=None, help="E,N: each FP8 GEMM, Triton vs Gluon (bits and time), and "
+                    "the Gluon kernel's settings swept, at that point first")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.smoke:  # fp32: the interpreter's bf16 dots are not the GPU's (tests/kernels/conftest.py)
@@ -345,6 +438,10 @@ def main() -> None:
               "shapes": {"latent": L, "intermediate": I, "top_k": k, "shared_experts": n_shared},
               "rates": rates(device), "points": []}
     path = args.out or (os.path.join(os.environ["OUT"], "moe.json") if os.environ.get("OUT") else "moe")
+    if args.fp8_gemms:
+        E_s, N_s = (int(v) for v in args.fp8_gemms.split(","))
+        result["fp8_gemms"] = fp8_gemms(E_s, N_s, L, I, k, device, args.rep_ms)
+        write_results(path, result)
     if args.sweep:
         E_s, N_s = (int(v) for v in args.sweep.split(","))
         result["sweep"] = sweep(E_s, N_s, L, I, k, device, args.rep_ms)
@@ -367,10 +464,9 @@ def main() -> None:
         mine = [router_w, w1, w3, w2, *shared]
         if tt is not None:
             impls["torchtitan"], params["torchtitan"] = TorchTitanLayer(tt), list(tt.parameters())
-        if "ours_bf16" in impl_names:
-            impls["ours_bf16"], params["ours_bf16"] = OursMoE(router_w, w1, w3, w2, shared, k, Precision.BF16), mine
-        if "ours_fp8" in impl_names:
-            impls["ours_fp8"], params["ours_fp8"] = OursMoE(router_w, w1, w3, w2, shared, k, Precision.FP8), mine
+        for name, (cls, precision) in OURS.items():
+            if name in impl_names:
+                impls[name], params[name] = cls(router_w, w1, w3, w2, shared, k, precision), mine
         naive_mod = NaiveMoE(router_w, w1, w3, w2, shared, k, Precision.BF16) if "naive" in impl_names else None
         for N in tokens:
             run = dict(impls)
@@ -382,18 +478,19 @@ def main() -> None:
             ref = res.get("ours_bf16", {}).get("_y")
             for name, entry in res.items():
                 y = entry.pop("_y", None)
-                if ref is not None and y is not None and name in ("ours_fp8", "naive"):  # the same function
+                if ref is not None and y is not None and name != "ours_bf16" and (name in OURS or name == "naive"):
                     entry["rel_rms_vs_ours_bf16"] = ((y.float() - ref.float()).pow(2).mean().sqrt()
                                                      / ref.float().pow(2).mean().sqrt()).item()
                 point[name] = entry
             tt_fb = point.get("torchtitan", {}).get("fwd_bwd_ms")
-            for name in ("ours_bf16", "ours_fp8"):
+            for name in OURS:
                 ours = point.get(name, {})
                 if tt_fb and ours.get("fwd_bwd_ms"):
                     ours["speedup_fwd_bwd_vs_torchtitan"] = tt_fb / ours["fwd_bwd_ms"]
                     ours["speedup_fwd_vs_torchtitan"] = point["torchtitan"]["fwd_ms"] / ours["fwd_ms"]
             point["floor_bf16"] = floors(N, L, I, E, k, n_shared, result["rates"], False)
             point["floor_fp8"] = floors(N, L, I, E, k, n_shared, result["rates"], True)
+            point["floor_fp8_full"] = floors(N, L, I, E, k, n_shared, result["rates"], True, backward_fp8=True)
             point["wall_s"] = time.time() - t0
             result["points"].append(point)
             print(f"E={E} N={N}: " + "  ".join(

@@ -160,7 +160,7 @@ def wgrad_fp8(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch
         return out if split is None else (out, out2)
     if gg.fp8_gemm_for(aq.device, QUANT_BLOCK, N) is gg.Fp8Gemm.GLUON:
         from k3_kernels.moe import gluon_gemm
-        gluon_gemm.scaled_wgrad(aq, a_s, bq, b_s, tile_offsets, out, out2, s)
+        gluon_gemm.scaled_wgrad(aq, a_s, bq, b_s, tile_offsets, out, out2, s, tile=gluon_gemm.DEFAULT_TILE)
     else:
         BM, BN, warps = _wgrad_tile(aq.device)
         _wgrad_kernel[(cdiv(M, BM) * cdiv(N, BN), n_experts)](aq, a_s, bq, b_s, out, out2, tile_offsets, M, N, s, T,

@@ -57,6 +57,11 @@ def fp8_gemm(impl: Fp8Gemm):
         _FP8_GEMM_OVERRIDE.pop()
 
 
+def fp8_gemm_override() -> Fp8Gemm | None:
+    """The innermost `fp8_gemm` block's choice (None outside any): the layer's backward runs under the forward's."""
+    return _FP8_GEMM_OVERRIDE[-1] if _FP8_GEMM_OVERRIDE else None
+
+
 def fp8_gemm_for(device: torch.device, k: int, n: int) -> Fp8Gemm:
     """GLUON on an sm_90 GPU for whole scale blocks, unless overridden; TRITON otherwise (CPU: the interpreter)."""
     if device.type != "cuda" or _interpreting():

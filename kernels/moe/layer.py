@@ -15,6 +15,7 @@ Spec: naive.naive_experts / naive_experts_fp8 / naive_wgrad_fp8.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 
 import torch
@@ -89,6 +90,7 @@ class _ExpertsFn(torch.autograd.Function):
         if training:
             ctx.save_for_backward(w, w1, w3, w2, xp, gu, h, y)
             ctx.plan, ctx.meta, ctx.fp8_grads = plan, (beta, linear_beta), fp8_grads
+            ctx.fp8_gemm = gg.fp8_gemm_override()  # the backward's GEMMs follow the forward's choice
         return out
 
     @staticmethod
@@ -98,7 +100,8 @@ class _ExpertsFn(torch.autograd.Function):
         plan, (beta, linear_beta) = ctx.plan, ctx.meta
         dy, dw = combine_backward(dout, y, plan, w)
         if ctx.fp8_grads:
-            return _fp8_backward(ctx, dout, dy, dw, xp, gu, h, w1, w3, w2)
+            with gg.fp8_gemm(ctx.fp8_gemm) if ctx.fp8_gemm is not None else contextlib.nullcontext():
+                return _fp8_backward(ctx, dout, dy, dw, xp, gu, h, w1, w3, w2)
         dgu = gg.down_dgrad_situ(dy, w2, gu, plan, beta, linear_beta)
         I = w1.shape[1]
         dw2 = gg.wgrad(dy, h, plan, w2.dtype) if ctx.needs_input_grad[4] else None
