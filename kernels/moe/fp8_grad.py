@@ -104,6 +104,60 @@ def quantize_token_blocks(x: torch.Tensor, tiles: torch.Tensor) -> tuple[torch.T
     return q, s
 
 
+@triton.jit
+def _quant_both(v, rmask, t, cols, cb, q_ptr, s_ptr, tq_ptr, ts_ptr, rows, C, n_tiles, QB: tl.constexpr):
+    """A [QB rows, QB cols] block of one token block (rows past the expert masked): 1 x QB rows (q, s) and the
+    QB x 1 token-block quantisation, transposed (tq, ts)."""
+    v = tl.where(rmask[:, None], v, 0.0)
+    r64 = rows.to(tl.int64)
+    amax = tl.max(tl.abs(v), axis=1)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, _E4M3_MAX), 1.0)
+    q = tl.clamp(tl.math.div_rn(v, scale[:, None]), -_E4M3_MAX, _E4M3_MAX)
+    tl.store(q_ptr + r64[:, None] * C + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=rmask[:, None])
+    tl.store(s_ptr + r64 * (C // QB) + cb, scale, mask=rmask)
+    camax = tl.max(tl.abs(v), axis=0)
+    cscale = tl.where(camax > 0, tl.math.div_rn(camax, _E4M3_MAX), 1.0)
+    cq = tl.clamp(tl.math.div_rn(v, cscale[None, :]), -_E4M3_MAX, _E4M3_MAX)
+    slots = t * QB + tl.arange(0, QB)
+    tl.store(tq_ptr + cols.to(tl.int64)[None, :] * (n_tiles * QB) + slots[:, None], cq.to(tq_ptr.dtype.element_ty))
+    tl.store(ts_ptr + t.to(tl.int64) * C + cols, cscale)
+
+
+@triton.jit
+def _dual_quant_kernel(x_ptr, tiles_ptr, q_ptr, s_ptr, tq_ptr, ts_ptr, C, x_stride, n_tiles, QB: tl.constexpr):
+    """Program (tile t, column block): the block quantised both ways (rows 1 x QB, token block QB x 1)."""
+    t = tl.program_id(0)
+    e = tl.load(tiles_ptr + t * 3)
+    if e >= 0:
+        r0 = tl.load(tiles_ptr + t * 3 + 1)
+        r1 = tl.load(tiles_ptr + t * 3 + 2)
+        rows = r0 + tl.arange(0, QB)
+        rmask = rows < r1
+        cols = tl.program_id(1) * QB + tl.arange(0, QB)
+        v = tl.load(x_ptr + rows.to(tl.int64)[:, None] * x_stride + cols[None, :], mask=rmask[:, None],
+                    other=0.0).to(tl.float32)
+        _quant_both(v, rmask, t, cols, tl.program_id(1), q_ptr, s_ptr, tq_ptr, ts_ptr, rows, C, n_tiles, QB)
+
+
+def quantize_both(x: torch.Tensor, tiles: torch.Tensor
+                  ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """One read of x [P, C] (expert-sorted rows) -> (`quantize_rows(x)`, `quantize_token_blocks(x, tiles)`), the
+    same bits. (Fusing SiTU's backward in front, so that dG | dU is never stored, spilled registers in the sm_90a
+    build at 8 and 16 warps: dH, G, U and the two quantisations of a 128 x 128 block at once; not done.)"""
+    P, C = x.shape
+    if C % QUANT_BLOCK or x.stride(1) != 1:
+        raise ValueError(f"x: expected contiguous rows of a width divisible by {QUANT_BLOCK}, got {tuple(x.shape)}")
+    T = tiles.shape[0]
+    q = torch.empty(P, C, device=x.device, dtype=torch.float8_e4m3fn)
+    s = torch.empty(P, C // QUANT_BLOCK, device=x.device, dtype=torch.float32)
+    tq = torch.empty(C, T * QUANT_BLOCK, device=x.device, dtype=torch.float8_e4m3fn)
+    ts = torch.empty(T, C, device=x.device, dtype=torch.float32)
+    if P and T:
+        _dual_quant_kernel[(T, C // QUANT_BLOCK)](x, tiles, q, s, tq, ts, C, x.stride(0), T, QB=QUANT_BLOCK,
+                                                  num_warps=8)
+    return (q, s), (tq, ts)
+
+
 # ---------------------------------------------------------------------------------------------------- wgrad
 @triton.jit
 def _wgrad_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, out2_ptr, tile_off_ptr, M, N, M_SPLIT, n_tiles,

@@ -93,6 +93,17 @@ def configs(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict[s
 
 
 @triton.jit
+def situ_grads(dh, g, u, beta, linear_beta):
+    """(dG, dU) of H = beta tanh(G / beta) sigmoid(G) * linear_beta tanh(U / linear_beta), fp32: every kernel that
+    differentiates SiTU-and-mul calls this, so they all give the same bits."""
+    tg = _tanh(g / beta)
+    sg = tl.sigmoid(g)
+    tu = _tanh(u / linear_beta)
+    dact = (1.0 - tg * tg) * sg + beta * tg * sg * (1.0 - sg)
+    return dh * linear_beta * tu * dact, dh * beta * tg * sg * (1.0 - tu * tu)
+
+
+@triton.jit
 def _tile(pid, tiles_ptr, n_tiles_m, n_tiles_n, GROUP_M: tl.constexpr):
     """Swizzled (GROUP_M m-tiles share the n sweep: their weight tiles stay in L2) -> (expert, first, end, n0)."""
     per_group = GROUP_M * n_tiles_n
@@ -215,13 +226,10 @@ def _segment_mm_kernel(a_ptr, as_ptr, b0_ptr, b1_ptr, bs_ptr, c_ptr, gu_ptr, til
             g = tl.load(gp, mask=m, other=0.0).to(tl.float32)
             u = tl.load(gp + N, mask=m, other=0.0).to(tl.float32)
             dh = acc.to(c_ptr.dtype.element_ty).to(tl.float32)  # dH rounded as an unfused dgrad would store it
-            tg = _tanh(g / beta)
-            sg = tl.sigmoid(g)
-            tu = _tanh(u / linear_beta)
-            dact = (1.0 - tg * tg) * sg + beta * tg * sg * (1.0 - sg)
+            dg, du = situ_grads(dh, g, u, beta, linear_beta)
             cp = c_ptr + r64[:, None] * (2 * N) + cols[None, :]
-            tl.store(cp, (dh * linear_beta * tu * dact).to(c_ptr.dtype.element_ty), mask=m)
-            tl.store(cp + N, (dh * beta * tg * sg * (1.0 - tu * tu)).to(c_ptr.dtype.element_ty), mask=m)
+            tl.store(cp, dg.to(c_ptr.dtype.element_ty), mask=m)
+            tl.store(cp + N, du.to(c_ptr.dtype.element_ty), mask=m)
         else:
             tl.store(c_ptr + r64[:, None] * c_stride + cols[None, :], acc.to(c_ptr.dtype.element_ty), mask=m)
 
@@ -398,13 +406,10 @@ def _situ_bwd_kernel(dh_ptr, gu_ptr, dgu_ptr, P, I, beta, linear_beta, BLOCK_M: 
     dh = tl.load(dh_ptr + r64 * I + cols[None, :], mask=m, other=0.0).to(tl.float32)
     g = tl.load(gu_ptr + r64 * (2 * I) + cols[None, :], mask=m, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + r64 * (2 * I) + I + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    tg = _tanh(g / beta)
-    sg = tl.sigmoid(g)
-    tu = _tanh(u / linear_beta)
-    dact = (1.0 - tg * tg) * sg + beta * tg * sg * (1.0 - sg)
+    dg, du = situ_grads(dh, g, u, beta, linear_beta)
     out = dgu_ptr + r64 * (2 * I) + cols[None, :]
-    tl.store(out, (dh * linear_beta * tu * dact).to(dgu_ptr.dtype.element_ty), mask=m)
-    tl.store(out + I, (dh * beta * tg * sg * (1.0 - tu * tu)).to(dgu_ptr.dtype.element_ty), mask=m)
+    tl.store(out, dg.to(dgu_ptr.dtype.element_ty), mask=m)
+    tl.store(out + I, du.to(dgu_ptr.dtype.element_ty), mask=m)
 
 
 def down_dgrad_situ(dy: torch.Tensor, w2: torch.Tensor, gu: torch.Tensor, plan: RoutingPlan, beta: float,

@@ -7,7 +7,8 @@ k3.model.moe.RoutedExperts layout). Forward: plan (stable sort by expert) -> per
 pass) -> gate/up GEMM with SiTU (FP8: H quantised in its epilogue) -> down GEMM -> combine in slot order.
 Backward: combine's backward (rows' and gate weights' gradients) -> down dgrad with SiTU's backward fused -> gate/up
 dgrad -> un-permute as a fixed-order sum; weight gradients per expert by one program per weight tile.
-Saved for the backward: the permuted rows, G|U and H (bf16) and the down output. Precision.FP8 covers the forward
+Saved for the backward: the permuted rows, G|U and H (bf16; FP8_FULL: the rows and H as the wgrads' FP8 operands)
+and the down output. Precision.FP8 covers the forward
 GEMMs and runs the backward in bf16 from the saved bf16 tensors; Precision.FP8_FULL runs the dgrads and wgrads in
 e4m3 as well (fp8_grad.py), quantising the saved tensors and the gradients as they come. The weights' FP8 copies
 (and their transposes, for the dgrads) are cached per weight version.
@@ -87,8 +88,14 @@ class _ExpertsFn(torch.autograd.Function):
             gu, h, _, _ = gg.gate_up(xp, w1, w3, plan, beta, linear_beta, save_gu=training)
             y = gg.down(h, w2, plan, z.dtype)
         out = combine(y, plan, w, z.dtype)
-        if training:
+        if training and fp8_grads:
+            # the wgrads' operands from X and H, quantised in 128-token blocks now: saved instead of X and H in bf16
+            tiles, _ = fp8_grad.token_block_tiles(plan)
+            (xbq, xbs), (hbq, hbs) = fp8_grad.quantize_token_blocks(xp, tiles), fp8_grad.quantize_token_blocks(h, tiles)
+            ctx.save_for_backward(w, w1, w3, w2, xbq, xbs, gu, hbq, hbs, y)
+        elif training:
             ctx.save_for_backward(w, w1, w3, w2, xp, gu, h, y)
+        if training:
             ctx.plan, ctx.meta, ctx.fp8_grads = plan, (beta, linear_beta), fp8_grads
             ctx.fp8_gemm = gg.fp8_gemm_override()  # the backward's GEMMs follow the forward's choice
         return out
@@ -96,12 +103,14 @@ class _ExpertsFn(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
+        if ctx.fp8_grads:
+            w, w1, w3, w2, xbq, xbs, gu, hbq, hbs, y = ctx.saved_tensors
+            dy, dw = combine_backward(dout, y, ctx.plan, w)
+            with gg.fp8_gemm(ctx.fp8_gemm) if ctx.fp8_gemm is not None else contextlib.nullcontext():
+                return _fp8_backward(ctx, dout, dy, dw, (xbq, xbs), gu, (hbq, hbs), w1, w3, w2)
         w, w1, w3, w2, xp, gu, h, y = ctx.saved_tensors
         plan, (beta, linear_beta) = ctx.plan, ctx.meta
         dy, dw = combine_backward(dout, y, plan, w)
-        if ctx.fp8_grads:
-            with gg.fp8_gemm(ctx.fp8_gemm) if ctx.fp8_gemm is not None else contextlib.nullcontext():
-                return _fp8_backward(ctx, dout, dy, dw, xp, gu, h, w1, w3, w2)
         dgu = gg.down_dgrad_situ(dy, w2, gu, plan, beta, linear_beta)
         I = w1.shape[1]
         dw2 = gg.wgrad(dy, h, plan, w2.dtype) if ctx.needs_input_grad[4] else None
@@ -114,22 +123,22 @@ class _ExpertsFn(torch.autograd.Function):
         return dz, dw, dw1, dw3, dw2, None, None, None, None, None, None
 
 
-def _fp8_backward(ctx, dout, dy, dw, xp, gu, h, w1, w3, w2):
-    """Precision.FP8_FULL: the dgrads and wgrads of the routed experts in e4m3 (fp8_grad.py)."""
+def _fp8_backward(ctx, dout, dy, dw, x_blocks, gu, h_blocks, w1, w3, w2):
+    """Precision.FP8_FULL: the dgrads and wgrads of the routed experts in e4m3 (fp8_grad.py); x_blocks / h_blocks:
+    the forward's permuted rows and H quantised in 128-token blocks."""
     plan, (beta, linear_beta) = ctx.plan, ctx.meta
     E, I = w1.shape[0], w1.shape[1]
-    dh = fp8_grad.scaled_mm(fp8_grad.quantize_rows(dy), fp8_weight_t(w2), plan, gu.dtype)
-    dgu = gg.situ_backward(dh, gu, beta, linear_beta)
     tiles, tile_offsets = fp8_grad.token_block_tiles(plan)
+    dy_rows, dy_blocks = fp8_grad.quantize_both(dy, tiles)  # one read of dY: the dgrad's and dW2's operands
+    dh = fp8_grad.scaled_mm(dy_rows, fp8_weight_t(w2), plan, gu.dtype)
+    dgu_rows, dgu_blocks = fp8_grad.quantize_both(gg.situ_backward(dh, gu, beta, linear_beta), tiles)
     dw1 = dw3 = dw2 = dz = None
     if ctx.needs_input_grad[4]:
-        dw2 = fp8_grad.wgrad_fp8(fp8_grad.quantize_token_blocks(dy, tiles), fp8_grad.quantize_token_blocks(h, tiles),
-                                 tile_offsets, E, w2.dtype)
+        dw2 = fp8_grad.wgrad_fp8(dy_blocks, h_blocks, tile_offsets, E, w2.dtype)
     if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
-        dw1, dw3 = fp8_grad.wgrad_fp8(fp8_grad.quantize_token_blocks(dgu, tiles),
-                                      fp8_grad.quantize_token_blocks(xp, tiles), tile_offsets, E, w1.dtype, split=I)
+        dw1, dw3 = fp8_grad.wgrad_fp8(dgu_blocks, x_blocks, tile_offsets, E, w1.dtype, split=I)
     if ctx.needs_input_grad[0]:
-        dxp = fp8_grad.scaled_mm(fp8_grad.quantize_rows(dgu), fp8_weight_t13(w1, w3), plan, dgu.dtype)
+        dxp = fp8_grad.scaled_mm(dgu_rows, fp8_weight_t13(w1, w3), plan, gu.dtype)
         dz = combine(dxp, plan, None, dout.dtype)  # each token's k rows summed in slot order
     return dz, dw, dw1, dw3, dw2, None, None, None, None, None, None
 
