@@ -22,7 +22,7 @@ import triton.language as tl
 
 from k3_kernels.launch import cdiv
 from k3_kernels.moe import grouped_gemm as gg
-from k3_kernels.moe.permute import _E4M3_MAX, QUANT_BLOCK, RoutingPlan
+from k3_kernels.moe.permute import QUANT_BLOCK, RoutingPlan, e4m3_scale, e4m3_values
 
 
 # ------------------------------------------------------------------------------------------------- quantisers
@@ -34,8 +34,8 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, P, C, x_stride, BLOCK_P: tl.constexp
     r64 = rows.to(tl.int64)
     v = tl.load(x_ptr + r64[:, None] * x_stride + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(v), axis=1)
-    scale = tl.where(amax > 0, tl.math.div_rn(amax, _E4M3_MAX), 1.0)
-    q = tl.clamp(tl.math.div_rn(v, scale[:, None]), -_E4M3_MAX, _E4M3_MAX)
+    scale = e4m3_scale(amax)
+    q = e4m3_values(v, scale[:, None])
     tl.store(q_ptr + r64[:, None] * C + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=rmask[:, None])
     tl.store(s_ptr + r64 * (C // QB) + tl.program_id(1), scale, mask=rmask)
 
@@ -70,8 +70,8 @@ def _quant_token_blocks_kernel(x_ptr, tiles_ptr, q_ptr, s_ptr, C, x_stride, n_ti
         v = tl.load(x_ptr + rows.to(tl.int64)[:, None] * x_stride + chans[None, :], mask=rmask[:, None],
                     other=0.0).to(tl.float32)
         amax = tl.max(tl.abs(v), axis=0)
-        scale = tl.where(amax > 0, tl.math.div_rn(amax, _E4M3_MAX), 1.0)
-        q = tl.clamp(tl.math.div_rn(v, scale[None, :]), -_E4M3_MAX, _E4M3_MAX)
+        scale = e4m3_scale(amax)
+        q = e4m3_values(v, scale[None, :])
         slots = t * QB + tl.arange(0, QB)
         tl.store(q_ptr + chans.to(tl.int64)[None, :] * (n_tiles * QB) + slots[:, None],
                  q.to(q_ptr.dtype.element_ty))
@@ -111,13 +111,13 @@ def _quant_both(v, rmask, t, cols, cb, q_ptr, s_ptr, tq_ptr, ts_ptr, rows, C, n_
     v = tl.where(rmask[:, None], v, 0.0)
     r64 = rows.to(tl.int64)
     amax = tl.max(tl.abs(v), axis=1)
-    scale = tl.where(amax > 0, tl.math.div_rn(amax, _E4M3_MAX), 1.0)
-    q = tl.clamp(tl.math.div_rn(v, scale[:, None]), -_E4M3_MAX, _E4M3_MAX)
+    scale = e4m3_scale(amax)
+    q = e4m3_values(v, scale[:, None])
     tl.store(q_ptr + r64[:, None] * C + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=rmask[:, None])
     tl.store(s_ptr + r64 * (C // QB) + cb, scale, mask=rmask)
     camax = tl.max(tl.abs(v), axis=0)
-    cscale = tl.where(camax > 0, tl.math.div_rn(camax, _E4M3_MAX), 1.0)
-    cq = tl.clamp(tl.math.div_rn(v, cscale[None, :]), -_E4M3_MAX, _E4M3_MAX)
+    cscale = e4m3_scale(camax)
+    cq = e4m3_values(v, cscale[None, :])
     slots = t * QB + tl.arange(0, QB)
     tl.store(tq_ptr + cols.to(tl.int64)[None, :] * (n_tiles * QB) + slots[:, None], cq.to(tq_ptr.dtype.element_ty))
     tl.store(ts_ptr + t.to(tl.int64) * C + cols, cscale)

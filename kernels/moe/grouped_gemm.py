@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from k3_kernels.launch import cdiv
-from k3_kernels.moe.permute import _E4M3_MAX, QUANT_BLOCK, RoutingPlan
+from k3_kernels.moe.permute import QUANT_BLOCK, RoutingPlan, e4m3_scale, e4m3_values
 from k3_kernels.situ.fused import _tanh
 
 
@@ -90,6 +90,13 @@ def configs(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict[s
     return {"gate_up": TileConfig(128, 128, 64, 8, 3), "gate_up_fp8": TileConfig(64, 128, 128, 4, 3),
             "mm": TileConfig(128, 256, 64, 8, 3), "mm_fp8": TileConfig(128, 128, 128, 8, 3),
             "wgrad": TileConfig(64, 128, 128, 8, 3)}
+
+
+@triton.jit
+def situ_h(g, u, beta, linear_beta):
+    """H = beta tanh(G / beta) sigmoid(G) * linear_beta tanh(U / linear_beta) (SiTU-and-mul), fp32: the gate/up
+    epilogue and the pass after the Gluon gate/up both call this, so they give the same bits."""
+    return beta * _tanh(g / beta) * tl.sigmoid(g) * (linear_beta * _tanh(u / linear_beta))
 
 
 @triton.jit
@@ -169,13 +176,13 @@ def _gate_up_kernel(x_ptr, xs_ptr, w1_ptr, w3_ptr, ws1_ptr, ws3_ptr, gu_ptr, h_p
             tl.store(gp + I, u.to(gu_ptr.dtype.element_ty), mask=m)
         gf = g.to(tl.float32)
         uf = u.to(tl.float32)
-        h = beta * _tanh(gf / beta) * tl.sigmoid(gf) * (linear_beta * _tanh(uf / linear_beta))
+        h = situ_h(gf, uf, beta, linear_beta)
         if WRITE_H:
             tl.store(h_ptr + r64[:, None] * I + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=m)
         if QUANT_H:  # BLOCK_N == QB: one scale per row of the tile
             amax = tl.max(tl.abs(tl.where(m, h, 0.0)), axis=1)
-            scale = tl.where(amax > 0, tl.math.div_rn(amax, _E4M3_MAX), 1.0)
-            q = tl.clamp(tl.math.div_rn(h, scale[:, None]), -_E4M3_MAX, _E4M3_MAX)
+            scale = e4m3_scale(amax)
+            q = e4m3_values(h, scale[:, None])
             tl.store(hq_ptr + r64[:, None] * I + cols[None, :], q.to(hq_ptr.dtype.element_ty), mask=m)
             tl.store(hs_ptr + r64 * tl.cdiv(I, QB) + tn, scale, mask=rmask)
 
@@ -329,13 +336,13 @@ def _situ_quant_kernel(gu_ptr, h_ptr, hq_ptr, hs_ptr, P, I, beta, linear_beta, W
     gp = gu_ptr + r64[:, None] * (2 * I) + cols[None, :]
     gf = tl.load(gp, mask=m, other=0.0).to(tl.float32)
     uf = tl.load(gp + I, mask=m, other=0.0).to(tl.float32)
-    h = beta * _tanh(gf / beta) * tl.sigmoid(gf) * (linear_beta * _tanh(uf / linear_beta))
+    h = situ_h(gf, uf, beta, linear_beta)
     if WRITE_H:
         tl.store(h_ptr + r64[:, None] * I + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=m)
     if QUANT_H:
         amax = tl.max(tl.abs(tl.where(m, h, 0.0)), axis=1)
-        scale = tl.where(amax > 0, tl.math.div_rn(amax, _E4M3_MAX), 1.0)
-        q = tl.clamp(tl.math.div_rn(h, scale[:, None]), -_E4M3_MAX, _E4M3_MAX)
+        scale = e4m3_scale(amax)
+        q = e4m3_values(h, scale[:, None])
         tl.store(hq_ptr + r64[:, None] * I + cols[None, :], q.to(hq_ptr.dtype.element_ty), mask=m)
         tl.store(hs_ptr + r64 * tl.cdiv(I, QB) + tl.program_id(1), scale, mask=rmask)
 

@@ -22,6 +22,19 @@ QUANT_BLOCK = 128
 _E4M3_MAX = tl.constexpr(FP8_MAX)  # what the kernels read (globals in a kernel must be constexpr)
 
 
+@triton.jit
+def e4m3_scale(amax):
+    """The scale of a block whose largest magnitude is amax: amax / 448, 1 for an all-zero block (every FP8
+    quantiser of the MoE kernels; spec naive.naive_quant_rows)."""
+    return tl.where(amax > 0, tl.math.div_rn(amax, _E4M3_MAX), 1.0)
+
+
+@triton.jit
+def e4m3_values(v, scale):
+    """v / scale (IEEE division) clamped to e4m3's range; the cast to float8e4nv rounds to nearest."""
+    return tl.clamp(tl.math.div_rn(v, scale), -_E4M3_MAX, _E4M3_MAX)
+
+
 @dataclass(frozen=True)
 class RoutingPlan:
     """Where every (token, slot) pair goes. order [P]: pair id of each permuted row; pos [N, k]: the permuted row
@@ -91,8 +104,8 @@ def _permute_kernel(x_ptr, src_ptr, out_ptr, q_ptr, s_ptr, P, D, x_stride, out_s
         if QUANT:  # BLOCK_D == 128: one scale per row per block
             vf = v.to(tl.float32)
             amax = tl.max(tl.abs(vf), axis=1)
-            scale = tl.where(amax > 0, tl.math.div_rn(amax, _E4M3_MAX), 1.0)
-            q = tl.clamp(tl.math.div_rn(vf, scale[:, None]), -_E4M3_MAX, _E4M3_MAX)
+            scale = e4m3_scale(amax)
+            q = e4m3_values(vf, scale[:, None])
             tl.store(q_ptr + r64[:, None] * q_stride + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
             tl.store(s_ptr + r64 * n_blocks + b, scale, mask=rmask)
 
