@@ -54,30 +54,6 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-@triton.jit
-def _quant_token_blocks_kernel(x_ptr, tiles_ptr, q_ptr, s_ptr, C, x_stride, n_tiles, BLOCK_C: tl.constexpr,
-                               QB: tl.constexpr):
-    """Tile t = (expert, first row, expert's end row): rows [first, min(first + QB, end)) -> columns
-    [t QB, t QB + QB) of the transposed output, one scale per channel (zeros past the expert's end)."""
-    t = tl.program_id(0)
-    e = tl.load(tiles_ptr + t * 3)
-    if e >= 0:
-        r0 = tl.load(tiles_ptr + t * 3 + 1)
-        r1 = tl.load(tiles_ptr + t * 3 + 2)
-        rows = r0 + tl.arange(0, QB)
-        rmask = rows < r1
-        chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        v = tl.load(x_ptr + rows.to(tl.int64)[:, None] * x_stride + chans[None, :], mask=rmask[:, None],
-                    other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(v), axis=0)
-        scale = e4m3_scale(amax)
-        q = e4m3_values(v, scale[None, :])
-        slots = t * QB + tl.arange(0, QB)
-        tl.store(q_ptr + chans.to(tl.int64)[None, :] * (n_tiles * QB) + slots[:, None],
-                 q.to(q_ptr.dtype.element_ty))
-        tl.store(s_ptr + t.to(tl.int64) * C + chans, scale)
-
-
 def token_block_tiles(plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """(tiles = plan.tiles(128): one row per 128-token block of an expert, expert e's blocks
     [tile_offsets[e], tile_offsets[e + 1]) -- int64 [E + 1], computed on the device)."""
@@ -94,27 +70,22 @@ def quantize_token_blocks(x: torch.Tensor, tiles: torch.Tensor) -> tuple[torch.T
     P, C = x.shape
     if C % QUANT_BLOCK or x.stride(1) != 1:
         raise ValueError(f"x: expected contiguous rows of a width divisible by {QUANT_BLOCK}, got {tuple(x.shape)}")
-    T = tiles.shape[0]
-    q = torch.empty(C, T * QUANT_BLOCK, device=x.device, dtype=torch.float8_e4m3fn)
-    s = torch.empty(T, C, device=x.device, dtype=torch.float32)
-    if P and T:
-        BC = 64
-        _quant_token_blocks_kernel[(T, C // BC)](x, tiles, q, s, C, x.stride(0), T, BLOCK_C=BC, QB=QUANT_BLOCK,
-                                                 num_warps=4)
-    return q, s
+    return _block_quant(x, tiles, rows=False)[1]
 
 
 @triton.jit
-def _quant_both(v, rmask, t, cols, cb, q_ptr, s_ptr, tq_ptr, ts_ptr, rows, C, n_tiles, QB: tl.constexpr):
-    """A [QB rows, QB cols] block of one token block (rows past the expert masked): 1 x QB rows (q, s) and the
-    QB x 1 token-block quantisation, transposed (tq, ts)."""
+def _quant_both(v, rmask, t, cols, cb, q_ptr, s_ptr, tq_ptr, ts_ptr, rows, C, n_tiles, ROWS: tl.constexpr,
+                QB: tl.constexpr):
+    """A [QB rows, QB cols] block of one token block (rows past the expert masked): 1 x QB rows (q, s; if ROWS)
+    and the QB x 1 token-block quantisation, transposed (tq, ts)."""
     v = tl.where(rmask[:, None], v, 0.0)
-    r64 = rows.to(tl.int64)
-    amax = tl.max(tl.abs(v), axis=1)
-    scale = e4m3_scale(amax)
-    q = e4m3_values(v, scale[:, None])
-    tl.store(q_ptr + r64[:, None] * C + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=rmask[:, None])
-    tl.store(s_ptr + r64 * (C // QB) + cb, scale, mask=rmask)
+    if ROWS:
+        r64 = rows.to(tl.int64)
+        amax = tl.max(tl.abs(v), axis=1)
+        scale = e4m3_scale(amax)
+        q = e4m3_values(v, scale[:, None])
+        tl.store(q_ptr + r64[:, None] * C + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=rmask[:, None])
+        tl.store(s_ptr + r64 * (C // QB) + cb, scale, mask=rmask)
     camax = tl.max(tl.abs(v), axis=0)
     cscale = e4m3_scale(camax)
     cq = e4m3_values(v, cscale[None, :])
@@ -124,8 +95,10 @@ def _quant_both(v, rmask, t, cols, cb, q_ptr, s_ptr, tq_ptr, ts_ptr, rows, C, n_
 
 
 @triton.jit
-def _dual_quant_kernel(x_ptr, tiles_ptr, q_ptr, s_ptr, tq_ptr, ts_ptr, C, x_stride, n_tiles, QB: tl.constexpr):
-    """Program (tile t, column block): the block quantised both ways (rows 1 x QB, token block QB x 1)."""
+def _block_quant_kernel(x_ptr, tiles_ptr, q_ptr, s_ptr, tq_ptr, ts_ptr, C, x_stride, n_tiles, ROWS: tl.constexpr,
+                        QB: tl.constexpr):
+    """Program (tile t, column block): the block quantised in its token block (QB x 1) and, if ROWS, by rows
+    (1 x QB)."""
     t = tl.program_id(0)
     e = tl.load(tiles_ptr + t * 3)
     if e >= 0:
@@ -136,7 +109,7 @@ def _dual_quant_kernel(x_ptr, tiles_ptr, q_ptr, s_ptr, tq_ptr, ts_ptr, C, x_stri
         cols = tl.program_id(1) * QB + tl.arange(0, QB)
         v = tl.load(x_ptr + rows.to(tl.int64)[:, None] * x_stride + cols[None, :], mask=rmask[:, None],
                     other=0.0).to(tl.float32)
-        _quant_both(v, rmask, t, cols, tl.program_id(1), q_ptr, s_ptr, tq_ptr, ts_ptr, rows, C, n_tiles, QB)
+        _quant_both(v, rmask, t, cols, tl.program_id(1), q_ptr, s_ptr, tq_ptr, ts_ptr, rows, C, n_tiles, ROWS, QB)
 
 
 def quantize_both(x: torch.Tensor, tiles: torch.Tensor
@@ -144,17 +117,21 @@ def quantize_both(x: torch.Tensor, tiles: torch.Tensor
     """One read of x [P, C] (expert-sorted rows) -> (`quantize_rows(x)`, `quantize_token_blocks(x, tiles)`), the
     same bits. (Fusing SiTU's backward in front, so that dG | dU is never stored, spilled registers in the sm_90a
     build at 8 and 16 warps: dH, G, U and the two quantisations of a 128 x 128 block at once; not done.)"""
+    return _block_quant(x, tiles, rows=True)
+
+
+def _block_quant(x: torch.Tensor, tiles: torch.Tensor, rows: bool):
     P, C = x.shape
     if C % QUANT_BLOCK or x.stride(1) != 1:
         raise ValueError(f"x: expected contiguous rows of a width divisible by {QUANT_BLOCK}, got {tuple(x.shape)}")
     T = tiles.shape[0]
-    q = torch.empty(P, C, device=x.device, dtype=torch.float8_e4m3fn)
-    s = torch.empty(P, C // QUANT_BLOCK, device=x.device, dtype=torch.float32)
+    q = torch.empty(P if rows else 0, C, device=x.device, dtype=torch.float8_e4m3fn)
+    s = torch.empty(P if rows else 0, C // QUANT_BLOCK, device=x.device, dtype=torch.float32)
     tq = torch.empty(C, T * QUANT_BLOCK, device=x.device, dtype=torch.float8_e4m3fn)
     ts = torch.empty(T, C, device=x.device, dtype=torch.float32)
     if P and T:
-        _dual_quant_kernel[(T, C // QUANT_BLOCK)](x, tiles, q, s, tq, ts, C, x.stride(0), T, QB=QUANT_BLOCK,
-                                                  num_warps=8)
+        _block_quant_kernel[(T, C // QUANT_BLOCK)](x, tiles, q if rows else tq, s if rows else ts, tq, ts, C,
+                                                   x.stride(0), T, ROWS=rows, QB=QUANT_BLOCK, num_warps=8)
     return (q, s), (tq, ts)
 
 

@@ -63,6 +63,21 @@ def usable(k: int, n: int) -> bool:
 
 
 @gluon.jit
+def _ring(a_desc, b_desc, STAGES: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+    """The operand ring: STAGES slots of A's two row halves and B's tile, a `ready` barrier a slot (the producer's
+    TMA bytes) and an `empty` one (one arrival per consumer warpgroup)."""
+    a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES, HALF_M, BLOCK_K], a_desc.layout)
+    a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES, HALF_M, BLOCK_K], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    return a_lo, a_hi, b_bufs, ready, empty
+
+
+@gluon.jit
 def _producer(a_desc, b_desc, b2_desc, ready, empty, a_lo, a_hi, b_bufs, r0, off_b, second, kb0, n_k,
               STAGES: gl.constexpr, BLOCK_K: gl.constexpr, HALF_M: gl.constexpr):
     """One warp: TMA loads of K blocks kb0 .. kb0 + n_k - 1 (both row halves of A, the B tile from the first or
@@ -131,14 +146,7 @@ def _scaled_mm_kernel(a_desc, b_desc, b2_desc, as_ptr, bs_ptr, bs2_ptr, c_ptr, t
     r0 = gl.load(tiles_ptr + tm * 3 + 1)
     r1 = gl.load(tiles_ptr + tm * 3 + 2)
     if e >= 0:
-        a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES, HALF_M, BLOCK_K], a_desc.layout)
-        a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES, HALF_M, BLOCK_K], a_desc.layout)
-        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+        a_lo, a_hi, b_bufs, ready, empty = _ring(a_desc, b_desc, STAGES, HALF_M, BLOCK_N, BLOCK_K)
         n_k = K // BLOCK_K
         col0 = tn * BLOCK_N
         second = col0 >= N_B
@@ -202,14 +210,7 @@ def _scaled_wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, out2_ptr, tile
     out_rows = gl.where(second, M - M_SPLIT, M_SPLIT)
     base = gl.where(second, out2_ptr, out_ptr) + e * out_rows * N
     local = m0 - gl.where(second, M_SPLIT, 0)
-    a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES, HALF_M, BLOCK_K], a_desc.layout)
-    a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES, HALF_M, BLOCK_K], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
+    a_lo, a_hi, b_bufs, ready, empty = _ring(a_desc, b_desc, STAGES, HALF_M, BLOCK_N, BLOCK_K)
     gl.warp_specialize([
         (_wgrad_consumer, (a_lo, b_bufs, ready, empty, as_ptr, bs_ptr, base, m0, local, col0, M, N, t0, n_k,
                            HALF_M, BLOCK_N, STAGES)),

@@ -11,7 +11,7 @@ import torch
 if not torch.cuda.is_available():  # (tests/conftest.py sets it too, before anything imports triton)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import _moe_interp  # noqa: E402,F401  (FP8 conversions in the interpreter)
+from _moe_interp import experts_case as _experts, random_ids as _ids, rel_rms  # noqa: E402  (+ the FP8 fix)
 from k3_kernels.moe import naive  # noqa: E402
 from k3_kernels.moe.layer import Precision, moe_experts  # noqa: E402
 from k3_kernels.moe.permute import combine, permute_rows, plan_routing  # noqa: E402
@@ -19,26 +19,6 @@ from k3_kernels.moe.quant import dequantize_mxfp4, quantize_weight_fp8  # noqa: 
 from k3_kernels.moe.router import fused_router  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
-
-
-def _ids(N, E, k, gen, device=DEV):
-    return torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(N)]).to(device)
-
-
-def _experts(N, L, I, E, k, dtype=torch.float32, seed=0, device=DEV):
-    g = torch.Generator().manual_seed(seed)
-    z = torch.randn(N, L, generator=g).to(device, dtype)
-    w1 = (torch.randn(E, I, L, generator=g) / L ** 0.5).to(device, dtype)
-    w3 = (torch.randn(E, I, L, generator=g) / L ** 0.5).to(device, dtype)
-    w2 = (torch.randn(E, L, I, generator=g) / I ** 0.5).to(device, dtype)
-    ids = _ids(N, E, k, g, device)
-    w = torch.rand(N, k, generator=g).to(device)
-    return z, ids, w, w1, w3, w2
 
 
 # ------------------------------------------------------------------------------------------------------ router

@@ -13,7 +13,7 @@ import torch
 if not torch.cuda.is_available():  # (tests/conftest.py sets it too, before anything imports triton)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import _moe_interp  # noqa: E402,F401  (FP8 conversions in the interpreter)
+from _moe_interp import experts_case, rel_rms  # noqa: E402  (+ the FP8 conversions in the interpreter)
 from k3_kernels.moe import fp8_grad, naive  # noqa: E402
 from k3_kernels.moe import grouped_gemm as gg  # noqa: E402
 from k3_kernels.moe.layer import Precision, fp8_weight, fp8_weight_t, fp8_weight_t13, moe_experts  # noqa: E402
@@ -21,10 +21,6 @@ from k3_kernels.moe.permute import plan_routing  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
-
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
 def _rows(P, C, seed, dtype=torch.bfloat16):
@@ -112,14 +108,7 @@ def test_dgrad_gemm_on_transposed_weights():
 
 
 def _case(N, L, I, E, k, seed):
-    g = torch.Generator().manual_seed(seed)
-    z = torch.randn(N, L, generator=g).to(DEV, torch.bfloat16)
-    w1 = (torch.randn(E, I, L, generator=g) / L ** 0.5).to(DEV, torch.bfloat16)
-    w3 = (torch.randn(E, I, L, generator=g) / L ** 0.5).to(DEV, torch.bfloat16)
-    w2 = (torch.randn(E, L, I, generator=g) / I ** 0.5).to(DEV, torch.bfloat16)
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)]).to(DEV)
-    w = torch.rand(N, k, generator=g).to(DEV)
-    return z, ids, w, w1, w3, w2
+    return experts_case(N, L, I, E, k, dtype=torch.bfloat16, seed=seed)
 
 
 def _fwd_bwd(case, precision):

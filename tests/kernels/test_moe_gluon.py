@@ -14,7 +14,7 @@ import torch
 if not torch.cuda.is_available():  # (tests/conftest.py sets it too, before anything imports triton)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import _moe_interp  # noqa: E402,F401  (FP8 conversions in the interpreter)
+from _moe_interp import experts_case, rel_rms  # noqa: E402  (+ the FP8 conversions in the interpreter)
 from k3_kernels.moe import grouped_gemm as gg  # noqa: E402
 from k3_kernels.moe.layer import Precision, fp8_weight, moe_experts  # noqa: E402
 from k3_kernels.moe.permute import permute_rows, plan_routing  # noqa: E402
@@ -23,14 +23,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _case(N, L, I, E, k, seed):
-    g = torch.Generator().manual_seed(seed)
-    z = torch.randn(N, L, generator=g).to(DEV, torch.bfloat16)
-    w1 = (torch.randn(E, I, L, generator=g) / L ** 0.5).to(DEV, torch.bfloat16)
-    w3 = (torch.randn(E, I, L, generator=g) / L ** 0.5).to(DEV, torch.bfloat16)
-    w2 = (torch.randn(E, L, I, generator=g) / I ** 0.5).to(DEV, torch.bfloat16)
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)]).to(DEV)
-    w = torch.rand(N, k, generator=g).to(DEV)
-    return z, ids, w, w1, w3, w2
+    return experts_case(N, L, I, E, k, dtype=torch.bfloat16, seed=seed)
 
 
 def test_situ_quant_pass_matches_the_fused_epilogue():
