@@ -22,8 +22,11 @@ from dataclasses import dataclass
 
 import torch
 from triton.experimental import gluon
+
+from k3_kernels.moe.permute import program_tile
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                 warpgroup_mma_wait)
 
 QUANT_BLOCK = 128  # the K block of both operands' scales and of one wgmma chain
 # 12 warps (4 + 4 + the producer's group) x 32 threads x 168 <= 65,536 registers; setmaxnreg then moves them
@@ -74,6 +77,7 @@ def _ring(a_desc, b_desc, STAGES: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: g
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
+    fence_async_shared()  # the inits visible to the async proxy (TMA) before its first completion (CUTLASS does)
     return a_lo, a_hi, b_bufs, ready, empty
 
 
@@ -134,17 +138,8 @@ def _scaled_mm_kernel(a_desc, b_desc, b2_desc, as_ptr, bs_ptr, bs2_ptr, c_ptr, t
     rows; a 1-warp worker issues the TMA loads. Slots are freed when both halves' chains have read them.
     Output columns [0, N_B) come from B (b_desc, bs_ptr), [N_B, N) from B2 (gate/up: W1 then W3, one launch)."""
     HALF_M: gl.constexpr = BLOCK_M // 2
-    # tile of this program: the swizzle of grouped_gemm._tile (GROUP_M m-tiles share the n sweep)
-    pid = gl.program_id(0)
     n_tiles_n = gl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * n_tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    size_m = gl.minimum(n_tiles_m - first_m, GROUP_M)
-    tm = first_m + (pid % per_group) % size_m
-    tn = (pid % per_group) // size_m
-    e = gl.load(tiles_ptr + tm * 3)
-    r0 = gl.load(tiles_ptr + tm * 3 + 1)
-    r1 = gl.load(tiles_ptr + tm * 3 + 2)
+    e, r0, r1, tn = program_tile(gl.program_id(0), tiles_ptr, n_tiles_m, n_tiles_n, GROUP_M)
     if e >= 0:
         a_lo, a_hi, b_bufs, ready, empty = _ring(a_desc, b_desc, STAGES, HALF_M, BLOCK_N, BLOCK_K)
         n_k = K // BLOCK_K
@@ -251,7 +246,8 @@ def scaled_segment_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
     N = N_B * (2 if b2 is not None else 1)
     if out.shape != (P, N) or out.stride(1) != 1:
         raise ValueError(f"out: expected [{P}, {N}] with contiguous columns, got {tuple(out.shape)}")
-    for name, t in (("a", a), ("b", b), ("b2", b2_q)):
+    for name, t in (("a", a), ("a_scale", a_scale), ("b", b), ("b_scale", b_scale), ("b2", b2_q),
+                    ("b2 scales", b2_scale)):
         if not t.is_contiguous():
             raise ValueError(f"{name}: must be contiguous")
     if P == 0:
@@ -276,6 +272,12 @@ def scaled_wgrad(aq: torch.Tensor, a_scale: torch.Tensor, bq: torch.Tensor, b_sc
     tile.validate()
     M, N = aq.shape[0], bq.shape[0]
     E = out.shape[0]
+    if M % tile.block_m or N % tile.block_n or split % tile.block_m:
+        raise ValueError(f"aq, bq: rows must be multiples of {tile.block_m} / {tile.block_n} (split {split}), got "
+                         f"{M}, {N}")
+    for name, t in (("aq", aq), ("a_scale", a_scale), ("bq", bq), ("b_scale", b_scale), ("out", out), ("out2", out2)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: must be contiguous")
     a_desc = _descriptor(aq, [tile.block_m // 2, tile.block_k])
     b_desc = _descriptor(bq, [tile.block_n, tile.block_k])
     grid = ((M // tile.block_m) * (N // tile.block_n), E)

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from k3_kernels.launch import cdiv
-from k3_kernels.moe.permute import QUANT_BLOCK, RoutingPlan, e4m3_scale, e4m3_values
+from k3_kernels.moe.permute import QUANT_BLOCK, RoutingPlan, e4m3_scale, e4m3_values, program_tile
 from k3_kernels.situ.fused import _tanh
 
 
@@ -84,12 +84,12 @@ def configs(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict[s
     if device.type != "cuda":  # interpreter: small tiles
         t = TileConfig(16, 32, 32, 4, 1, 2)
         return {"gate_up": TileConfig(16, 128, 32, 4, 1, 2), "mm": t, "wgrad": TileConfig(32, 32, 16, 4, 1)}
+    fp8 = {"gate_up_fp8": TileConfig(64, 128, 128, 4, 3), "mm_fp8": TileConfig(128, 128, 128, 8, 3)}  # e4m3 operands
     if dtype == torch.float32:
         return {"gate_up": TileConfig(64, 64, 32, 4, 2), "mm": TileConfig(64, 64, 32, 4, 2),
-                "wgrad": TileConfig(32, 64, 32, 4, 2)}
-    return {"gate_up": TileConfig(128, 128, 64, 8, 3), "gate_up_fp8": TileConfig(64, 128, 128, 4, 3),
-            "mm": TileConfig(128, 256, 64, 8, 3), "mm_fp8": TileConfig(128, 128, 128, 8, 3),
-            "wgrad": TileConfig(64, 128, 128, 8, 3)}
+                "wgrad": TileConfig(32, 64, 32, 4, 2), **fp8}
+    return {"gate_up": TileConfig(128, 128, 64, 8, 3), "mm": TileConfig(128, 256, 64, 8, 3),
+            "wgrad": TileConfig(64, 128, 128, 8, 3), **fp8}
 
 
 @triton.jit
@@ -111,21 +111,6 @@ def situ_grads(dh, g, u, beta, linear_beta):
 
 
 @triton.jit
-def _tile(pid, tiles_ptr, n_tiles_m, n_tiles_n, GROUP_M: tl.constexpr):
-    """Swizzled (GROUP_M m-tiles share the n sweep: their weight tiles stay in L2) -> (expert, first, end, n0)."""
-    per_group = GROUP_M * n_tiles_n
-    g = pid // per_group
-    first_m = g * GROUP_M
-    size_m = tl.minimum(n_tiles_m - first_m, GROUP_M)
-    tm = first_m + (pid % per_group) % size_m
-    tn = (pid % per_group) // size_m
-    e = tl.load(tiles_ptr + tm * 3)
-    r0 = tl.load(tiles_ptr + tm * 3 + 1)
-    r1 = tl.load(tiles_ptr + tm * 3 + 2)
-    return e, r0, r1, tn
-
-
-@triton.jit
 def _gate_up_kernel(x_ptr, xs_ptr, w1_ptr, w3_ptr, ws1_ptr, ws3_ptr, gu_ptr, h_ptr, hq_ptr, hs_ptr, tiles_ptr,
                     n_tiles_m, I, K, beta, linear_beta,
                     FP8: tl.constexpr, ACT_BF16: tl.constexpr, SAVE_GU: tl.constexpr, WRITE_H: tl.constexpr,
@@ -133,7 +118,7 @@ def _gate_up_kernel(x_ptr, xs_ptr, w1_ptr, w3_ptr, ws1_ptr, ws3_ptr, gu_ptr, h_p
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                     QB: tl.constexpr, PREC: tl.constexpr):
     """G = X W1_e^T, U = X W3_e^T (fp32 acc, rounded to the activation dtype), H = SiTU(G) * cap(U)."""
-    e, r0, r1, tn = _tile(tl.program_id(0), tiles_ptr, n_tiles_m, tl.cdiv(I, BLOCK_N), GROUP_M)
+    e, r0, r1, tn = program_tile(tl.program_id(0), tiles_ptr, n_tiles_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     if e >= 0:
         e64 = e.to(tl.int64)
         rows = r0 + tl.arange(0, BLOCK_M)
@@ -196,7 +181,7 @@ def _segment_mm_kernel(a_ptr, as_ptr, b0_ptr, b1_ptr, bs_ptr, c_ptr, gu_ptr, til
     """C = A B_e^T over the tile's rows; B_e[n, k] at b + e b_se + n b_sn + k b_sk. TWO_B: A has 2 K0 columns,
     the first K0 against b0, the rest against b1. SITU_BWD: C is dH; writes dG, dU into c ([P, 2N]) from the saved
     G, U (gu [P, 2N])."""
-    e, r0, r1, tn = _tile(tl.program_id(0), tiles_ptr, n_tiles_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    e, r0, r1, tn = program_tile(tl.program_id(0), tiles_ptr, n_tiles_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if e >= 0:
         e64 = e.to(tl.int64)
         rows = r0 + tl.arange(0, BLOCK_M)

@@ -35,6 +35,22 @@ def e4m3_values(v, scale):
     return tl.clamp(tl.math.div_rn(v, scale), -_E4M3_MAX, _E4M3_MAX)
 
 
+@triton.jit
+def program_tile(pid, tiles_ptr, n_tiles_m, n_tiles_n, GROUP_M: tl.constexpr):
+    """Program pid of a grouped GEMM over `RoutingPlan.tiles` -> (expert, first row, expert's end row, n tile),
+    swizzled: GROUP_M m-tiles share the n sweep, so their weight tiles stay in L2."""
+    per_group = GROUP_M * n_tiles_n
+    g = pid // per_group
+    first_m = g * GROUP_M
+    size_m = tl.minimum(n_tiles_m - first_m, GROUP_M)
+    tm = first_m + (pid % per_group) % size_m
+    tn = (pid % per_group) // size_m
+    e = tl.load(tiles_ptr + tm * 3)
+    r0 = tl.load(tiles_ptr + tm * 3 + 1)
+    r1 = tl.load(tiles_ptr + tm * 3 + 2)
+    return e, r0, r1, tn
+
+
 @dataclass(frozen=True)
 class RoutingPlan:
     """Where every (token, slot) pair goes. order [P]: pair id of each permuted row; pos [N, k]: the permuted row

@@ -47,6 +47,8 @@ def test_situ_quant_pass_matches_the_fused_epilogue():
 
 def test_the_gluon_path_is_chosen_only_where_it_runs():
     assert gg.fp8_gemm_for(torch.device("cpu"), 3584, 3072) is gg.Fp8Gemm.TRITON
+    for dtype in (torch.bfloat16, torch.float32):  # FP8 GEMMs have tiles whatever the activations' dtype
+        assert {"gate_up_fp8", "mm_fp8"} <= set(gg.configs(torch.device("cuda"), dtype))
     with pytest.raises(ValueError, match="impl"):
         with gg.fp8_gemm("gluon"):
             pass
