@@ -9,9 +9,9 @@ process, at K3's expert widths (latent 3584, intermediate 3072, top-16, 2 shared
 * ours: `fused_router` (bf16 operands, fp32 accumulation) + `moe_experts` (grouped Triton GEMMs, SiTU fused, bf16
   or FP8 forward) + the shared SiTU MLP on cuBLAS with the fused SiTU kernel. FP8: the weights' FP8 copies are
   made once per weight version (once per optimizer step) and reused, so the timed calls exclude it; its cost is
-  `fp8_weight_quant_ms`. On the H200 the FP8 GEMMs run on the warp-specialised Gluon kernels
-  (k3_kernels.moe.gluon_gemm); `ours_fp8_triton` / `ours_fp8_full_triton` run the same layer on the Triton ones.
-  `ours_fp8_full`: every GEMM in e4m3, the backward's too (Precision.FP8_FULL, k3_kernels.moe.fp8_grad).
+  `fp8_weight_quant_ms`. `ours_*_gluon`: the same layer with the grouped GEMMs on the warp-specialised Gluon
+  kernels (k3_kernels.moe.gluon_gemm / gluon_bf16; sm_90). `ours_fp8_full`: every GEMM in e4m3, the backward's
+  too (Precision.FP8_FULL, k3_kernels.moe.fp8_grad).
 The routed-expert weights are the same tensors for all (their gradients reset between runs). Times are medians
 of `triton.testing.do_bench`; peak = max allocated during one call minus allocated before it; floors = the FLOPs
 over the measured bf16 (or FP8) GEMM rate, and the bytes that must move (weights, their gradients, the layer's
@@ -72,12 +72,13 @@ class OursMoE(nn.Module):
         return self.routed(x) + F.linear(situ(F.linear(x, self.sg), F.linear(x, self.su)), self.sd)
 
 
-class OursMoETritonFp8(OursMoE):
-    """Ours with the FP8 GEMMs on the Triton kernels (the default on the H200 is the Gluon ones): the A/B."""
+class OursMoEGluon(OursMoE):
+    """Ours with the grouped GEMMs on the warp-specialised Gluon kernels (the default is the Triton ones): the A/B.
+    The backward runs under the forward's choice."""
 
     def routed(self, x):
         from k3_kernels.moe import grouped_gemm as gg
-        with gg.fp8_gemm(gg.Fp8Gemm.TRITON):
+        with gg.gemm_kernels(gg.GemmKernels.GLUON):
             return super().routed(x)
 
 
@@ -254,7 +255,7 @@ def run_point(impls, N, L, device, dtype, reps_ms, params):
                 with torch.no_grad():
                     return bool(torch.equal(mod.routed(x[sub]), mod.routed(x)[sub]))
             stage("routed_batch_invariant", invariant)
-        if name == "ours_fp8_triton":
+        if name == "ours_fp8":
             ws = params[name][1:4]
             clear_fp8_cache()
             stage("fp8_weight_quant_ms", lambda: measure(lambda: [quantize_weight_fp8(w) for w in ws], reps_ms, None)
@@ -334,9 +335,9 @@ def sweep(E, N, L, I, k, device, reps_ms):
     return out
 
 
-OURS = {"ours_bf16": (OursMoE, Precision.BF16), "ours_fp8": (OursMoE, Precision.FP8),
-        "ours_fp8_triton": (OursMoETritonFp8, Precision.FP8), "ours_fp8_full": (OursMoE, Precision.FP8_FULL),
-        "ours_fp8_full_triton": (OursMoETritonFp8, Precision.FP8_FULL)}
+OURS = {"ours_bf16": (OursMoE, Precision.BF16), "ours_bf16_gluon": (OursMoEGluon, Precision.BF16),
+        "ours_fp8": (OursMoE, Precision.FP8), "ours_fp8_gluon": (OursMoEGluon, Precision.FP8),
+        "ours_fp8_full": (OursMoE, Precision.FP8_FULL), "ours_fp8_full_gluon": (OursMoEGluon, Precision.FP8_FULL)}
 
 GLUON_TILES = [(4, 232), (3, 232), (5, 232), (6, 232), (4, 216)]  # (stages, consumer registers)
 
@@ -383,13 +384,13 @@ def fp8_gemms(E, N, L, I, k, device, reps_ms):
     for name, (flops, fn) in gemms.items():
         row = {}
         results = {}
-        for impl in (gg.Fp8Gemm.TRITON, gg.Fp8Gemm.GLUON):
-            with gg.fp8_gemm(impl):
+        for impl in (gg.GemmKernels.TRITON, gg.GemmKernels.GLUON):
+            with gg.gemm_kernels(impl):
                 ms = measure(fn, reps_ms, None)
                 results[impl] = [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in flat(fn())]
             row[impl.value] = {"ms": ms, "tflops": flops / ms / 1e9}
-        row["same_bits"] = all(torch.equal(a, b) for a, b in zip(results[gg.Fp8Gemm.TRITON],
-                                                                 results[gg.Fp8Gemm.GLUON]))
+        row["same_bits"] = all(torch.equal(a, b) for a, b in zip(results[gg.GemmKernels.TRITON],
+                                                                 results[gg.GemmKernels.GLUON]))
         row["gluon_speedup"] = row["triton"]["ms"] / row["gluon"]["ms"]
         out["gemms"][name] = row
         print(f"fp8 {name}: triton {row['triton']['tflops']:.0f} gluon {row['gluon']['tflops']:.0f} TFLOP/s, "
@@ -401,7 +402,7 @@ def fp8_gemms(E, N, L, I, k, device, reps_ms):
         gluon_gemm.DEFAULT_TILE = gluon_gemm.GluonTile(stages=stages, consumer_regs=regs)
         key = f"stages{stages}_regs{regs}"
         try:
-            with gg.fp8_gemm(gg.Fp8Gemm.GLUON):
+            with gg.gemm_kernels(gg.GemmKernels.GLUON):
                 out["gluon_sweep"][key] = {n: gemms[n][0] / measure(gemms[n][1], reps_ms, None) / 1e9
                                            for n in ("down", "gate_up_dgrad", "wgrad_w13")}
         except Exception as err:  # a setting that does not compile or launch is recorded

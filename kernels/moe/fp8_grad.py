@@ -189,7 +189,7 @@ def wgrad_fp8(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch
     out2 = torch.empty(n_experts, M - s, N, device=aq.device, dtype=out_dtype) if split is not None else out
     if n_experts == 0:
         return out if split is None else (out, out2)
-    if gg.fp8_gemm_for(aq.device, QUANT_BLOCK, N) is gg.Fp8Gemm.GLUON:
+    if gg.gemm_kernels_for(aq.device, QUANT_BLOCK, N) is gg.GemmKernels.GLUON:
         from k3_kernels.moe import gluon_gemm
         gluon_gemm.scaled_wgrad(aq, a_s, bq, b_s, tile_offsets, out, out2, s, tile=gluon_gemm.DEFAULT_TILE)
     else:
@@ -211,7 +211,7 @@ def scaled_mm(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch
     c = torch.empty(P, N, device=aq.device, dtype=out_dtype)
     if P == 0:
         return c
-    if gg.fp8_gemm_for(aq.device, K, N) is gg.Fp8Gemm.GLUON:
+    if gg.gemm_kernels_for(aq.device, K, N) is gg.GemmKernels.GLUON:
         from k3_kernels.moe import gluon_gemm
         return gluon_gemm.scaled_segment_mm(aq, a_s, bq, b_s, plan.tiles(gluon_gemm.DEFAULT_TILE.block_m), c,
                                             tile=gluon_gemm.DEFAULT_TILE)

@@ -35,41 +35,48 @@ class TileConfig:
     group_m: int = 8
 
 
-class Fp8Gemm(enum.Enum):
-    """Which kernel runs the FP8 forward GEMMs on CUDA: TRITON (`_gate_up_kernel` / `_segment_mm_kernel`, the
-    CPU-tested path) or GLUON (gluon_gemm.py, warp-specialised, sm_90 only; same bits)."""
+class GemmKernels(enum.Enum):
+    """Which kernels run the grouped GEMMs on CUDA: TRITON (this file and fp8_grad.py: the CPU-tested path) or
+    GLUON (gluon_gemm.py, gluon_bf16.py: warp-specialised, sm_90 only, written to give the Triton kernels' bits)."""
     TRITON = "triton"
     GLUON = "gluon"
 
 
-_FP8_GEMM_OVERRIDE: list[Fp8Gemm] = []
+# The kernels used outside any `gemm_kernels` block. TRITON until the Gluon kernels have passed their GPU tests
+# (tests/kernels/test_moe_gluon.py, test_moe_fp8_grad.py) and the benchmark: they were written without a GPU.
+DEFAULT_GEMM_KERNELS = GemmKernels.TRITON
+
+_GEMM_KERNELS_OVERRIDE: list[GemmKernels] = []
 
 
 @contextlib.contextmanager
-def fp8_gemm(impl: Fp8Gemm):
-    """Run the FP8 GEMMs with `impl` inside the block (benchmarks and tests compare the two)."""
-    if not isinstance(impl, Fp8Gemm):
-        raise ValueError(f"impl: expected an Fp8Gemm, got {impl!r}")
-    _FP8_GEMM_OVERRIDE.append(impl)
+def gemm_kernels(impl: GemmKernels):
+    """Run the grouped GEMMs with `impl` inside the block, where it can run (benchmarks and tests compare them)."""
+    if not isinstance(impl, GemmKernels):
+        raise ValueError(f"impl: expected a GemmKernels, got {impl!r}")
+    _GEMM_KERNELS_OVERRIDE.append(impl)
     try:
         yield
     finally:
-        _FP8_GEMM_OVERRIDE.pop()
+        _GEMM_KERNELS_OVERRIDE.pop()
 
 
-def fp8_gemm_override() -> Fp8Gemm | None:
-    """The innermost `fp8_gemm` block's choice (None outside any): the layer's backward runs under the forward's."""
-    return _FP8_GEMM_OVERRIDE[-1] if _FP8_GEMM_OVERRIDE else None
+def gemm_kernels_override() -> GemmKernels | None:
+    """The innermost `gemm_kernels` block's choice (None outside any): the layer's backward runs under the
+    forward's."""
+    return _GEMM_KERNELS_OVERRIDE[-1] if _GEMM_KERNELS_OVERRIDE else None
 
 
-def fp8_gemm_for(device: torch.device, k: int, n: int) -> Fp8Gemm:
-    """GLUON on an sm_90 GPU for whole scale blocks, unless overridden; TRITON otherwise (CPU: the interpreter)."""
-    if device.type != "cuda" or _interpreting():
-        return Fp8Gemm.TRITON
+def gemm_kernels_for(device: torch.device, k: int, n: int) -> GemmKernels:
+    """The chosen kernels (override, else DEFAULT_GEMM_KERNELS) where GLUON can run -- an sm_90 GPU, K and N whole
+    128-blocks; TRITON otherwise (CPU: the interpreter)."""
+    want = _GEMM_KERNELS_OVERRIDE[-1] if _GEMM_KERNELS_OVERRIDE else DEFAULT_GEMM_KERNELS
+    if want is GemmKernels.TRITON or device.type != "cuda" or _interpreting():
+        return GemmKernels.TRITON
     from k3_kernels.moe import gluon_gemm
     if not gluon_gemm.usable(k, n) or torch.cuda.get_device_capability(device) != (9, 0):
-        return Fp8Gemm.TRITON
-    return _FP8_GEMM_OVERRIDE[-1] if _FP8_GEMM_OVERRIDE else Fp8Gemm.GLUON
+        return GemmKernels.TRITON
+    return GemmKernels.GLUON
 
 
 def _interpreting() -> bool:
@@ -288,7 +295,7 @@ def gate_up(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan: RoutingPl
     hs = torch.empty(P, I // QUANT_BLOCK, device=dev, dtype=torch.float32) if quant_h else None
     if P == 0:
         return gu, h, hq, hs
-    if fp8 is not None and fp8_gemm_for(x.device, K, I) is Fp8Gemm.GLUON:
+    if fp8 is not None and gemm_kernels_for(x.device, K, I) is GemmKernels.GLUON:
         return _gate_up_gluon(fp8, plan, beta, linear_beta, gu, h, hq, hs, dt)
     tiles, n_m, grid = _grid(plan, cfg, I)
     any_out = next(t for t in (gu, h, hq) if t is not None)
@@ -369,7 +376,7 @@ def down(h: torch.Tensor, w2: torch.Tensor, plan: RoutingPlan, out_dtype: torch.
     y = torch.empty(P, L, device=h.device, dtype=out_dtype)
     if P == 0:
         return y
-    if fp8 is not None and fp8_gemm_for(h.device, I, L) is Fp8Gemm.GLUON:
+    if fp8 is not None and gemm_kernels_for(h.device, I, L) is GemmKernels.GLUON:
         from k3_kernels.moe import gluon_gemm
         hq, hs, w2q, w2s = fp8
         return gluon_gemm.scaled_segment_mm(hq, hs, w2q, w2s, plan.tiles(gluon_gemm.DEFAULT_TILE.block_m), y,

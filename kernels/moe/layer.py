@@ -97,7 +97,7 @@ class _ExpertsFn(torch.autograd.Function):
             ctx.save_for_backward(w, w1, w3, w2, xp, gu, h, y)
         if training:
             ctx.plan, ctx.meta, ctx.fp8_grads = plan, (beta, linear_beta), fp8_grads
-            ctx.fp8_gemm = gg.fp8_gemm_override()  # the backward's GEMMs follow the forward's choice
+            ctx.gemm_kernels = gg.gemm_kernels_override()  # the backward's GEMMs follow the forward's choice
         return out
 
     @staticmethod
@@ -106,7 +106,7 @@ class _ExpertsFn(torch.autograd.Function):
         if ctx.fp8_grads:
             w, w1, w3, w2, xbq, xbs, gu, hbq, hbs, y = ctx.saved_tensors
             dy, dw = combine_backward(dout, y, ctx.plan, w)
-            with gg.fp8_gemm(ctx.fp8_gemm) if ctx.fp8_gemm is not None else contextlib.nullcontext():
+            with gg.gemm_kernels(ctx.gemm_kernels) if ctx.gemm_kernels is not None else contextlib.nullcontext():
                 return _fp8_backward(ctx, dout, dy, dw, (xbq, xbs), gu, (hbq, hbs), w1, w3, w2)
         w, w1, w3, w2, xp, gu, h, y = ctx.saved_tensors
         plan, (beta, linear_beta) = ctx.plan, ctx.meta

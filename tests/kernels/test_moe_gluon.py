@@ -33,7 +33,7 @@ def test_situ_quant_pass_matches_the_fused_epilogue():
     plan = plan_routing(ids, 3)
     _, xq, xs = permute_rows(z, plan, bf16=False, fp8=True)
     (w1q, w1s), (w3q, w3s) = fp8_weight(w1), fp8_weight(w3)
-    with gg.fp8_gemm(gg.Fp8Gemm.TRITON):
+    with gg.gemm_kernels(gg.GemmKernels.TRITON):
         gu, h, hq, hs = gg.gate_up(xq, w1, w3, plan, 4.0, 25.0, act_dtype=torch.bfloat16, save_gu=True,
                                    write_h=True, quant_h=True, fp8=(xq, xs, w1q, w1s, w3q, w3s))
     h2, hq2, hs2 = torch.empty_like(h), torch.empty_like(hq), torch.empty_like(hs)
@@ -46,11 +46,13 @@ def test_situ_quant_pass_matches_the_fused_epilogue():
 
 
 def test_the_gluon_path_is_chosen_only_where_it_runs():
-    assert gg.fp8_gemm_for(torch.device("cpu"), 3584, 3072) is gg.Fp8Gemm.TRITON
+    assert gg.gemm_kernels_for(torch.device("cpu"), 3584, 3072) is gg.GemmKernels.TRITON
+    with gg.gemm_kernels(gg.GemmKernels.GLUON):
+        assert gg.gemm_kernels_for(torch.device("cpu"), 3584, 3072) is gg.GemmKernels.TRITON
     for dtype in (torch.bfloat16, torch.float32):  # FP8 GEMMs have tiles whatever the activations' dtype
         assert {"gate_up_fp8", "mm_fp8"} <= set(gg.configs(torch.device("cuda"), dtype))
     with pytest.raises(ValueError, match="impl"):
-        with gg.fp8_gemm("gluon"):
+        with gg.gemm_kernels("gluon"):
             pass
     from k3_kernels.moe import gluon_gemm
     assert gluon_gemm.usable(3584, 6144) and gluon_gemm.usable(3072, 7168) and not gluon_gemm.usable(3584, 100)
@@ -133,14 +135,14 @@ def test_gpu_gluon_gemms_give_the_triton_bits():
     _, xq, xs = permute_rows(z, plan, bf16=False, fp8=True)
     fp8 = (xq, xs, *fp8_weight(w1), *fp8_weight(w3))
     outs = {}
-    for impl in (gg.Fp8Gemm.TRITON, gg.Fp8Gemm.GLUON):
-        with gg.fp8_gemm(impl):
+    for impl in (gg.GemmKernels.TRITON, gg.GemmKernels.GLUON):
+        with gg.gemm_kernels(impl):
             gu, h, hq, hs = gg.gate_up(xq, w1, w3, plan, 4.0, 25.0, act_dtype=torch.bfloat16, save_gu=True,
                                        write_h=True, quant_h=True, fp8=fp8)
             y = gg.down(hq, w2, plan, torch.bfloat16, fp8=(hq, hs, *fp8_weight(w2)))
         torch.cuda.synchronize()
         outs[impl] = (gu, h, hq.view(torch.uint8), hs, y)
-    for name, a, b in zip(("gu", "h", "hq", "hs", "y"), outs[gg.Fp8Gemm.TRITON], outs[gg.Fp8Gemm.GLUON]):
+    for name, a, b in zip(("gu", "h", "hq", "hs", "y"), outs[gg.GemmKernels.TRITON], outs[gg.GemmKernels.GLUON]):
         assert torch.equal(a, b), (name, (a.float() - b.float()).abs().max().item())
 
 
@@ -150,10 +152,11 @@ def test_gpu_fp8_layer_same_bits_either_gemm_and_across_batches():
     """The FP8 experts layer: the same bits with either GEMM, on a rerun, and for a subset of the tokens."""
     z, ids, w, w1, w3, w2 = _case(1024, 3584, 3072, 112, 16, seed=12)
     with torch.no_grad():
-        with gg.fp8_gemm(gg.Fp8Gemm.TRITON):
+        with gg.gemm_kernels(gg.GemmKernels.TRITON):
             y_t = moe_experts(z, ids, w, w1, w3, w2, precision=Precision.FP8)
-        y_g = moe_experts(z, ids, w, w1, w3, w2, precision=Precision.FP8)
-        assert torch.equal(y_g, y_t)
-        assert torch.equal(moe_experts(z, ids, w, w1, w3, w2, precision=Precision.FP8), y_g)
-        sub = torch.arange(3, 1024, 7, device=DEV)
-        assert torch.equal(moe_experts(z[sub], ids[sub], w[sub], w1, w3, w2, precision=Precision.FP8), y_g[sub])
+        with gg.gemm_kernels(gg.GemmKernels.GLUON):
+            y_g = moe_experts(z, ids, w, w1, w3, w2, precision=Precision.FP8)
+            assert torch.equal(y_g, y_t)
+            assert torch.equal(moe_experts(z, ids, w, w1, w3, w2, precision=Precision.FP8), y_g)
+            sub = torch.arange(3, 1024, 7, device=DEV)
+            assert torch.equal(moe_experts(z[sub], ids[sub], w[sub], w1, w3, w2, precision=Precision.FP8), y_g[sub])
