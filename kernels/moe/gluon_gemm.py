@@ -66,12 +66,12 @@ def usable(k: int, n: int) -> bool:
 
 
 @gluon.jit
-def _ring(a_desc, b_desc, STAGES: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
-    """The operand ring: STAGES slots of A's two row halves and B's tile, a `ready` barrier a slot (the producer's
-    TMA bytes) and an `empty` one (one arrival per consumer warpgroup)."""
-    a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES, HALF_M, BLOCK_K], a_desc.layout)
-    a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES, HALF_M, BLOCK_K], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+def _ring(a_desc, b_desc, STAGES: gl.constexpr):
+    """The operand ring: STAGES slots of A's two row halves (a_desc's box each) and B's tile (b_desc's box), a
+    `ready` barrier a slot (the producer's TMA bytes) and an `empty` one (one arrival per consumer warpgroup)."""
+    a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -141,7 +141,7 @@ def _scaled_mm_kernel(a_desc, b_desc, b2_desc, as_ptr, bs_ptr, bs2_ptr, c_ptr, t
     n_tiles_n = gl.cdiv(N, BLOCK_N)
     e, r0, r1, tn = program_tile(gl.program_id(0), tiles_ptr, n_tiles_m, n_tiles_n, GROUP_M)
     if e >= 0:
-        a_lo, a_hi, b_bufs, ready, empty = _ring(a_desc, b_desc, STAGES, HALF_M, BLOCK_N, BLOCK_K)
+        a_lo, a_hi, b_bufs, ready, empty = _ring(a_desc, b_desc, STAGES)
         n_k = K // BLOCK_K
         col0 = tn * BLOCK_N
         second = col0 >= N_B
@@ -205,7 +205,7 @@ def _scaled_wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, out2_ptr, tile
     out_rows = gl.where(second, M - M_SPLIT, M_SPLIT)
     base = gl.where(second, out2_ptr, out_ptr) + e * out_rows * N
     local = m0 - gl.where(second, M_SPLIT, 0)
-    a_lo, a_hi, b_bufs, ready, empty = _ring(a_desc, b_desc, STAGES, HALF_M, BLOCK_N, BLOCK_K)
+    a_lo, a_hi, b_bufs, ready, empty = _ring(a_desc, b_desc, STAGES)
     gl.warp_specialize([
         (_wgrad_consumer, (a_lo, b_bufs, ready, empty, as_ptr, bs_ptr, base, m0, local, col0, M, N, t0, n_k,
                            HALF_M, BLOCK_N, STAGES)),

@@ -67,14 +67,20 @@ def gemm_kernels_override() -> GemmKernels | None:
     return _GEMM_KERNELS_OVERRIDE[-1] if _GEMM_KERNELS_OVERRIDE else None
 
 
-def gemm_kernels_for(device: torch.device, k: int, n: int) -> GemmKernels:
-    """The chosen kernels (override, else DEFAULT_GEMM_KERNELS) where GLUON can run -- an sm_90 GPU, K and N whole
-    128-blocks; TRITON otherwise (CPU: the interpreter)."""
+def gemm_kernels_for(device: torch.device, k: int, n: int, dtype: torch.dtype = torch.float8_e4m3fn) -> GemmKernels:
+    """The chosen kernels (override, else DEFAULT_GEMM_KERNELS) where GLUON can run -- an sm_90 GPU, e4m3 or bf16
+    operands and whole tiles along K and N (gluon_gemm.usable / gluon_bf16.usable); TRITON otherwise (CPU: the
+    interpreter)."""
     want = _GEMM_KERNELS_OVERRIDE[-1] if _GEMM_KERNELS_OVERRIDE else DEFAULT_GEMM_KERNELS
     if want is GemmKernels.TRITON or device.type != "cuda" or _interpreting():
         return GemmKernels.TRITON
-    from k3_kernels.moe import gluon_gemm
-    if not gluon_gemm.usable(k, n) or torch.cuda.get_device_capability(device) != (9, 0):
+    if dtype == torch.float8_e4m3fn:
+        from k3_kernels.moe.gluon_gemm import usable
+    elif dtype == torch.bfloat16:
+        from k3_kernels.moe.gluon_bf16 import usable
+    else:
+        return GemmKernels.TRITON
+    if not usable(k, n) or torch.cuda.get_device_capability(device) != (9, 0):
         return GemmKernels.TRITON
     return GemmKernels.GLUON
 
@@ -297,6 +303,8 @@ def gate_up(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan: RoutingPl
         return gu, h, hq, hs
     if fp8 is not None and gemm_kernels_for(x.device, K, I) is GemmKernels.GLUON:
         return _gate_up_gluon(fp8, plan, beta, linear_beta, gu, h, hq, hs, dt)
+    if fp8 is None and dt == x.dtype and gemm_kernels_for(x.device, K, I, x.dtype) is GemmKernels.GLUON:
+        return _gate_up_gluon_bf16(x, w1, w3, plan, beta, linear_beta, gu, h, hq, hs)
     tiles, n_m, grid = _grid(plan, cfg, I)
     any_out = next(t for t in (gu, h, hq) if t is not None)
     if fp8 is not None:
@@ -368,6 +376,24 @@ def _gate_up_gluon(fp8, plan: RoutingPlan, beta: float, linear_beta: float, gu, 
     return gu, h, hq, hs
 
 
+def _gate_up_gluon_bf16(x, w1, w3, plan: RoutingPlan, beta: float, linear_beta: float, gu, h, hq, hs):
+    """The bf16 gate/up on the Gluon GEMM: G | U in one launch, then H (and its FP8 rows) by `situ_quant`."""
+    from k3_kernels.moe import gluon_bf16
+    P, I = x.shape[0], w1.shape[1]
+    out = gu if gu is not None else torch.empty(P, 2 * I, device=x.device, dtype=x.dtype)
+    tile = gluon_bf16.DEFAULT_TILE
+    gluon_bf16.segment_mm(x, w1, plan.tiles(tile.block_m), out, gluon_bf16.BLayout.K_CONTIGUOUS, b2=w3, tile=tile)
+    situ_quant(out, beta, linear_beta, h, hq, hs)
+    return gu, h, hq, hs
+
+
+def _segment_mm_gluon_bf16(a, b, plan: RoutingPlan, out, layout_name: str, b2=None):
+    from k3_kernels.moe import gluon_bf16
+    tile = gluon_bf16.DEFAULT_TILE
+    return gluon_bf16.segment_mm(a, b, plan.tiles(tile.block_m), out, gluon_bf16.BLayout[layout_name], b2=b2,
+                                 tile=tile)
+
+
 def down(h: torch.Tensor, w2: torch.Tensor, plan: RoutingPlan, out_dtype: torch.dtype,
          fp8: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Y = H W2_e^T per expert: h [P, I] (or fp8 = (hq, hs, w2q, w2s)), w2 [E, L, I] -> [P, L]."""
@@ -381,6 +407,8 @@ def down(h: torch.Tensor, w2: torch.Tensor, plan: RoutingPlan, out_dtype: torch.
         hq, hs, w2q, w2s = fp8
         return gluon_gemm.scaled_segment_mm(hq, hs, w2q, w2s, plan.tiles(gluon_gemm.DEFAULT_TILE.block_m), y,
                                             tile=gluon_gemm.DEFAULT_TILE)
+    if fp8 is None and h.dtype == out_dtype and gemm_kernels_for(h.device, I, L, h.dtype) is GemmKernels.GLUON:
+        return _segment_mm_gluon_bf16(h, w2, plan, y, "K_CONTIGUOUS")
     cfg = configs(h.device, out_dtype)["mm_fp8" if fp8 is not None and h.is_cuda else "mm"]
     tiles, n_m, grid = _grid(plan, cfg, L)
     if fp8 is not None:
@@ -422,6 +450,10 @@ def down_dgrad_situ(dy: torch.Tensor, w2: torch.Tensor, gu: torch.Tensor, plan: 
     dgu = torch.empty(P, 2 * I, device=dy.device, dtype=gu.dtype)
     if P == 0:
         return dgu
+    if not fused and dy.dtype == gu.dtype and gemm_kernels_for(dy.device, L, I, dy.dtype) is GemmKernels.GLUON:
+        dh = _segment_mm_gluon_bf16(dy, w2, plan, torch.empty(P, I, device=dy.device, dtype=gu.dtype),
+                                    "N_CONTIGUOUS")
+        return situ_backward(dh, gu, beta, linear_beta, dgu)
     cfg = configs(dy.device, dy.dtype)["mm"]
     tiles, n_m, grid = _grid(plan, cfg, I)
     dh = dgu if fused else torch.empty(P, I, device=dy.device, dtype=gu.dtype)
@@ -454,6 +486,8 @@ def gate_up_dgrad(dgu: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan: R
     dx = torch.empty(P, L, device=dgu.device, dtype=dgu.dtype)
     if P == 0:
         return dx
+    if gemm_kernels_for(dgu.device, 2 * I, L, dgu.dtype) is GemmKernels.GLUON:
+        return _segment_mm_gluon_bf16(dgu, w1, plan, dx, "N_CONTIGUOUS", b2=w3)
     cfg = configs(dgu.device, dgu.dtype)["mm"]
     tiles, n_m, grid = _grid(plan, cfg, L)
     # B_e[n = l, k = i] = W1[e, i, l]

@@ -1,4 +1,5 @@
-"""The warp-specialised FP8 grouped GEMM (k3_kernels.moe.gluon_gemm) and what the FP8 forward runs around it.
+"""The warp-specialised Gluon grouped GEMMs (k3_kernels.moe.gluon_gemm: FP8, gluon_bf16: bf16) and what runs
+around them.
 
 Why these tests: the Gluon kernel exists only for speed, so it must give the Triton FP8 kernels' bits (which the
 interpreter tests check against the spec in test_moe.py) -- the `gpu` tests compare them at K3 shapes. Gluon has no
@@ -97,13 +98,42 @@ for fn, tys in ((G._scaled_mm_kernel, types), (G._scaled_wgrad_kernel, wgrad_typ
                                          sass))
     out[fn.__name__] = {"info": info, "ops": ops,
                         "spill": int(re.search(r"(\d+) bytes spill stores", info).group(1))}
+from triton.experimental.gluon import language as gl
+from k3_kernels.moe import gluon_bf16 as B
+def bf16_desc(shape):
+    return f"tensordesc<bf16[{shape[0]}, {shape[1]}],{gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)!r}>"
+bt = B.DEFAULT_TILE
+for k_major in (True, False):
+    box = [bt.block_n, bt.block_k] if k_major else [bt.block_k, bt.block_n]
+    tys = dict(a_desc=bf16_desc([bt.block_m // 2, bt.block_k]), b_desc=bf16_desc(box), b2_desc=bf16_desc(box),
+               c_ptr="*bf16", tiles_ptr="*i32", n_tiles_m="i32", N="i32", N_B="i32", K="i32", K_B="i32",
+               c_stride="i32")
+    cs = dict(B_K_MAJOR=k_major, BLOCK_M=bt.block_m, BLOCK_N=bt.block_n, BLOCK_K=bt.block_k, GROUP_M=bt.group_m,
+              STAGES=bt.stages, CONSUMER_REGS=bt.consumer_regs, num_warps=4)
+    fn = B._bf16_mm_kernel
+    sig = {n: "constexpr" if n in cs else tys[n] for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in cs and n != "n_tiles_m"}
+    src = GluonASTSource(fn, sig, {(i,): cs[n] for i, n in enumerate(fn.arg_names) if n in cs}, attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=G._MAXNREG))
+    with tempfile.TemporaryDirectory() as d:
+        ptx = os.path.join(d, "k.ptx")
+        open(ptx, "w").write(k.asm["ptx"])
+        info = subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "--gpu-name", "sm_90a", ptx, "-o",
+                               os.path.join(d, "k.cubin")], capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", os.path.join(d, "k.cubin")],
+                              capture_output=True, text=True, check=True).stdout
+    ops = collections.Counter(re.findall(r"\b(HGMMA\.64x256x16\.F32\.BF16|USETMAXREG|WARPGROUP\.DEPBAR\.LE gsb0, 0x1)",
+                                         sass))
+    out[f"bf16_k_major_{k_major}"] = {"info": info, "ops": ops,
+                                      "spill": int(re.search(r"(\d+) bytes spill stores", info).group(1))}
 print(json.dumps(out))
 """
 
 
 def test_gluon_gemm_builds_for_the_h200():
-    """The kernels' sm_90a builds (forward / dgrad GEMM and wgrad; no GPU needed): FP8 wgmma chains of
-    64 x 128 x 32, setmaxnreg (the partitions), no spills and no "wgmma serialized" from ptxas."""
+    """The kernels' sm_90a builds (no GPU needed): the FP8 forward / dgrad GEMM and wgrad (wgmma chains of
+    64 x 128 x 32), the bf16 GEMM with K- and N-contiguous B (64 x 256 x 16 chains kept in flight); setmaxnreg
+    (the partitions), no spills and no "wgmma serialized" from ptxas."""
     import json
     import subprocess
     import sys
@@ -112,12 +142,16 @@ def test_gluon_gemm_builds_for_the_h200():
     run = subprocess.run([sys.executable, "-c", _BUILD], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     builds = json.loads(run.stdout.strip().splitlines()[-1])
-    assert set(builds) == {"_scaled_mm_kernel", "_scaled_wgrad_kernel"}
+    assert set(builds) == {"_scaled_mm_kernel", "_scaled_wgrad_kernel", "bf16_k_major_True", "bf16_k_major_False"}
     for name, out in builds.items():
         assert "serialized" not in out["info"], (name, out["info"])
         assert out["spill"] == 0, (name, out["info"])
-        assert out["ops"].get("QGMMA.64x128x32.F32.E4M3.E4M3", 0) >= 8, (name, out["ops"])  # 2 consumers x 4 k32
         assert out["ops"].get("USETMAXREG", 0) > 0, (name, out["ops"])
+        if name.startswith("bf16"):  # chains of 64 x 256 x 16, the previous one still in flight at each wait
+            assert out["ops"].get("HGMMA.64x256x16.F32.BF16", 0) >= 8, (name, out["ops"])
+            assert out["ops"].get("WARPGROUP.DEPBAR.LE gsb0, 0x1", 0) >= 2, (name, out["ops"])
+        else:
+            assert out["ops"].get("QGMMA.64x128x32.F32.E4M3.E4M3", 0) >= 8, (name, out["ops"])  # 2 consumers x 4
 
 
 # ------------------------------------------------------------------------------------------------- GPU (sm_90)
@@ -144,6 +178,30 @@ def test_gpu_gluon_gemms_give_the_triton_bits():
         outs[impl] = (gu, h, hq.view(torch.uint8), hs, y)
     for name, a, b in zip(("gu", "h", "hq", "hs", "y"), outs[gg.GemmKernels.TRITON], outs[gg.GemmKernels.GLUON]):
         assert torch.equal(a, b), (name, (a.float() - b.float()).abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="Gluon's kernel needs an sm_90 GPU (H100/H200)")
+def test_gpu_bf16_layer_same_bits_either_gemm():
+    """bf16 experts at K3 widths, 112 experts: output and every gradient (the forward GEMMs, both dgrads on the
+    Gluon kernels; wgrads stay Triton) the same bits with either kernels, and a token subset's rows unchanged."""
+    case = [t.clone().requires_grad_(t.is_floating_point()) for t in _case(1024, 3584, 3072, 112, 16, seed=14)]
+    gy = torch.randn(1024, 3584, generator=torch.Generator().manual_seed(3)).to(DEV, torch.bfloat16)
+    outs = {}
+    for impl in (gg.GemmKernels.TRITON, gg.GemmKernels.GLUON):
+        for t in case:
+            t.grad = None
+        with gg.gemm_kernels(impl):
+            y = moe_experts(*case)
+        y.backward(gy)
+        outs[impl] = [y.detach()] + [t.grad for t in case if t.is_floating_point()]
+    for name, a, b in zip(("y", "dz", "dw", "dw1", "dw3", "dw2"), outs[gg.GemmKernels.TRITON],
+                          outs[gg.GemmKernels.GLUON]):
+        assert torch.equal(a, b), (name, rel_rms(a, b))
+    with torch.no_grad(), gg.gemm_kernels(gg.GemmKernels.GLUON):
+        sub = torch.arange(5, 1024, 9, device=DEV)
+        z, ids, w, w1, w3, w2 = case
+        assert torch.equal(moe_experts(z[sub], ids[sub], w[sub], w1, w3, w2), outs[gg.GemmKernels.GLUON][0][sub])
 
 
 @pytest.mark.gpu
