@@ -17,7 +17,7 @@ of `triton.testing.do_bench`; peak = max allocated during one call minus allocat
 over the measured bf16 (or FP8) GEMM rate, and the bytes that must move (weights, their gradients, the layer's
 input and output) over the measured copy bandwidth. Determinism: two forward+backward runs compared bit for bit,
 and a token subset's forward against the full batch's rows (batch invariance).
-`--fp8-gemms E,N`: each FP8 GEMM alone, Triton vs Gluon (same bits? TFLOP/s), and the Gluon settings swept.
+`--gluon-gemms E,N`: each grouped GEMM alone (bf16, FP8), Triton vs Gluon (same bits? TFLOP/s), Gluon settings swept.
 `--smoke`: tiny shapes on CPU (our kernels in Triton's interpreter), to check the script. Writes
 benchmarks/results/moe.json (or $OUT/moe.json when OUT is set).
 """
@@ -339,16 +339,21 @@ OURS = {"ours_bf16": (OursMoE, Precision.BF16), "ours_bf16_gluon": (OursMoEGluon
         "ours_fp8": (OursMoE, Precision.FP8), "ours_fp8_gluon": (OursMoEGluon, Precision.FP8),
         "ours_fp8_full": (OursMoE, Precision.FP8_FULL), "ours_fp8_full_gluon": (OursMoEGluon, Precision.FP8_FULL)}
 
-GLUON_TILES = [(4, 232), (3, 232), (5, 232), (6, 232), (4, 216)]  # (stages, consumer registers)
+GLUON_FP8_TILES = [(4, 232), (3, 232), (5, 232), (6, 232), (4, 216)]  # (stages, consumer registers)
+GLUON_BF16_TILES = [(256, 4), (256, 3), (128, 4), (128, 6)]  # (block_n, stages)
 
 
-def fp8_gemms(E, N, L, I, k, device, reps_ms):
-    """Each FP8 GEMM of the layer (and the quantisation passes around them), Triton vs Gluon in one process at one
-    point: medians, TFLOP/s, whether the two give the same bits; then the Gluon kernel's settings swept."""
-    from k3_kernels.moe import fp8_grad, gluon_gemm
+def gluon_gemms(E, N, L, I, k, device, reps_ms):
+    """Each grouped GEMM of the layer, bf16 and FP8 (and the quantisation passes around the FP8 backward), Triton vs
+    Gluon in one process at one point: medians, TFLOP/s, whether the two give the same bits; then the Gluon
+    kernels' settings swept."""
+    from k3_kernels.moe import fp8_grad, gluon_bf16, gluon_gemm
     from k3_kernels.moe import grouped_gemm as gg
     from k3_kernels.moe.layer import fp8_weight, fp8_weight_t, fp8_weight_t13
     from k3_kernels.moe.permute import permute_rows, plan_routing
+
+    def timing(fn):  # (--smoke: CPU, the interpreter; its times are not figures)
+        return measure(fn, reps_ms, None) if device.type == "cuda" else timed_cpu(fn, 1)
 
     torch.manual_seed(3)
     z = torch.randn(N, L, device=device, dtype=torch.bfloat16)
@@ -368,6 +373,10 @@ def fp8_gemms(E, N, L, I, k, device, reps_ms):
     tdgu, tx = fp8_grad.quantize_token_blocks(dgu, tiles), fp8_grad.quantize_token_blocks(xp, tiles)
     w2t, w13t = fp8_weight_t(w2), fp8_weight_t13(w1, w3)
     gemms = {  # name: (FLOPs, call)
+        "bf16_gate_up": (4 * P * L * I, lambda: gg.gate_up(xp, w1, w3, plan, BETA, LINEAR_BETA, save_gu=True)),
+        "bf16_down": (2 * P * L * I, lambda: gg.down(h, w2, plan, torch.bfloat16)),
+        "bf16_down_dgrad_situ": (2 * P * L * I, lambda: gg.down_dgrad_situ(dy, w2, gu, plan, BETA, LINEAR_BETA)),
+        "bf16_gate_up_dgrad": (4 * P * L * I, lambda: gg.gate_up_dgrad(dgu, w1, w3, plan)),
         "gate_up": (4 * P * L * I, lambda: gg.gate_up(xq, w1, w3, plan, BETA, LINEAR_BETA, act_dtype=torch.bfloat16,
                                                       save_gu=True, write_h=True, quant_h=True, fp8=fwd8)),
         "down": (2 * P * L * I, lambda: gg.down(hq, w2, plan, torch.bfloat16, fp8=(hq, hs, *fp8_weight(w2)))),
@@ -386,29 +395,31 @@ def fp8_gemms(E, N, L, I, k, device, reps_ms):
         results = {}
         for impl in (gg.GemmKernels.TRITON, gg.GemmKernels.GLUON):
             with gg.gemm_kernels(impl):
-                ms = measure(fn, reps_ms, None)
+                ms = timing(fn)
                 results[impl] = [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in flat(fn())]
             row[impl.value] = {"ms": ms, "tflops": flops / ms / 1e9}
         row["same_bits"] = all(torch.equal(a, b) for a, b in zip(results[gg.GemmKernels.TRITON],
                                                                  results[gg.GemmKernels.GLUON]))
         row["gluon_speedup"] = row["triton"]["ms"] / row["gluon"]["ms"]
         out["gemms"][name] = row
-        print(f"fp8 {name}: triton {row['triton']['tflops']:.0f} gluon {row['gluon']['tflops']:.0f} TFLOP/s, "
+        print(f"{name}: triton {row['triton']['tflops']:.0f} gluon {row['gluon']['tflops']:.0f} TFLOP/s, "
               f"same bits {row['same_bits']}", flush=True)
     for name, fn in passes.items():
-        out["passes_ms"][name] = measure(fn, reps_ms, None)
-    base = gluon_gemm.DEFAULT_TILE
-    for stages, regs in GLUON_TILES:
-        gluon_gemm.DEFAULT_TILE = gluon_gemm.GluonTile(stages=stages, consumer_regs=regs)
-        key = f"stages{stages}_regs{regs}"
+        out["passes_ms"][name] = timing(fn)
+    sweeps = [(gluon_gemm, f"fp8_stages{st}_regs{r}", gluon_gemm.GluonTile(stages=st, consumer_regs=r),
+               ("down", "gate_up_dgrad", "wgrad_w13")) for st, r in GLUON_FP8_TILES]
+    sweeps += [(gluon_bf16, f"bf16_n{bn}_stages{st}", gluon_bf16.Bf16Tile(block_n=bn, stages=st),
+                ("bf16_down", "bf16_gate_up_dgrad")) for bn, st in GLUON_BF16_TILES]
+    for module, key, tile, names in sweeps:
+        base = module.DEFAULT_TILE
+        module.DEFAULT_TILE = tile
         try:
             with gg.gemm_kernels(gg.GemmKernels.GLUON):
-                out["gluon_sweep"][key] = {n: gemms[n][0] / measure(gemms[n][1], reps_ms, None) / 1e9
-                                           for n in ("down", "gate_up_dgrad", "wgrad_w13")}
+                out["gluon_sweep"][key] = {n: gemms[n][0] / timing(gemms[n][1]) / 1e9 for n in names}
         except Exception as err:  # a setting that does not compile or launch is recorded
             out["gluon_sweep"][key] = {"error": f"{type(err).__name__}: {str(err)[:160]}"}
         finally:
-            gluon_gemm.DEFAULT_TILE = base
+            module.DEFAULT_TILE = base
         print("gluon", key, out["gluon_sweep"][key], flush=True)
     return out
 
@@ -423,8 +434,8 @@ def main() -> None:
     ap.add_argument("--rep-ms", type=int, default=150)
     ap.add_argument("--out", default=None)
     ap.add_argument("--sweep", default=None, help="E,N: per-kernel tile sweep at that point first")
-    ap.add_argument("--fp8-gemms", default=None, help="E,N: each FP8 GEMM, Triton vs Gluon (bits and time), and "
-                    "the Gluon kernel's settings swept, at that point first")
+    ap.add_argument("--gluon-gemms", default=None, help="E,N: each grouped GEMM (bf16 and FP8), Triton vs Gluon "
+                    "(bits and time), and the Gluon kernels' settings swept, at that point first")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.smoke:  # fp32: the interpreter's bf16 dots are not the GPU's (tests/kernels/conftest.py)
@@ -439,9 +450,9 @@ def main() -> None:
               "shapes": {"latent": L, "intermediate": I, "top_k": k, "shared_experts": n_shared},
               "rates": rates(device), "points": []}
     path = args.out or (os.path.join(os.environ["OUT"], "moe.json") if os.environ.get("OUT") else "moe")
-    if args.fp8_gemms:
-        E_s, N_s = (int(v) for v in args.fp8_gemms.split(","))
-        result["fp8_gemms"] = fp8_gemms(E_s, N_s, L, I, k, device, args.rep_ms)
+    if args.gluon_gemms:
+        E_s, N_s = (int(v) for v in args.gluon_gemms.split(","))
+        result["gluon_gemms"] = gluon_gemms(E_s, N_s, L, I, k, device, args.rep_ms)
         write_results(path, result)
     if args.sweep:
         E_s, N_s = (int(v) for v in args.sweep.split(","))
