@@ -65,13 +65,15 @@ def test_kernel_bf16_rows_are_their_own(tile):
 @pytest.mark.parametrize("tile", TILES[3:], ids=TILE_IDS)
 def test_f16_operands_keep_rows_of_any_magnitude(tile):
     """`f16_operands`: each bf16 row goes to fp16 scaled by its own power of two, so rows far outside fp16's range
-    (1e30, 1e-20) or all zero come out as the spec's, and no row's scaling touches another's."""
-    x, q, scale, _ = _case(5, 72, 300, torch.bfloat16)
-    x = x * torch.tensor([1.0, 1e30, 1e-20, 0.0, 7e4], dtype=torch.bfloat16, device=DEV)[:, None]
+    (1e30, 1e-20, and 2^116 / 2^-120 near bf16's ends) or all zero come out as the spec's, and no row's scaling
+    touches another's."""
+    x, q, scale, _ = _case(7, 72, 300, torch.bfloat16)
+    x = x * torch.tensor([1.0, 1e30, 1e-20, 0.0, 7e4, 0.0, 2.0 ** -120], dtype=torch.bfloat16, device=DEV)[:, None]
+    x[5, 7], x[5, 100] = 2.0 ** 116, -(2.0 ** 110)  # (a whole row at 2^116 would overflow the output itself)
     got = fp8_weight_linear(x, q, scale, tile).float()
     ref = naive_fp8_weight_linear(x, q, scale).float()
     assert torch.isfinite(got).all() and torch.equal(got[3], torch.zeros_like(got[3]))
-    for r in (0, 1, 2, 4):
+    for r in (0, 1, 2, 4, 5, 6):
         torch.testing.assert_close(got[r] / ref[r].abs().max(), ref[r] / ref[r].abs().max(), rtol=0, atol=2 ** -7)
         assert torch.equal(fp8_weight_linear(x[r:r + 1], q, scale, tile), got[r:r + 1].to(torch.bfloat16))
 

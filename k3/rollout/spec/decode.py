@@ -53,11 +53,13 @@ class SpecDecoder:
         self.contexts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # request -> its prompt's last-position features (what a row's first decode step of a turn drafts from)
         self.prompt_features: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        # Draft each continuing row's next chain at the end of its step (`_predraft`): the trained head's chain
-        # steps are launched then (on CUDA on a side stream that waits for the verify, not for the commit, so the
-        # two run side by side) and the next step takes the drafts from pinned host memory. Same drafts as drafting
-        # at the next step (same features, last token, limit and kernels); chains of a batched head only. Off by
-        # default: on the H200 it measured the same as drafting at the next step at batch 8 (NOTES.md, session 28).
+        # Draft each continuing row's next chain right after the walk (`_predraft`), before the commit and the emit
+        # loop: the trained head's chain steps are launched then (on CUDA on a side stream that waits for the
+        # verify, not for the commit; the engine's stream joins it once the commit is queued, so the two run side
+        # by side) and the next step takes the drafts from pinned host memory. Same drafts as drafting at the next
+        # step (same features, last token, limit and kernels; on CUDA up to the head's GEMMs being invariant to the
+        # row count); chains of a batched head only. Off by default until measured on the H200 (session 28's
+        # version, launched after the emit loop, measured the same as drafting at the next step; NOTES.md).
         self.overlap_drafting = False
         self._draft_stream = None
         # seq -> (the position its draft is for, host drafts [rows, draft_len], its row, an event or None)
@@ -401,9 +403,11 @@ class SpecDecoder:
             verified = torch.cuda.Event()
             verified.record()
         side = self._predraft(group, speculating, verified, emitted, res.features, n_commit)
-        commit(eng, group, res.scratch, n_commit)
-        if side is not None:   # queued after the commit: the commit runs beside the head, the next verify after both
-            torch.cuda.current_stream(eng.device).wait_stream(side)
+        try:
+            commit(eng, group, res.scratch, n_commit)
+        finally:   # queued after the commit: the commit runs beside the head, the next verify after both (and a
+            if side is not None:   # commit that raises still leaves the streams joined for the next request)
+                torch.cuda.current_stream(eng.device).wait_stream(side)
         st = eng.stats
         st["spec_verifies"] += sum(speculating)
         st["spec_draft_tokens"] += sum(len(t) for t in trees)
