@@ -401,7 +401,7 @@ class SpecDecoder:
         verified = None
         if self.overlap_drafting and eng.device.type == "cuda":   # the next drafts' inputs exist from here on
             verified = torch.cuda.Event()
-            verified.record()
+            verified.record(torch.cuda.current_stream(eng.device))
         side = self._predraft(group, speculating, verified, emitted, res.features, n_commit)
         try:
             commit(eng, group, res.scratch, n_commit)
@@ -448,7 +448,7 @@ def _to_host(drafts: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | No
     host = torch.empty(drafts.shape, dtype=drafts.dtype, pin_memory=True)
     host.copy_(drafts, non_blocking=True)
     event = torch.cuda.Event()
-    event.record()
+    event.record(torch.cuda.current_stream(drafts.device))
     return host, event
 
 
