@@ -1,7 +1,8 @@
 """Grouped bf16 GEMMs for Hopper in Gluon (warp-specialised): C = A B_e^T over each expert's sorted rows, for the
 forward (B_e = W_e stored [N, K]: K contiguous) and the dgrads (B_e[n, k] = W_e[k, n]: N contiguous), with an
 optional second B for the columns past N_B (gate/up: G | U from W1, W3) or the K past K_B (gate/up dgrad:
-[dG | dU] against W1, then W3).
+[dG | dU] against W1, then W3); and the weight gradient D_e^T X_e (`wgrad`: K over the expert's rows, through
+TMA descriptors made on the device per expert, which end at its last row so the next expert's rows read as zeros).
 
 The same product as the Triton kernels (grouped_gemm._gate_up_kernel / _segment_mm_kernel in bf16): one fp32
 accumulator per output element, K in order in 16-wide wgmma steps, the first without the (zero) accumulator --
@@ -22,7 +23,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from k3_kernels.moe.gluon_gemm import _MAXNREG, _ring
+from k3_kernels.moe.gluon_gemm import _MAXNREG, _ring, _ring_of
 from k3_kernels.moe.permute import program_tile
 
 
@@ -129,6 +130,112 @@ def _bf16_mm_kernel(a_desc, b_desc, b2_desc, c_ptr, tiles_ptr, n_tiles_m, N, N_B
             (_producer, (a_desc, b_desc, b2_desc, ready, empty, a_lo, a_hi, b_bufs, r0, e, col0, N_B, K_B, n_k,
                          B_K_MAJOR, STAGES, BLOCK_K, HALF_M)),
         ], [4, 1], [CONSUMER_REGS, 40])
+
+
+@gluon.jit
+def _wgrad_producer(d_ptr, x_ptr, M, N, d_stride, x_stride, ready, empty, a_lo, a_hi, b_bufs, r0, r1, m0, col0, n_k,
+                    STAGES: gl.constexpr, BLOCK_K: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """One warp: K step k is rows [r0 + k BLOCK_K, ..) of D (two [BLOCK_K, HALF_M] boxes at columns m0, m0 + HALF_M)
+    and of X (a [BLOCK_K, BLOCK_N] box at column col0), through descriptors made here (the warp that issues the
+    copies also acquires them) that end at the expert's last row r1: the next expert's rows read as zeros."""
+    a_desc = tma.make_tensor_descriptor(d_ptr, [r1, M], [d_stride, 1], [BLOCK_K, HALF_M], a_lo.type.layout)
+    b_desc = tma.make_tensor_descriptor(x_ptr, [r1, N], [x_stride, 1], [BLOCK_K, BLOCK_N], b_bufs.type.layout)
+    for k in range(n_k):
+        slot = k % STAGES
+        mbarrier.wait(empty.index(slot), ((k // STAGES) & 1) ^ 1)
+        bar = ready.index(slot)
+        mbarrier.expect(bar, 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        row = r0 + k * BLOCK_K
+        tma.async_copy_global_to_shared(a_desc, [row, m0], bar, a_lo.index(slot))
+        tma.async_copy_global_to_shared(a_desc, [row, m0 + HALF_M], bar, a_hi.index(slot))
+        tma.async_copy_global_to_shared(b_desc, [row, col0], bar, b_bufs.index(slot))
+
+
+@gluon.jit
+def _wgrad_consumer(a_bufs, b_bufs, ready, empty, out_ptr, out_m0, col0, N, n_k, HALF_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warpgroup: output rows out_m0 .. out_m0 + HALF_M of the expert's gradient; A = D^T is the permuted view
+    of D's [BLOCK_K, HALF_M] box (M-contiguous: wgmma takes it for 16-bit types)."""
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    acc = gl.zeros((HALF_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+    for k in range(n_k):
+        slot = k % STAGES
+        mbarrier.wait(ready.index(slot), (k // STAGES) & 1)
+        acc = warpgroup_mma(a_bufs.index(slot).permute((1, 0)), b_bufs.index(slot), acc, use_acc=k > 0,
+                            is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        mbarrier.arrive(empty.index((k + STAGES - 1) % STAGES), count=1, pred=k > 0)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    rows = out_m0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, mma_layout))
+    cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
+    gl.store(out_ptr + rows.to(gl.int64)[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty))
+
+
+@gluon.jit
+def _bf16_wgrad_kernel(d_ptr, x_ptr, out_ptr, out2_ptr, offsets_ptr, M, N, M_SPLIT, d_stride, x_stride,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                       CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """out[e] = D_e^T X_e over expert e's rows (D [P, M], X [P, N]); rows m >= M_SPLIT of it into out2. One program
+    per (expert, output tile), the expert's rows in order: grouped_gemm._wgrad_kernel's sum."""
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    e = gl.program_id(1).to(gl.int64)
+    n_tn = gl.cdiv(N, BLOCK_N)
+    m0 = (gl.program_id(0) // n_tn) * BLOCK_M
+    col0 = (gl.program_id(0) % n_tn) * BLOCK_N
+    r0 = gl.load(offsets_ptr + e).to(gl.int32)
+    r1 = gl.load(offsets_ptr + e + 1).to(gl.int32)
+    n_k = gl.cdiv(r1 - r0, BLOCK_K)
+    second = m0 >= M_SPLIT
+    out_rows = gl.where(second, M - M_SPLIT, M_SPLIT)
+    base = gl.where(second, out2_ptr, out_ptr) + e * out_rows * N
+    local = m0 - gl.where(second, M_SPLIT, 0)
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, HALF_M], gl.bfloat16)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], gl.bfloat16)
+    a_lo, a_hi, b_bufs, ready, empty = _ring_of(gl.bfloat16, BLOCK_K, HALF_M, a_layout, gl.bfloat16, BLOCK_K,
+                                                BLOCK_N, b_layout, STAGES)
+    gl.warp_specialize([
+        (_wgrad_consumer, (a_lo, b_bufs, ready, empty, base, local, col0, N, n_k, HALF_M, BLOCK_N, STAGES)),
+        (_wgrad_consumer, (a_hi, b_bufs, ready, empty, base, local + HALF_M, col0, N, n_k, HALF_M, BLOCK_N,
+                           STAGES)),
+        (_wgrad_producer, (d_ptr, x_ptr, M, N, d_stride, x_stride, ready, empty, a_lo, a_hi, b_bufs, r0, r1, m0,
+                           col0, n_k, STAGES, BLOCK_K, HALF_M, BLOCK_N)),
+    ], [4, 1], [CONSUMER_REGS, 40])
+
+
+def _descriptor_workspace() -> None:
+    """Device-side TMA descriptors need a global workspace from Triton's runtime allocator: give it torch's caching
+    allocator unless the caller has set one."""
+    import triton
+    from triton.runtime import _allocation
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device="cuda", dtype=torch.int8))
+
+
+def wgrad(d: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, n_experts: int, out_dtype: torch.dtype,
+          split: int | None = None, tile: Bf16Tile = DEFAULT_TILE) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """out[e] = D_e^T X_e over expert e's rows offsets[e] .. offsets[e + 1] (D [P, M], X [P, N], bf16, rows may be
+    strided, columns contiguous) -> [E, M, N]; with `split`, rows [0, split) and [split, M) as two tensors."""
+    tile.validate()
+    P, M = d.shape
+    N = x.shape[1]
+    s = M if split is None else split
+    for name, t in (("d", d), ("x", x)):
+        if t.dtype != torch.bfloat16 or t.stride(1) != 1 or (t.stride(0) * 2) % 16:
+            raise ValueError(f"{name}: expected bf16 rows with contiguous columns and 16-byte aligned rows")
+    if M % tile.block_m or N % tile.block_n or s % tile.block_m or x.shape[0] != P:
+        raise ValueError(f"d, x: expected [P, M], [P, N] with M, split multiples of {tile.block_m} and N of "
+                         f"{tile.block_n}, got {tuple(d.shape)}, {tuple(x.shape)}, split {split}")
+    out = torch.empty(n_experts, s, N, device=d.device, dtype=out_dtype)
+    out2 = torch.empty(n_experts, M - s, N, device=d.device, dtype=out_dtype) if split is not None else out
+    if n_experts == 0:
+        return out if split is None else (out, out2)
+    _descriptor_workspace()
+    grid = ((M // tile.block_m) * (N // tile.block_n), n_experts)
+    _bf16_wgrad_kernel[grid](d, x, out, out2, offsets, M, N, s, d.stride(0), x.stride(0), BLOCK_M=tile.block_m,
+                             BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.stages,
+                             CONSUMER_REGS=tile.consumer_regs, num_warps=4, maxnreg=_MAXNREG)
+    return out if split is None else (out, out2)
 
 
 def _descriptor(t: torch.Tensor, block: list[int]):

@@ -67,11 +67,20 @@ def usable(k: int, n: int) -> bool:
 
 @gluon.jit
 def _ring(a_desc, b_desc, STAGES: gl.constexpr):
-    """The operand ring: STAGES slots of A's two row halves (a_desc's box each) and B's tile (b_desc's box), a
+    """The operand ring for a_desc's and b_desc's boxes (`_ring_of`)."""
+    return _ring_of(a_desc.dtype, a_desc.block_type.shape[0], a_desc.block_type.shape[1],
+                    gl.constexpr(a_desc.layout), b_desc.dtype, b_desc.block_type.shape[0], b_desc.block_type.shape[1],
+                    gl.constexpr(b_desc.layout), STAGES)
+
+
+@gluon.jit
+def _ring_of(a_dtype: gl.constexpr, A0: gl.constexpr, A1: gl.constexpr, a_layout: gl.constexpr,
+             b_dtype: gl.constexpr, B0: gl.constexpr, B1: gl.constexpr, b_layout: gl.constexpr, STAGES: gl.constexpr):
+    """The operand ring: STAGES slots of A's two row halves (an [A0, A1] box each) and B's tile ([B0, B1]), a
     `ready` barrier a slot (the producer's TMA bytes) and an `empty` one (one arrival per consumer warpgroup)."""
-    a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    a_lo = gl.allocate_shared_memory(a_dtype, [STAGES, A0, A1], a_layout)
+    a_hi = gl.allocate_shared_memory(a_dtype, [STAGES, A0, A1], a_layout)
+    b_bufs = gl.allocate_shared_memory(b_dtype, [STAGES, B0, B1], b_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):

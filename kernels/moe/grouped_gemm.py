@@ -507,6 +507,10 @@ def wgrad(d: torch.Tensor, x: torch.Tensor, plan: RoutingPlan, out_dtype: torch.
     out = torch.empty(E, Nd, Kd, device=x.device, dtype=out_dtype)
     if d.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError("d, x: the last dimension must be contiguous")
+    if (d.dtype == x.dtype == out_dtype and Nd % 128 == 0
+            and gemm_kernels_for(x.device, 64, Kd, x.dtype) is GemmKernels.GLUON):
+        from k3_kernels.moe import gluon_bf16
+        return gluon_bf16.wgrad(d, x, plan.offsets, E, out_dtype, tile=gluon_bf16.DEFAULT_TILE)
     cfg = configs(x.device, x.dtype)["wgrad"]
     grid = (cdiv(Nd, cfg.block_n) * cdiv(Kd, cfg.block_k), E)
     _wgrad_kernel[grid](d, x, out, plan.offsets, Nd, Kd, d.stride(0), x.stride(0), BLOCK_R=cfg.block_m,

@@ -126,14 +126,34 @@ for k_major in (True, False):
                                          sass))
     out[f"bf16_k_major_{k_major}"] = {"info": info, "ops": ops,
                                       "spill": int(re.search(r"(\d+) bytes spill stores", info).group(1))}
+fn = B._bf16_wgrad_kernel
+tys = dict(d_ptr="*bf16", x_ptr="*bf16", out_ptr="*bf16", out2_ptr="*bf16", offsets_ptr="*i64", M="i32", N="i32",
+           M_SPLIT="i32", d_stride="i32", x_stride="i32")
+cs = dict(BLOCK_M=bt.block_m, BLOCK_N=bt.block_n, BLOCK_K=bt.block_k, STAGES=bt.stages,
+          CONSUMER_REGS=bt.consumer_regs, num_warps=4)
+sig = {n: "constexpr" if n in cs else tys[n] for n in fn.arg_names}
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in cs}
+src = GluonASTSource(fn, sig, {(i,): cs[n] for i, n in enumerate(fn.arg_names) if n in cs}, attrs)
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=G._MAXNREG))
+with tempfile.TemporaryDirectory() as d:
+    ptx = os.path.join(d, "k.ptx")
+    open(ptx, "w").write(k.asm["ptx"])
+    info = subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "--gpu-name", "sm_90a", ptx, "-o",
+                           os.path.join(d, "k.cubin")], capture_output=True, text=True, check=True).stderr
+    sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", os.path.join(d, "k.cubin")],
+                          capture_output=True, text=True, check=True).stdout
+ops = collections.Counter(re.findall(r"\b(HGMMA\.64x256x16\.F32\.BF16|USETMAXREG|WARPGROUP\.DEPBAR\.LE gsb0, 0x1)",
+                                     sass))
+out["bf16_wgrad"] = {"info": info, "ops": ops, "spill": int(re.search(r"(\d+) bytes spill stores", info).group(1)),
+                     "tensormap_acquires": k.asm["ptx"].count("fence.proxy.tensormap::generic.acquire")}
 print(json.dumps(out))
 """
 
 
 def test_gluon_gemm_builds_for_the_h200():
     """The kernels' sm_90a builds (no GPU needed): the FP8 forward / dgrad GEMM and wgrad (wgmma chains of
-    64 x 128 x 32), the bf16 GEMM with K- and N-contiguous B (64 x 256 x 16 chains kept in flight); setmaxnreg
-    (the partitions), no spills and no "wgmma serialized" from ptxas."""
+    64 x 128 x 32), the bf16 GEMM with K- and N-contiguous B and the bf16 wgrad (64 x 256 x 16 chains kept in
+    flight); setmaxnreg (the partitions), no spills and no "wgmma serialized" from ptxas."""
     import json
     import subprocess
     import sys
@@ -142,7 +162,9 @@ def test_gluon_gemm_builds_for_the_h200():
     run = subprocess.run([sys.executable, "-c", _BUILD], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     builds = json.loads(run.stdout.strip().splitlines()[-1])
-    assert set(builds) == {"_scaled_mm_kernel", "_scaled_wgrad_kernel", "bf16_k_major_True", "bf16_k_major_False"}
+    assert set(builds) == {"_scaled_mm_kernel", "_scaled_wgrad_kernel", "bf16_k_major_True", "bf16_k_major_False",
+                           "bf16_wgrad"}
+    assert builds["bf16_wgrad"]["tensormap_acquires"] >= 2  # its per-expert descriptors, made on the device
     for name, out in builds.items():
         assert "serialized" not in out["info"], (name, out["info"])
         assert out["spill"] == 0, (name, out["info"])
@@ -183,8 +205,8 @@ def test_gpu_gluon_gemms_give_the_triton_bits():
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="Gluon's kernel needs an sm_90 GPU (H100/H200)")
 def test_gpu_bf16_layer_same_bits_either_gemm():
-    """bf16 experts at K3 widths, 112 experts: output and every gradient (the forward GEMMs, both dgrads on the
-    Gluon kernels; wgrads stay Triton) the same bits with either kernels, and a token subset's rows unchanged."""
+    """bf16 experts at K3 widths, 112 experts: output and every gradient (forward GEMMs, dgrads and wgrads on the
+    Gluon kernels) the same bits with either kernels, and a token subset's rows unchanged."""
     case = [t.clone().requires_grad_(t.is_floating_point()) for t in _case(1024, 3584, 3072, 112, 16, seed=14)]
     gy = torch.randn(1024, 3584, generator=torch.Generator().manual_seed(3)).to(DEV, torch.bfloat16)
     outs = {}
@@ -202,6 +224,28 @@ def test_gpu_bf16_layer_same_bits_either_gemm():
         sub = torch.arange(5, 1024, 9, device=DEV)
         z, ids, w, w1, w3, w2 = case
         assert torch.equal(moe_experts(z[sub], ids[sub], w[sub], w1, w3, w2), outs[gg.GemmKernels.GLUON][0][sub])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="Gluon's kernel needs an sm_90 GPU (H100/H200)")
+def test_gpu_bf16_wgrad_experts_of_any_size():
+    """The bf16 wgrad's per-expert descriptors: experts of 0, 1, 63, 64, 65 and 1000 rows (rows of the next expert
+    in a last partial block must read as zeros) and a strided column slice of dG | dU: Triton's bits."""
+    counts = [0, 1, 63, 64, 65, 1000]
+    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
+    plan = plan_routing(ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(2))][:, None].to(DEV),
+                        len(counts))
+    g = torch.Generator().manual_seed(4)
+    dgu = torch.randn(plan.rows, 2 * 3072, generator=g).to(DEV, torch.bfloat16)
+    x = torch.randn(plan.rows, 3584, generator=g).to(DEV, torch.bfloat16)
+    outs = {}
+    for impl in (gg.GemmKernels.TRITON, gg.GemmKernels.GLUON):
+        with gg.gemm_kernels(impl):
+            outs[impl] = [gg.wgrad(dgu[:, :3072], x, plan, torch.bfloat16), gg.wgrad(dgu[:, 3072:], x, plan,
+                                                                                      torch.bfloat16)]
+    for a, b in zip(outs[gg.GemmKernels.TRITON], outs[gg.GemmKernels.GLUON]):
+        assert torch.equal(a, b), rel_rms(a, b)
+    assert torch.count_nonzero(outs[gg.GemmKernels.GLUON][0][0]) == 0
 
 
 @pytest.mark.gpu
