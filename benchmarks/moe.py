@@ -377,6 +377,8 @@ def gluon_gemms(E, N, L, I, k, device, reps_ms):
         "bf16_down": (2 * P * L * I, lambda: gg.down(h, w2, plan, torch.bfloat16)),
         "bf16_down_dgrad_situ": (2 * P * L * I, lambda: gg.down_dgrad_situ(dy, w2, gu, plan, BETA, LINEAR_BETA)),
         "bf16_gate_up_dgrad": (4 * P * L * I, lambda: gg.gate_up_dgrad(dgu, w1, w3, plan)),
+        "bf16_wgrad_w2": (2 * P * L * I, lambda: gg.wgrad(dy, h, plan, torch.bfloat16)),
+        "bf16_wgrad_w1": (2 * P * L * I, lambda: gg.wgrad(dgu[:, :I], xp, plan, torch.bfloat16)),
         "gate_up": (4 * P * L * I, lambda: gg.gate_up(xq, w1, w3, plan, BETA, LINEAR_BETA, act_dtype=torch.bfloat16,
                                                       save_gu=True, write_h=True, quant_h=True, fp8=fwd8)),
         "down": (2 * P * L * I, lambda: gg.down(hq, w2, plan, torch.bfloat16, fp8=(hq, hs, *fp8_weight(w2)))),
@@ -409,7 +411,7 @@ def gluon_gemms(E, N, L, I, k, device, reps_ms):
     sweeps = [(gluon_gemm, f"fp8_stages{st}_regs{r}", gluon_gemm.GluonTile(stages=st, consumer_regs=r),
                ("down", "gate_up_dgrad", "wgrad_w13")) for st, r in GLUON_FP8_TILES]
     sweeps += [(gluon_bf16, f"bf16_n{bn}_stages{st}", gluon_bf16.Bf16Tile(block_n=bn, stages=st),
-                ("bf16_down", "bf16_gate_up_dgrad")) for bn, st in GLUON_BF16_TILES]
+                ("bf16_down", "bf16_gate_up_dgrad", "bf16_wgrad_w2")) for bn, st in GLUON_BF16_TILES]
     for module, key, tile, names in sweeps:
         base = module.DEFAULT_TILE
         module.DEFAULT_TILE = tile
