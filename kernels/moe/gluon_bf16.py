@@ -88,20 +88,26 @@ def _producer(a_desc, b_desc, b2_desc, ready, empty, a_lo, a_hi, b_bufs, r0, e, 
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, ready, empty, c_ptr, r0, r1, col0, N, n_k, c_stride, B_K_MAJOR: gl.constexpr,
-              HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """One warpgroup: rows [r0, r0 + HALF_M) of the tile, its chains in flight across K steps."""
+def _consumer(a_bufs, b_bufs, ready, empty, c_ptr, r0, r1, col0, N, n_k, c_stride, A_M_MAJOR: gl.constexpr,
+              B_K_MAJOR: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warpgroup: output rows [r0, r0 + HALF_M) of the tile (those below r1 stored), its chains in flight across
+    K steps. A_M_MAJOR: A's box is [K, M] (the wgrad's D), used through its permuted view (wgmma takes M-contiguous
+    A for 16-bit types); B_K_MAJOR: B's box is [N, K], likewise."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     acc = gl.zeros((HALF_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
     for k in range(n_k):
         slot = k % STAGES
         mbarrier.wait(ready.index(slot), (k // STAGES) & 1)
+        if A_M_MAJOR:
+            a = a_bufs.index(slot).permute((1, 0))
+        else:
+            a = a_bufs.index(slot)
         if B_K_MAJOR:
             b = b_bufs.index(slot).permute((1, 0))
         else:
             b = b_bufs.index(slot)
-        acc = warpgroup_mma(a_bufs.index(slot), b, acc, use_acc=k > 0, is_async=True)
+        acc = warpgroup_mma(a, b, acc, use_acc=k > 0, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         mbarrier.arrive(empty.index((k + STAGES - 1) % STAGES), count=1, pred=k > 0)  # step k - 1's slot
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -123,10 +129,10 @@ def _bf16_mm_kernel(a_desc, b_desc, b2_desc, c_ptr, tiles_ptr, n_tiles_m, N, N_B
         n_k = K // BLOCK_K
         col0 = tn * BLOCK_N
         gl.warp_specialize([
-            (_consumer, (a_lo, b_bufs, ready, empty, c_ptr, r0, r1, col0, N, n_k, c_stride, B_K_MAJOR, HALF_M,
-                         BLOCK_N, STAGES)),
-            (_consumer, (a_hi, b_bufs, ready, empty, c_ptr, r0 + HALF_M, r1, col0, N, n_k, c_stride, B_K_MAJOR,
+            (_consumer, (a_lo, b_bufs, ready, empty, c_ptr, r0, r1, col0, N, n_k, c_stride, False, B_K_MAJOR,
                          HALF_M, BLOCK_N, STAGES)),
+            (_consumer, (a_hi, b_bufs, ready, empty, c_ptr, r0 + HALF_M, r1, col0, N, n_k, c_stride, False,
+                         B_K_MAJOR, HALF_M, BLOCK_N, STAGES)),
             (_producer, (a_desc, b_desc, b2_desc, ready, empty, a_lo, a_hi, b_bufs, r0, e, col0, N_B, K_B, n_k,
                          B_K_MAJOR, STAGES, BLOCK_K, HALF_M)),
         ], [4, 1], [CONSUMER_REGS, 40])
@@ -152,27 +158,6 @@ def _wgrad_producer(d_ptr, x_ptr, M, N, d_stride, x_stride, ready, empty, a_lo, 
 
 
 @gluon.jit
-def _wgrad_consumer(a_bufs, b_bufs, ready, empty, out_ptr, out_m0, col0, N, n_k, HALF_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """One warpgroup: output rows out_m0 .. out_m0 + HALF_M of the expert's gradient; A = D^T is the permuted view
-    of D's [BLOCK_K, HALF_M] box (M-contiguous: wgmma takes it for 16-bit types)."""
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
-    acc = gl.zeros((HALF_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
-    for k in range(n_k):
-        slot = k % STAGES
-        mbarrier.wait(ready.index(slot), (k // STAGES) & 1)
-        acc = warpgroup_mma(a_bufs.index(slot).permute((1, 0)), b_bufs.index(slot), acc, use_acc=k > 0,
-                            is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        mbarrier.arrive(empty.index((k + STAGES - 1) % STAGES), count=1, pred=k > 0)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    rows = out_m0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, mma_layout))
-    cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
-    gl.store(out_ptr + rows.to(gl.int64)[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty))
-
-
-@gluon.jit
 def _bf16_wgrad_kernel(d_ptr, x_ptr, out_ptr, out2_ptr, offsets_ptr, M, N, M_SPLIT, d_stride, x_stride,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
@@ -195,9 +180,10 @@ def _bf16_wgrad_kernel(d_ptr, x_ptr, out_ptr, out2_ptr, offsets_ptr, M, N, M_SPL
     a_lo, a_hi, b_bufs, ready, empty = _ring_of(gl.bfloat16, BLOCK_K, HALF_M, a_layout, gl.bfloat16, BLOCK_K,
                                                 BLOCK_N, b_layout, STAGES)
     gl.warp_specialize([
-        (_wgrad_consumer, (a_lo, b_bufs, ready, empty, base, local, col0, N, n_k, HALF_M, BLOCK_N, STAGES)),
-        (_wgrad_consumer, (a_hi, b_bufs, ready, empty, base, local + HALF_M, col0, N, n_k, HALF_M, BLOCK_N,
-                           STAGES)),
+        (_consumer, (a_lo, b_bufs, ready, empty, base, local, out_rows, col0, N, n_k, N, True, False, HALF_M,
+                     BLOCK_N, STAGES)),
+        (_consumer, (a_hi, b_bufs, ready, empty, base, local + HALF_M, out_rows, col0, N, n_k, N, True, False,
+                     HALF_M, BLOCK_N, STAGES)),
         (_wgrad_producer, (d_ptr, x_ptr, M, N, d_stride, x_stride, ready, empty, a_lo, a_hi, b_bufs, r0, r1, m0,
                            col0, n_k, STAGES, BLOCK_K, HALF_M, BLOCK_N)),
     ], [4, 1], [CONSUMER_REGS, 40])

@@ -64,88 +64,58 @@ def test_the_gluon_path_is_chosen_only_where_it_runs():
 
 
 _BUILD = r"""
-import collections, json, os, re, subprocess, sys, tempfile
+import collections, json, os, re, subprocess, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
-from k3_kernels.moe import gluon_gemm as G
-desc = ("tensordesc<fp8e4nv[{}, 128],NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2, "
-        "transposed=False, fp4_padded=False, cga_layout=[])>")
-t = G.DEFAULT_TILE
-types = dict(a_desc=desc.format(t.block_m // 2), b_desc=desc.format(128), b2_desc=desc.format(128),
-             as_ptr="*fp32", bs_ptr="*fp32", bs2_ptr="*fp32", c_ptr="*bf16", tiles_ptr="*i32", n_tiles_m="i32",
-             N="i32", N_B="i32", K="i32", c_stride="i32")
-consts = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m, STAGES=t.stages,
-              CONSUMER_REGS=t.consumer_regs, num_warps=4)
-wgrad_types = dict(a_desc=types["a_desc"], b_desc=types["b_desc"], as_ptr="*fp32", bs_ptr="*fp32", out_ptr="*bf16",
-                   out2_ptr="*bf16", tile_off_ptr="*i64", M="i32", N="i32", M_SPLIT="i32")
-bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-out = {}
-for fn, tys in ((G._scaled_mm_kernel, types), (G._scaled_wgrad_kernel, wgrad_types)):
-    cs = {n: v for n, v in consts.items() if n in fn.arg_names}
-    sig = {n: "constexpr" if n in cs else tys[n] for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in cs and n != "n_tiles_m"}
-    src = GluonASTSource(fn, sig, {(i,): cs[n] for i, n in enumerate(fn.arg_names) if n in cs}, attrs)
+from k3_kernels.moe import gluon_bf16 as B, gluon_gemm as G
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+OPS = r"\b(QGMMA\.64x128x32\.F32\.E4M3\.E4M3|HGMMA\.64x256x16\.F32\.BF16|USETMAXREG|WARPGROUP\.DEPBAR\.LE gsb0, 0x1)"
+
+
+def desc(dtype, shape):
+    lay = gl.NVMMASharedLayout.get_default_for(shape, gl.float8e4nv if dtype == "fp8e4nv" else gl.bfloat16)
+    return f"tensordesc<{dtype}[{shape[0]}, {shape[1]}],{lay!r}>"
+
+
+def build(fn, types, consts):
+    consts = {n: v for n, v in consts.items() if n in fn.arg_names}
+    sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in consts
+             and n != "n_tiles_m"}
+    src = GluonASTSource(fn, sig, {(i,): consts[n] for i, n in enumerate(fn.arg_names) if n in consts}, attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=G._MAXNREG))
     with tempfile.TemporaryDirectory() as d:
         ptx = os.path.join(d, "k.ptx")
         open(ptx, "w").write(k.asm["ptx"])
-        info = subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "--gpu-name", "sm_90a", ptx, "-o",
+        info = subprocess.run([os.path.join(BIN, "ptxas"), "-v", "--gpu-name", "sm_90a", ptx, "-o",
                                os.path.join(d, "k.cubin")], capture_output=True, text=True, check=True).stderr
-        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", os.path.join(d, "k.cubin")],
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", os.path.join(d, "k.cubin")],
                               capture_output=True, text=True, check=True).stdout
-    ops = collections.Counter(re.findall(r"\b(QGMMA\.[0-9x]+\.F32\.E4M3\.E4M3|USETMAXREG|WARPGROUP\.DEPBAR)",
-                                         sass))
-    out[fn.__name__] = {"info": info, "ops": ops,
-                        "spill": int(re.search(r"(\d+) bytes spill stores", info).group(1))}
-from triton.experimental.gluon import language as gl
-from k3_kernels.moe import gluon_bf16 as B
-def bf16_desc(shape):
-    return f"tensordesc<bf16[{shape[0]}, {shape[1]}],{gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)!r}>"
-bt = B.DEFAULT_TILE
+    return {"info": info, "ops": collections.Counter(re.findall(OPS, sass)),
+            "spill": int(re.search(r"(\d+) bytes spill stores", info).group(1)),
+            "tensormap_acquires": k.asm["ptx"].count("fence.proxy.tensormap::generic.acquire")}
+
+
+t, bt = G.DEFAULT_TILE, B.DEFAULT_TILE
+ptrs = dict(as_ptr="*fp32", bs_ptr="*fp32", bs2_ptr="*fp32", c_ptr="*bf16", out_ptr="*bf16", out2_ptr="*bf16",
+            tiles_ptr="*i32", tile_off_ptr="*i64", offsets_ptr="*i64", d_ptr="*bf16", x_ptr="*bf16")
+ints = {n: "i32" for n in ("n_tiles_m", "N", "N_B", "K", "K_B", "c_stride", "M", "M_SPLIT", "d_stride", "x_stride")}
+fp8 = dict(ptrs, **ints, a_desc=desc("fp8e4nv", [t.block_m // 2, 128]), b_desc=desc("fp8e4nv", [128, 128]),
+           b2_desc=desc("fp8e4nv", [128, 128]))
+fp8_consts = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m, STAGES=t.stages,
+                  CONSUMER_REGS=t.consumer_regs, num_warps=4)
+bf16_consts = dict(BLOCK_M=bt.block_m, BLOCK_N=bt.block_n, BLOCK_K=bt.block_k, GROUP_M=bt.group_m, STAGES=bt.stages,
+                   CONSUMER_REGS=bt.consumer_regs, num_warps=4)
+out = {"_scaled_mm_kernel": build(G._scaled_mm_kernel, fp8, fp8_consts),
+       "_scaled_wgrad_kernel": build(G._scaled_wgrad_kernel, fp8, fp8_consts),
+       "bf16_wgrad": build(B._bf16_wgrad_kernel, dict(ptrs, **ints), bf16_consts)}
 for k_major in (True, False):
     box = [bt.block_n, bt.block_k] if k_major else [bt.block_k, bt.block_n]
-    tys = dict(a_desc=bf16_desc([bt.block_m // 2, bt.block_k]), b_desc=bf16_desc(box), b2_desc=bf16_desc(box),
-               c_ptr="*bf16", tiles_ptr="*i32", n_tiles_m="i32", N="i32", N_B="i32", K="i32", K_B="i32",
-               c_stride="i32")
-    cs = dict(B_K_MAJOR=k_major, BLOCK_M=bt.block_m, BLOCK_N=bt.block_n, BLOCK_K=bt.block_k, GROUP_M=bt.group_m,
-              STAGES=bt.stages, CONSUMER_REGS=bt.consumer_regs, num_warps=4)
-    fn = B._bf16_mm_kernel
-    sig = {n: "constexpr" if n in cs else tys[n] for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in cs and n != "n_tiles_m"}
-    src = GluonASTSource(fn, sig, {(i,): cs[n] for i, n in enumerate(fn.arg_names) if n in cs}, attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=G._MAXNREG))
-    with tempfile.TemporaryDirectory() as d:
-        ptx = os.path.join(d, "k.ptx")
-        open(ptx, "w").write(k.asm["ptx"])
-        info = subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "--gpu-name", "sm_90a", ptx, "-o",
-                               os.path.join(d, "k.cubin")], capture_output=True, text=True, check=True).stderr
-        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", os.path.join(d, "k.cubin")],
-                              capture_output=True, text=True, check=True).stdout
-    ops = collections.Counter(re.findall(r"\b(HGMMA\.64x256x16\.F32\.BF16|USETMAXREG|WARPGROUP\.DEPBAR\.LE gsb0, 0x1)",
-                                         sass))
-    out[f"bf16_k_major_{k_major}"] = {"info": info, "ops": ops,
-                                      "spill": int(re.search(r"(\d+) bytes spill stores", info).group(1))}
-fn = B._bf16_wgrad_kernel
-tys = dict(d_ptr="*bf16", x_ptr="*bf16", out_ptr="*bf16", out2_ptr="*bf16", offsets_ptr="*i64", M="i32", N="i32",
-           M_SPLIT="i32", d_stride="i32", x_stride="i32")
-cs = dict(BLOCK_M=bt.block_m, BLOCK_N=bt.block_n, BLOCK_K=bt.block_k, STAGES=bt.stages,
-          CONSUMER_REGS=bt.consumer_regs, num_warps=4)
-sig = {n: "constexpr" if n in cs else tys[n] for n in fn.arg_names}
-attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in cs}
-src = GluonASTSource(fn, sig, {(i,): cs[n] for i, n in enumerate(fn.arg_names) if n in cs}, attrs)
-k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=G._MAXNREG))
-with tempfile.TemporaryDirectory() as d:
-    ptx = os.path.join(d, "k.ptx")
-    open(ptx, "w").write(k.asm["ptx"])
-    info = subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "--gpu-name", "sm_90a", ptx, "-o",
-                           os.path.join(d, "k.cubin")], capture_output=True, text=True, check=True).stderr
-    sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", os.path.join(d, "k.cubin")],
-                          capture_output=True, text=True, check=True).stdout
-ops = collections.Counter(re.findall(r"\b(HGMMA\.64x256x16\.F32\.BF16|USETMAXREG|WARPGROUP\.DEPBAR\.LE gsb0, 0x1)",
-                                     sass))
-out["bf16_wgrad"] = {"info": info, "ops": ops, "spill": int(re.search(r"(\d+) bytes spill stores", info).group(1)),
-                     "tensormap_acquires": k.asm["ptx"].count("fence.proxy.tensormap::generic.acquire")}
+    tys = dict(ptrs, **ints, a_desc=desc("bf16", [bt.block_m // 2, bt.block_k]), b_desc=desc("bf16", box),
+               b2_desc=desc("bf16", box))
+    out[f"bf16_k_major_{k_major}"] = build(B._bf16_mm_kernel, tys, dict(bf16_consts, B_K_MAJOR=k_major))
 print(json.dumps(out))
 """
 
