@@ -8,10 +8,10 @@ pass) -> gate/up GEMM with SiTU (FP8: H quantised in its epilogue) -> down GEMM 
 Backward: combine's backward (rows' and gate weights' gradients) -> down dgrad with SiTU's backward fused -> gate/up
 dgrad -> un-permute as a fixed-order sum; weight gradients per expert by one program per weight tile.
 Saved for the backward: the permuted rows, G|U and H (bf16; FP8_FULL: the rows and H as the wgrads' FP8 operands)
-and the down output. Precision.FP8 covers the forward
-GEMMs and runs the backward in bf16 from the saved bf16 tensors; Precision.FP8_FULL runs the dgrads and wgrads in
-e4m3 as well (fp8_grad.py), quantising the saved tensors and the gradients as they come. The weights' FP8 copies
-(and their transposes, for the dgrads) are cached per weight version.
+and the down output. Precision.FP8 covers the forward GEMMs and runs the backward in bf16 from the saved bf16
+tensors; Precision.FP8_FULL runs the dgrads and wgrads in e4m3 as well (fp8_grad.py), quantising the saved tensors
+and the gradients as they come. The weights' FP8 copies (and their transposes, for the dgrads) are cached per
+weight version. The backward runs its GEMMs on the kernels (`grouped_gemm.gemm_kernels`) the forward ran on.
 Spec: naive.naive_experts / naive_experts_fp8 / naive_wgrad_fp8.
 """
 from __future__ import annotations
@@ -103,24 +103,30 @@ class _ExpertsFn(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        if ctx.fp8_grads:
-            w, w1, w3, w2, xbq, xbs, gu, hbq, hbs, y = ctx.saved_tensors
-            dy, dw = combine_backward(dout, y, ctx.plan, w)
-            with gg.gemm_kernels(ctx.gemm_kernels) if ctx.gemm_kernels is not None else contextlib.nullcontext():
+        # the backward's GEMMs run on the kernels the forward ran on (a `gemm_kernels` block around the forward)
+        with gg.gemm_kernels(ctx.gemm_kernels) if ctx.gemm_kernels is not None else contextlib.nullcontext():
+            if ctx.fp8_grads:
+                w, w1, w3, w2, xbq, xbs, gu, hbq, hbs, y = ctx.saved_tensors
+                dy, dw = combine_backward(dout, y, ctx.plan, w)
                 return _fp8_backward(ctx, dout, dy, dw, (xbq, xbs), gu, (hbq, hbs), w1, w3, w2)
-        w, w1, w3, w2, xp, gu, h, y = ctx.saved_tensors
-        plan, (beta, linear_beta) = ctx.plan, ctx.meta
-        dy, dw = combine_backward(dout, y, plan, w)
-        dgu = gg.down_dgrad_situ(dy, w2, gu, plan, beta, linear_beta)
-        I = w1.shape[1]
-        dw2 = gg.wgrad(dy, h, plan, w2.dtype) if ctx.needs_input_grad[4] else None
-        dw1 = gg.wgrad(dgu[:, :I], xp, plan, w1.dtype) if ctx.needs_input_grad[2] else None
-        dw3 = gg.wgrad(dgu[:, I:], xp, plan, w3.dtype) if ctx.needs_input_grad[3] else None
-        dz = None
-        if ctx.needs_input_grad[0]:
-            dxp = gg.gate_up_dgrad(dgu, w1, w3, plan)
-            dz = combine(dxp, plan, None, dout.dtype)  # each token's k rows summed in slot order
-        return dz, dw, dw1, dw3, dw2, None, None, None, None, None, None
+            return _backward(ctx, dout)
+
+
+def _backward(ctx, dout):
+    """The dgrads and wgrads in the activations' dtype (Precision.BF16 and FP8)."""
+    w, w1, w3, w2, xp, gu, h, y = ctx.saved_tensors
+    plan, (beta, linear_beta) = ctx.plan, ctx.meta
+    dy, dw = combine_backward(dout, y, plan, w)
+    dgu = gg.down_dgrad_situ(dy, w2, gu, plan, beta, linear_beta)
+    I = w1.shape[1]
+    dw2 = gg.wgrad(dy, h, plan, w2.dtype) if ctx.needs_input_grad[4] else None
+    dw1 = gg.wgrad(dgu[:, :I], xp, plan, w1.dtype) if ctx.needs_input_grad[2] else None
+    dw3 = gg.wgrad(dgu[:, I:], xp, plan, w3.dtype) if ctx.needs_input_grad[3] else None
+    dz = None
+    if ctx.needs_input_grad[0]:
+        dxp = gg.gate_up_dgrad(dgu, w1, w3, plan)
+        dz = combine(dxp, plan, None, dout.dtype)  # each token's k rows summed in slot order
+    return dz, dw, dw1, dw3, dw2, None, None, None, None, None, None
 
 
 def _fp8_backward(ctx, dout, dy, dw, x_blocks, gu, h_blocks, w1, w3, w2):

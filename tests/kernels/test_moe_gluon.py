@@ -63,6 +63,25 @@ def test_the_gluon_path_is_chosen_only_where_it_runs():
         gluon_gemm.GluonTile(consumer_regs=240).validate()
 
 
+@pytest.mark.parametrize("precision", [Precision.BF16, Precision.FP8_FULL])
+def test_the_backward_runs_on_the_forwards_kernels(monkeypatch, precision):
+    """A `gemm_kernels` block around the forward alone decides the backward's GEMMs too (autograd runs the backward
+    later, outside the block): every backward GEMM call sees the forward's choice."""
+    from k3_kernels.moe import fp8_grad
+    seen = []
+    for module, name in ((gg, "down_dgrad_situ"), (gg, "gate_up_dgrad"), (gg, "wgrad"), (fp8_grad, "scaled_mm"),
+                         (fp8_grad, "wgrad_fp8")):
+        def spy(*args, _orig=getattr(module, name), **kwargs):
+            seen.append(gg.gemm_kernels_override())
+            return _orig(*args, **kwargs)
+        monkeypatch.setattr(module, name, spy)
+    case = [t.clone().requires_grad_(t.is_floating_point()) for t in _case(9, 128, 128, 3, 2, seed=5)]
+    with gg.gemm_kernels(gg.GemmKernels.GLUON):
+        y = moe_experts(*case, precision=precision)
+    y.float().sum().backward()
+    assert len(seen) >= 3 and set(seen) == {gg.GemmKernels.GLUON}, seen
+
+
 _BUILD = r"""
 import collections, json, os, re, subprocess, tempfile
 import triton
