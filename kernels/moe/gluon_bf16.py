@@ -144,8 +144,9 @@ def _wgrad_producer(d_ptr, x_ptr, M, N, d_stride, x_stride, ready, empty, a_lo, 
     """One warp: K step k is rows [r0 + k BLOCK_K, ..) of D (two [BLOCK_K, HALF_M] boxes at columns m0, m0 + HALF_M)
     and of X (a [BLOCK_K, BLOCK_N] box at column col0), through descriptors made here (the warp that issues the
     copies also acquires them) that end at the expert's last row r1: the next expert's rows read as zeros."""
-    a_desc = tma.make_tensor_descriptor(d_ptr, [r1, M], [d_stride, 1], [BLOCK_K, HALF_M], a_lo.type.layout)
-    b_desc = tma.make_tensor_descriptor(x_ptr, [r1, N], [x_stride, 1], [BLOCK_K, BLOCK_N], b_bufs.type.layout)
+    rows = gl.maximum(r1, 1)  # (an expert without rows loads nothing; its descriptor still needs a valid extent)
+    a_desc = tma.make_tensor_descriptor(d_ptr, [rows, M], [d_stride, 1], [BLOCK_K, HALF_M], a_lo.type.layout)
+    b_desc = tma.make_tensor_descriptor(x_ptr, [rows, N], [x_stride, 1], [BLOCK_K, BLOCK_N], b_bufs.type.layout)
     for k in range(n_k):
         slot = k % STAGES
         mbarrier.wait(empty.index(slot), ((k // STAGES) & 1) ^ 1)
