@@ -382,8 +382,8 @@ def gluon_gemms(E, N, L, I, k, device, reps_ms):
         "gate_up": (4 * P * L * I, lambda: gg.gate_up(xq, w1, w3, plan, BETA, LINEAR_BETA, act_dtype=torch.bfloat16,
                                                       save_gu=True, write_h=True, quant_h=True, fp8=fwd8)),
         "down": (2 * P * L * I, lambda: gg.down(hq, w2, plan, torch.bfloat16, fp8=(hq, hs, *fp8_weight(w2)))),
-        "down_dgrad": (2 * P * L * I, lambda: fp8_grad.scaled_mm(dyq, w2t, plan, torch.bfloat16)),
-        "gate_up_dgrad": (4 * P * L * I, lambda: fp8_grad.scaled_mm(dguq, w13t, plan, torch.bfloat16)),
+        "down_dgrad": (2 * P * L * I, lambda: gg.scaled_mm(dyq, w2t, plan, torch.bfloat16)),
+        "gate_up_dgrad": (4 * P * L * I, lambda: gg.scaled_mm(dguq, w13t, plan, torch.bfloat16)),
         "wgrad_w2": (2 * P * L * I, lambda: fp8_grad.wgrad_fp8(tdy, th, offsets, E, torch.bfloat16)),
         "wgrad_w13": (4 * P * L * I, lambda: fp8_grad.wgrad_fp8(tdgu, tx, offsets, E, torch.bfloat16, split=I)),
     }

@@ -10,7 +10,7 @@ order, one program per output tile: deterministic, no atomics.
   dW2_e = dY_e^T H_e       A = dY^T, B = H^T      (128 tokens x 1 blocks, per expert)
   dW1_e | dW3_e = [dG | dU]_e^T X_e                (the same)
 
-Dgrads reuse the forward's block-scaled GEMM (grouped_gemm._segment_mm_kernel / gluon_gemm on sm_90); the wgrad
+Dgrads reuse the forward's block-scaled GEMM (`grouped_gemm.scaled_mm`: Triton, or gluon_gemm on sm_90); the wgrad
 is `_wgrad_kernel` here (Triton, the CPU-tested path) or gluon_gemm's wgrad on sm_90. Spec: naive.py
 (naive_quant_rows, naive_quant_token_blocks, naive_wgrad_fp8).
 """
@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from k3_kernels.launch import cdiv
+from k3_kernels.moe import gluon_gemm
 from k3_kernels.moe import grouped_gemm as gg
 from k3_kernels.moe.permute import QUANT_BLOCK, RoutingPlan, e4m3_scale, e4m3_values
 
@@ -190,7 +191,6 @@ def wgrad_fp8(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch
     if n_experts == 0:
         return out if split is None else (out, out2)
     if gg.gemm_kernels_for(aq.device, QUANT_BLOCK, N) is gg.GemmKernels.GLUON:
-        from k3_kernels.moe import gluon_gemm
         gluon_gemm.scaled_wgrad(aq, a_s, bq, b_s, tile_offsets, out, out2, s, tile=gluon_gemm.DEFAULT_TILE)
     else:
         BM, BN, warps = _wgrad_tile(aq.device)
@@ -198,27 +198,3 @@ def wgrad_fp8(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch
                                                              BLOCK_M=BM, BLOCK_N=BN, QB=QUANT_BLOCK,
                                                              num_warps=warps, num_stages=3 if aq.is_cuda else 1)
     return out if split is None else (out, out2)
-
-
-# ---------------------------------------------------------------------------------------------------- dgrads
-def scaled_mm(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor], plan: RoutingPlan,
-              out_dtype: torch.dtype) -> torch.Tensor:
-    """C = A B_e^T per expert from a = (rows e4m3 [P, K], scales [P, K / 128]) and b = (e4m3 [E, N, K], scales
-    [E, N / 128, K / 128]) -> [P, N]: the forward's block-scaled GEMM (Gluon on sm_90, Triton elsewhere)."""
-    (aq, a_s), (bq, b_s) = a, b
-    P, K = aq.shape
-    E, N, _ = bq.shape
-    c = torch.empty(P, N, device=aq.device, dtype=out_dtype)
-    if P == 0:
-        return c
-    if gg.gemm_kernels_for(aq.device, K, N) is gg.GemmKernels.GLUON:
-        from k3_kernels.moe import gluon_gemm
-        return gluon_gemm.scaled_segment_mm(aq, a_s, bq, b_s, plan.tiles(gluon_gemm.DEFAULT_TILE.block_m), c,
-                                            tile=gluon_gemm.DEFAULT_TILE)
-    cfg = gg.configs(aq.device, out_dtype)["mm_fp8" if aq.is_cuda else "mm"]
-    tiles, n_m, grid = gg._grid(plan, cfg, N)
-    gg._segment_mm_kernel[grid](aq, a_s, bq, bq, b_s, c, c, tiles, n_m, N, K, K, N * K, K, 1, N, 0.0, 0.0,
-                                TWO_B=False, FP8=True, SITU_BWD=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                                BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, QB=QUANT_BLOCK, PREC="tf32",
-                                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return c

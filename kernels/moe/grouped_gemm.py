@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from k3_kernels.launch import cdiv
+from k3_kernels.moe import gluon_bf16, gluon_gemm
 from k3_kernels.moe.permute import QUANT_BLOCK, RoutingPlan, e4m3_scale, e4m3_values, program_tile
 from k3_kernels.situ.fused import _tanh
 
@@ -74,11 +75,8 @@ def gemm_kernels_for(device: torch.device, k: int, n: int, dtype: torch.dtype = 
     want = _GEMM_KERNELS_OVERRIDE[-1] if _GEMM_KERNELS_OVERRIDE else DEFAULT_GEMM_KERNELS
     if want is GemmKernels.TRITON or device.type != "cuda" or _interpreting():
         return GemmKernels.TRITON
-    if dtype == torch.float8_e4m3fn:
-        from k3_kernels.moe.gluon_gemm import usable
-    elif dtype == torch.bfloat16:
-        from k3_kernels.moe.gluon_bf16 import usable
-    else:
+    usable = {torch.float8_e4m3fn: gluon_gemm.usable, torch.bfloat16: gluon_bf16.usable}.get(dtype)
+    if usable is None:
         return GemmKernels.TRITON
     if not usable(k, n) or torch.cuda.get_device_capability(device) != (9, 0):
         return GemmKernels.TRITON
@@ -301,10 +299,9 @@ def gate_up(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan: RoutingPl
     hs = torch.empty(P, I // QUANT_BLOCK, device=dev, dtype=torch.float32) if quant_h else None
     if P == 0:
         return gu, h, hq, hs
-    if fp8 is not None and gemm_kernels_for(x.device, K, I) is GemmKernels.GLUON:
-        return _gate_up_gluon(fp8, plan, beta, linear_beta, gu, h, hq, hs, dt)
-    if fp8 is None and dt == x.dtype and gemm_kernels_for(x.device, K, I, x.dtype) is GemmKernels.GLUON:
-        return _gate_up_gluon_bf16(x, w1, w3, plan, beta, linear_beta, gu, h, hq, hs)
+    if (gemm_kernels_for(x.device, K, I) if fp8 is not None else
+            dt == x.dtype and gemm_kernels_for(x.device, K, I, x.dtype)) is GemmKernels.GLUON:
+        return _gate_up_gluon(x, w1, w3, plan, beta, linear_beta, gu, h, hq, hs, dt, fp8)
     tiles, n_m, grid = _grid(plan, cfg, I)
     any_out = next(t for t in (gu, h, hq) if t is not None)
     if fp8 is not None:
@@ -364,63 +361,69 @@ def situ_quant(gu: torch.Tensor, beta: float, linear_beta: float, h: torch.Tenso
         QB=QUANT_BLOCK, num_warps=4)
 
 
-def _gate_up_gluon(fp8, plan: RoutingPlan, beta: float, linear_beta: float, gu, h, hq, hs, dt):
-    """The FP8 gate/up on the Gluon GEMM: G | U in one launch (W1's columns then W3's), then `situ_quant`."""
-    from k3_kernels.moe import gluon_gemm
-    xq, xs, w1q, w1s, w3q, w3s = fp8
-    P, I = xq.shape[0], w1q.shape[1]
-    out = gu if gu is not None else torch.empty(P, 2 * I, device=xq.device, dtype=dt)
-    gluon_gemm.scaled_segment_mm(xq, xs, w1q, w1s, plan.tiles(gluon_gemm.DEFAULT_TILE.block_m), out,
-                                 b2=(w3q, w3s), tile=gluon_gemm.DEFAULT_TILE)
-    situ_quant(out, beta, linear_beta, h, hq, hs)
-    return gu, h, hq, hs
-
-
-def _gate_up_gluon_bf16(x, w1, w3, plan: RoutingPlan, beta: float, linear_beta: float, gu, h, hq, hs):
-    """The bf16 gate/up on the Gluon GEMM: G | U in one launch, then H (and its FP8 rows) by `situ_quant`."""
-    from k3_kernels.moe import gluon_bf16
+def _gate_up_gluon(x, w1, w3, plan: RoutingPlan, beta: float, linear_beta: float, gu, h, hq, hs, dt, fp8=None):
+    """The gate/up on a Gluon GEMM (FP8 with fp8 = (xq, xs, w1q, w1s, w3q, w3s), else bf16): G | U in one launch
+    (W1's columns then W3's), then H (and its FP8 rows) by `situ_quant`."""
     P, I = x.shape[0], w1.shape[1]
-    out = gu if gu is not None else torch.empty(P, 2 * I, device=x.device, dtype=x.dtype)
-    tile = gluon_bf16.DEFAULT_TILE
-    gluon_bf16.segment_mm(x, w1, plan.tiles(tile.block_m), out, gluon_bf16.BLayout.K_CONTIGUOUS, b2=w3, tile=tile)
+    out = gu if gu is not None else torch.empty(P, 2 * I, device=x.device, dtype=dt)
+    if fp8 is not None:
+        xq, xs, w1q, w1s, w3q, w3s = fp8
+        tile = gluon_gemm.DEFAULT_TILE
+        gluon_gemm.scaled_segment_mm(xq, xs, w1q, w1s, plan.tiles(tile.block_m), out, b2=(w3q, w3s), tile=tile)
+    else:
+        _segment_mm_gluon_bf16(x, w1, plan, out, gluon_bf16.BLayout.K_CONTIGUOUS, b2=w3)
     situ_quant(out, beta, linear_beta, h, hq, hs)
     return gu, h, hq, hs
 
 
-def _segment_mm_gluon_bf16(a, b, plan: RoutingPlan, out, layout_name: str, b2=None):
-    from k3_kernels.moe import gluon_bf16
+def _segment_mm_gluon_bf16(a, b, plan: RoutingPlan, out, layout: "gluon_bf16.BLayout", b2=None):
     tile = gluon_bf16.DEFAULT_TILE
-    return gluon_bf16.segment_mm(a, b, plan.tiles(tile.block_m), out, gluon_bf16.BLayout[layout_name], b2=b2,
-                                 tile=tile)
+    return gluon_bf16.segment_mm(a, b, plan.tiles(tile.block_m), out, layout, b2=b2, tile=tile)
 
 
 def down(h: torch.Tensor, w2: torch.Tensor, plan: RoutingPlan, out_dtype: torch.dtype,
          fp8: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Y = H W2_e^T per expert: h [P, I] (or fp8 = (hq, hs, w2q, w2s)), w2 [E, L, I] -> [P, L]."""
+    if fp8 is not None:
+        hq, hs, w2q, w2s = fp8
+        return scaled_mm((hq, hs), (w2q, w2s), plan, out_dtype)
     P, I = h.shape
     L = w2.shape[1]
     y = torch.empty(P, L, device=h.device, dtype=out_dtype)
     if P == 0:
         return y
-    if fp8 is not None and gemm_kernels_for(h.device, I, L) is GemmKernels.GLUON:
-        from k3_kernels.moe import gluon_gemm
-        hq, hs, w2q, w2s = fp8
-        return gluon_gemm.scaled_segment_mm(hq, hs, w2q, w2s, plan.tiles(gluon_gemm.DEFAULT_TILE.block_m), y,
-                                            tile=gluon_gemm.DEFAULT_TILE)
-    if fp8 is None and h.dtype == out_dtype and gemm_kernels_for(h.device, I, L, h.dtype) is GemmKernels.GLUON:
-        return _segment_mm_gluon_bf16(h, w2, plan, y, "K_CONTIGUOUS")
-    cfg = configs(h.device, out_dtype)["mm_fp8" if fp8 is not None and h.is_cuda else "mm"]
+    if h.dtype == out_dtype and gemm_kernels_for(h.device, I, L, h.dtype) is GemmKernels.GLUON:
+        return _segment_mm_gluon_bf16(h, w2, plan, y, gluon_bf16.BLayout.K_CONTIGUOUS)
+    cfg = configs(h.device, out_dtype)["mm"]
     tiles, n_m, grid = _grid(plan, cfg, L)
-    if fp8 is not None:
-        a, a_s, b, b_s = fp8
-    else:
-        a, a_s, b, b_s = h, h, w2, w2
-    _segment_mm_kernel[grid](a, a_s, b, b, b_s, y, y, tiles, n_m, L, I, a.stride(0), L * I, I, 1, L, 0.0, 0.0,
-                             TWO_B=False, FP8=fp8 is not None, SITU_BWD=False, BLOCK_M=cfg.block_m,
-                             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, QB=QUANT_BLOCK,
-                             PREC=_prec(out_dtype),
+    _segment_mm_kernel[grid](h, h, w2, w2, w2, y, y, tiles, n_m, L, I, h.stride(0), L * I, I, 1, L, 0.0, 0.0,
+                             TWO_B=False, FP8=False, SITU_BWD=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, QB=QUANT_BLOCK, PREC=_prec(out_dtype),
                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
+
+
+def scaled_mm(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor], plan: RoutingPlan,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """C = A B_e^T per expert, block-scaled FP8: a = (rows e4m3 [P, K], scales [P, K / 128]), b = (e4m3 [E, N, K],
+    scales [E, N / 128, K / 128]) -> [P, N]. The down projection and the FP8 dgrads (fp8_grad.py, on the
+    weights' transposed copies)."""
+    (aq, a_s), (bq, b_s) = a, b
+    P, K = aq.shape
+    E, N, _ = bq.shape
+    c = torch.empty(P, N, device=aq.device, dtype=out_dtype)
+    if P == 0:
+        return c
+    if gemm_kernels_for(aq.device, K, N) is GemmKernels.GLUON:
+        tile = gluon_gemm.DEFAULT_TILE
+        return gluon_gemm.scaled_segment_mm(aq, a_s, bq, b_s, plan.tiles(tile.block_m), c, tile=tile)
+    cfg = configs(aq.device, out_dtype)["mm_fp8" if aq.is_cuda else "mm"]
+    tiles, n_m, grid = _grid(plan, cfg, N)
+    _segment_mm_kernel[grid](aq, a_s, bq, bq, b_s, c, c, tiles, n_m, N, K, aq.stride(0), N * K, K, 1, N, 0.0, 0.0,
+                             TWO_B=False, FP8=True, SITU_BWD=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, QB=QUANT_BLOCK, PREC="tf32",
+                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return c
 
 
 @triton.jit
@@ -452,7 +455,7 @@ def down_dgrad_situ(dy: torch.Tensor, w2: torch.Tensor, gu: torch.Tensor, plan: 
         return dgu
     if not fused and dy.dtype == gu.dtype and gemm_kernels_for(dy.device, L, I, dy.dtype) is GemmKernels.GLUON:
         dh = _segment_mm_gluon_bf16(dy, w2, plan, torch.empty(P, I, device=dy.device, dtype=gu.dtype),
-                                    "N_CONTIGUOUS")
+                                    gluon_bf16.BLayout.N_CONTIGUOUS)
         return situ_backward(dh, gu, beta, linear_beta, dgu)
     cfg = configs(dy.device, dy.dtype)["mm"]
     tiles, n_m, grid = _grid(plan, cfg, I)
@@ -487,7 +490,7 @@ def gate_up_dgrad(dgu: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan: R
     if P == 0:
         return dx
     if gemm_kernels_for(dgu.device, 2 * I, L, dgu.dtype) is GemmKernels.GLUON:
-        return _segment_mm_gluon_bf16(dgu, w1, plan, dx, "N_CONTIGUOUS", b2=w3)
+        return _segment_mm_gluon_bf16(dgu, w1, plan, dx, gluon_bf16.BLayout.N_CONTIGUOUS, b2=w3)
     cfg = configs(dgu.device, dgu.dtype)["mm"]
     tiles, n_m, grid = _grid(plan, cfg, L)
     # B_e[n = l, k = i] = W1[e, i, l]
@@ -507,10 +510,10 @@ def wgrad(d: torch.Tensor, x: torch.Tensor, plan: RoutingPlan, out_dtype: torch.
     out = torch.empty(E, Nd, Kd, device=x.device, dtype=out_dtype)
     if d.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError("d, x: the last dimension must be contiguous")
-    if (d.dtype == x.dtype == out_dtype and Nd % 128 == 0
-            and gemm_kernels_for(x.device, 64, Kd, x.dtype) is GemmKernels.GLUON):
-        from k3_kernels.moe import gluon_bf16
-        return gluon_bf16.wgrad(d, x, plan.offsets, E, out_dtype, tile=gluon_bf16.DEFAULT_TILE)
+    tile = gluon_bf16.DEFAULT_TILE  # (its K, the expert's rows, is any length: only the output tiles must be whole)
+    if (d.dtype == x.dtype == out_dtype and Nd % tile.block_m == 0
+            and gemm_kernels_for(x.device, tile.block_k, Kd, x.dtype) is GemmKernels.GLUON):
+        return gluon_bf16.wgrad(d, x, plan.offsets, E, out_dtype, tile=tile)
     cfg = configs(x.device, x.dtype)["wgrad"]
     grid = (cdiv(Nd, cfg.block_n) * cdiv(Kd, cfg.block_k), E)
     _wgrad_kernel[grid](d, x, out, plan.offsets, Nd, Kd, d.stride(0), x.stride(0), BLOCK_R=cfg.block_m,

@@ -136,7 +136,7 @@ def _fp8_backward(ctx, dout, dy, dw, x_blocks, gu, h_blocks, w1, w3, w2):
     E, I = w1.shape[0], w1.shape[1]
     tiles, tile_offsets = fp8_grad.token_block_tiles(plan)
     dy_rows, dy_blocks = fp8_grad.quantize_both(dy, tiles)  # one read of dY: the dgrad's and dW2's operands
-    dh = fp8_grad.scaled_mm(dy_rows, fp8_weight_t(w2), plan, gu.dtype)
+    dh = gg.scaled_mm(dy_rows, fp8_weight_t(w2), plan, gu.dtype)
     dgu_rows, dgu_blocks = fp8_grad.quantize_both(gg.situ_backward(dh, gu, beta, linear_beta), tiles)
     dw1 = dw3 = dw2 = dz = None
     if ctx.needs_input_grad[4]:
@@ -144,7 +144,7 @@ def _fp8_backward(ctx, dout, dy, dw, x_blocks, gu, h_blocks, w1, w3, w2):
     if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
         dw1, dw3 = fp8_grad.wgrad_fp8(dgu_blocks, x_blocks, tile_offsets, E, w1.dtype, split=I)
     if ctx.needs_input_grad[0]:
-        dxp = fp8_grad.scaled_mm(dgu_rows, fp8_weight_t13(w1, w3), plan, gu.dtype)
+        dxp = gg.scaled_mm(dgu_rows, fp8_weight_t13(w1, w3), plan, gu.dtype)
         dz = combine(dxp, plan, None, dout.dtype)  # each token's k rows summed in slot order
     return dz, dw, dw1, dw3, dw2, None, None, None, None, None, None
 

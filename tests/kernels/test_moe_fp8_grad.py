@@ -100,7 +100,7 @@ def test_dgrad_gemm_on_transposed_weights():
     q, s = fp8_weight(w2)
     assert torch.equal(qt.view(torch.uint8), q.transpose(1, 2).contiguous().view(torch.uint8))
     assert torch.equal(st, s.transpose(1, 2))
-    dh = fp8_grad.scaled_mm(fp8_grad.quantize_rows(dy), (qt, st), plan, torch.float32)
+    dh = gg.scaled_mm(fp8_grad.quantize_rows(dy), (qt, st), plan, torch.float32)
     dyd = naive.naive_dequant_rows(*naive.naive_quant_rows(dy))
     wd = naive.naive_dequant_weight(qt, st)
     ref = torch.cat([dyd[int(plan.offsets[e]):int(plan.offsets[e + 1])] @ wd[e].t() for e in range(3)])

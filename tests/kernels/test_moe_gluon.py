@@ -69,7 +69,7 @@ def test_the_backward_runs_on_the_forwards_kernels(monkeypatch, precision):
     later, outside the block): every backward GEMM call sees the forward's choice."""
     from k3_kernels.moe import fp8_grad
     seen = []
-    for module, name in ((gg, "down_dgrad_situ"), (gg, "gate_up_dgrad"), (gg, "wgrad"), (fp8_grad, "scaled_mm"),
+    for module, name in ((gg, "down_dgrad_situ"), (gg, "gate_up_dgrad"), (gg, "wgrad"), (gg, "scaled_mm"),
                          (fp8_grad, "wgrad_fp8")):
         def spy(*args, _orig=getattr(module, name), **kwargs):
             seen.append(gg.gemm_kernels_override())
