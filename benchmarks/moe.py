@@ -6,18 +6,20 @@ process, at K3's expert widths (latent 3584, intermediate 3072, top-16, 2 shared
   `GroupedExperts` on `torch._grouped_mm`, shared `FeedForward` of 2 x 3072), built from its own configs; as
   shipped its gate runs in fp32 (autocast) and its experts use SiLU.
 * naive: k3_kernels.moe.naive (the spec: per-expert torch loop, its router, SiTU).
-* ours: `fused_router` (bf16 operands, fp32 accumulation) + `moe_experts` (grouped Triton GEMMs, SiTU fused, bf16
+* ours: `fused_router` (bf16 operands, fp32 accumulation) + `moe_experts` (grouped GEMMs, SiTU fused, bf16
   or FP8 forward) + the shared SiTU MLP on cuBLAS with the fused SiTU kernel. FP8: the weights' FP8 copies are
   made once per weight version (once per optimizer step) and reused, so the timed calls exclude it; its cost is
-  `fp8_weight_quant_ms`. `ours_*_gluon`: the same layer with the grouped GEMMs on the warp-specialised Gluon
-  kernels (k3_kernels.moe.gluon_gemm / gluon_bf16; sm_90). `ours_fp8_full`: every GEMM in e4m3, the backward's
-  too (Precision.FP8_FULL, k3_kernels.moe.fp8_grad).
+  `fp8_weight_quant_ms`. `ours_fp8_full`: every GEMM in e4m3, the backward's too (Precision.FP8_FULL,
+  k3_kernels.moe.fp8_grad). `ours_*`: the default grouped-GEMM kernels (on sm_90 the warp-specialised Gluon ones,
+  k3_kernels.moe.gluon_gemm / gluon_bf16, but for the bf16 wgrad); `ours_*_triton` / `ours_*_gluon`: every
+  grouped GEMM on the Triton / on the Gluon kernels (the A/B; same bits).
 The routed-expert weights are the same tensors for all (their gradients reset between runs). Times are medians
 of `triton.testing.do_bench`; peak = max allocated during one call minus allocated before it; floors = the FLOPs
 over the measured bf16 (or FP8) GEMM rate, and the bytes that must move (weights, their gradients, the layer's
 input and output) over the measured copy bandwidth. Determinism: two forward+backward runs compared bit for bit,
 and a token subset's forward against the full batch's rows (batch invariance).
 `--gluon-gemms E,N`: each grouped GEMM alone (bf16, FP8), Triton vs Gluon (same bits? TFLOP/s), Gluon settings swept.
+`--profile E,N`: every kernel's device time in one forward+backward of ours (FP8_FULL, FP8).
 `--smoke`: tiny shapes on CPU (our kernels in Triton's interpreter), to check the script. Writes
 benchmarks/results/moe.json (or $OUT/moe.json when OUT is set).
 """
@@ -72,14 +74,25 @@ class OursMoE(nn.Module):
         return self.routed(x) + F.linear(situ(F.linear(x, self.sg), F.linear(x, self.su)), self.sd)
 
 
-class OursMoEGluon(OursMoE):
-    """Ours with the grouped GEMMs on the warp-specialised Gluon kernels (the default is the Triton ones): the A/B.
-    The backward runs under the forward's choice."""
+class _OursOn(OursMoE):
+    """Ours with the grouped GEMMs on the kernels named by `KERNELS` (a `gemm_kernels` block around the forward;
+    the backward runs under the forward's choice)."""
+    KERNELS = "triton"
 
     def routed(self, x):
         from k3_kernels.moe import grouped_gemm as gg
-        with gg.gemm_kernels(gg.GemmKernels.GLUON):
+        with gg.gemm_kernels(gg.GemmKernels(self.KERNELS)):
             return super().routed(x)
+
+
+class OursMoETriton(_OursOn):
+    """Every grouped GEMM on the Triton kernels (the CPU-tested path; the default before session 31)."""
+    KERNELS = "triton"
+
+
+class OursMoEGluon(_OursOn):
+    """Every grouped GEMM on the Gluon kernels, the bf16 wgrad too (which the default keeps on Triton)."""
+    KERNELS = "gluon"
 
 
 class NaiveMoE(OursMoE):
@@ -335,12 +348,11 @@ def sweep(E, N, L, I, k, device, reps_ms):
     return out
 
 
-OURS = {"ours_bf16": (OursMoE, Precision.BF16), "ours_bf16_gluon": (OursMoEGluon, Precision.BF16),
-        "ours_fp8": (OursMoE, Precision.FP8), "ours_fp8_gluon": (OursMoEGluon, Precision.FP8),
-        "ours_fp8_full": (OursMoE, Precision.FP8_FULL), "ours_fp8_full_gluon": (OursMoEGluon, Precision.FP8_FULL)}
+OURS = {f"ours_{prec.value}{suffix}": (cls, prec) for prec in Precision
+        for suffix, cls in (("", OursMoE), ("_triton", OursMoETriton), ("_gluon", OursMoEGluon))}
 
 GLUON_FP8_TILES = [(4, 232), (3, 232), (5, 232), (6, 232), (4, 216)]  # (stages, consumer registers)
-GLUON_BF16_TILES = [(256, 4), (256, 3), (128, 4), (128, 6)]  # (block_n, stages)
+GLUON_BF16_TILES = [(256, 4), (256, 3), (128, 4), (128, 3)]  # (block_n, stages; at most 4 fit)
 
 
 def gluon_gemms(E, N, L, I, k, device, reps_ms):
@@ -433,12 +445,54 @@ def gluon_gemms(E, N, L, I, k, device, reps_ms):
     return out
 
 
+def kernel_profile(E, N, L, I, k, n_shared, device, dtype, steps=3, top=40):
+    """Where a forward+backward of our layer spends its device time: every kernel's time per step (torch.profiler,
+    `steps` steps after 3 warm-ups), FP8_FULL and FP8 with the default grouped-GEMM kernels."""
+    torch.manual_seed(2)
+    p = lambda *shape: nn.Parameter((torch.randn(*shape, device=device) * 0.02).to(dtype))  # noqa: E731
+    router_w, w1, w3, w2 = p(E, L), p(E, I, L), p(E, I, L), p(E, L, I)
+    shared = [p(n_shared * I, L), p(n_shared * I, L), p(L, n_shared * I)]
+    x = (torch.randn(N, L, device=device) * 0.5).to(dtype).requires_grad_()
+    dy = torch.randn(N, L, device=device).to(dtype)
+    activity = (torch.profiler.ProfilerActivity.CUDA if device.type == "cuda"
+                else torch.profiler.ProfilerActivity.CPU)
+    out = {"experts": E, "tokens": N, "steps": steps}
+    for precision in (Precision.FP8_FULL, Precision.FP8):
+        mod = OursMoE(router_w, w1, w3, w2, shared, k, precision)
+        params = [x, router_w, w1, w3, w2, *shared]
+
+        def step():
+            for t in params:
+                t.grad = None
+            mod(x).backward(dy)
+        for _ in range(3):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[activity]) as prof:
+            for _ in range(steps):
+                step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        per_step = [(e.key, (e.device_time_total if device.type == "cuda" else e.self_cpu_time_total) / steps / 1e3,
+                     e.count // steps) for e in prof.key_averages()]
+        per_step.sort(key=lambda r: -r[1])
+        out[precision.value] = {"total_ms": sum(ms for _, ms, _ in per_step),
+                                "kernels": [{"name": n[:120], "ms": ms, "calls": c} for n, ms, c in per_step[:top]]}
+        print("profile", precision.value, f"{out[precision.value]['total_ms']:.2f} ms", flush=True)
+        clear_fp8_cache()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter): checks the script")
     ap.add_argument("--experts", default="112,896")
     ap.add_argument("--tokens", default="4096,16384,32768")
-    ap.add_argument("--impls", default=",".join(["torchtitan", "naive", *OURS]))
+    ap.add_argument("--impls", default="torchtitan,naive,ours_bf16,ours_fp8,ours_fp8_full",
+                    help=f"any of torchtitan, naive, {', '.join(OURS)}")
+    ap.add_argument("--profile", default=None, help="E,N: each kernel's device time in one forward+backward of "
+                    "ours (FP8_FULL and FP8, the default kernels), torch.profiler, at that point first")
     ap.add_argument("--naive-max-tokens", type=int, default=4096, help="the naive loop only up to this many tokens")
     ap.add_argument("--rep-ms", type=int, default=150)
     ap.add_argument("--out", default=None)
@@ -462,6 +516,10 @@ def main() -> None:
     if args.gluon_gemms:
         E_s, N_s = (int(v) for v in args.gluon_gemms.split(","))
         result["gluon_gemms"] = gluon_gemms(E_s, N_s, L, I, k, device, args.rep_ms)
+        write_results(path, result)
+    if args.profile:
+        E_s, N_s = (int(v) for v in args.profile.split(","))
+        result["profile"] = kernel_profile(E_s, N_s, L, I, k, n_shared, device, dtype)
         write_results(path, result)
     if args.sweep:
         E_s, N_s = (int(v) for v in args.sweep.split(","))
