@@ -63,43 +63,10 @@ def token_block_tiles(plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor]:
     return tiles, torch.cat([per.new_zeros(1), torch.cumsum(per, 0)])
 
 
-def quantize_token_blocks(x: torch.Tensor, tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [P, C] (expert-sorted rows; C % 128 == 0) -> (q e4m3 [C, T 128], scale fp32 [T, C]) for the T tiles of
-    `token_block_tiles`: column block t holds tile t's rows quantised per channel (128 x 1 blocks), transposed,
-    and row t of the scales their scales (a block's scales contiguous: the GEMMs read one row a K step); unused
-    tiles are left unwritten (no expert's range reaches them)."""
-    P, C = x.shape
-    if C % QUANT_BLOCK or x.stride(1) != 1:
-        raise ValueError(f"x: expected contiguous rows of a width divisible by {QUANT_BLOCK}, got {tuple(x.shape)}")
-    return _block_quant(x, tiles, rows=False)[1]
-
-
 @triton.jit
-def _quant_both(v, rmask, t, cols, cb, q_ptr, s_ptr, tq_ptr, ts_ptr, rows, C, n_tiles, ROWS: tl.constexpr,
-                QB: tl.constexpr):
-    """A [QB rows, QB cols] block of one token block (rows past the expert masked): 1 x QB rows (q, s; if ROWS)
-    and the QB x 1 token-block quantisation, transposed (tq, ts)."""
-    v = tl.where(rmask[:, None], v, 0.0)
-    if ROWS:
-        r64 = rows.to(tl.int64)
-        amax = tl.max(tl.abs(v), axis=1)
-        scale = e4m3_scale(amax)
-        q = e4m3_values(v, scale[:, None])
-        tl.store(q_ptr + r64[:, None] * C + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=rmask[:, None])
-        tl.store(s_ptr + r64 * (C // QB) + cb, scale, mask=rmask)
-    camax = tl.max(tl.abs(v), axis=0)
-    cscale = e4m3_scale(camax)
-    cq = e4m3_values(v, cscale[None, :])
-    slots = t * QB + tl.arange(0, QB)
-    tl.store(tq_ptr + cols.to(tl.int64)[None, :] * (n_tiles * QB) + slots[:, None], cq.to(tq_ptr.dtype.element_ty))
-    tl.store(ts_ptr + t.to(tl.int64) * C + cols, cscale)
-
-
-@triton.jit
-def _block_quant_kernel(x_ptr, tiles_ptr, q_ptr, s_ptr, tq_ptr, ts_ptr, C, x_stride, n_tiles, ROWS: tl.constexpr,
-                        QB: tl.constexpr):
-    """Program (tile t, column block): the block quantised in its token block (QB x 1) and, if ROWS, by rows
-    (1 x QB)."""
+def _token_block_kernel(x_ptr, tiles_ptr, tq_ptr, ts_ptr, C, x_stride, n_tiles, QB: tl.constexpr):
+    """Program (tile t, column block): the tile's rows (past the expert: zeros) quantised per column (QB x 1),
+    stored transposed in column block t of tq, the scales in row t of ts."""
     t = tl.program_id(0)
     e = tl.load(tiles_ptr + t * 3)
     if e >= 0:
@@ -110,30 +77,33 @@ def _block_quant_kernel(x_ptr, tiles_ptr, q_ptr, s_ptr, tq_ptr, ts_ptr, C, x_str
         cols = tl.program_id(1) * QB + tl.arange(0, QB)
         v = tl.load(x_ptr + rows.to(tl.int64)[:, None] * x_stride + cols[None, :], mask=rmask[:, None],
                     other=0.0).to(tl.float32)
-        _quant_both(v, rmask, t, cols, tl.program_id(1), q_ptr, s_ptr, tq_ptr, ts_ptr, rows, C, n_tiles, ROWS, QB)
+        camax = tl.max(tl.abs(v), axis=0)
+        cscale = e4m3_scale(camax)
+        cq = e4m3_values(v, cscale[None, :])
+        slots = t * QB + tl.arange(0, QB)
+        tl.store(tq_ptr + cols.to(tl.int64)[None, :] * (n_tiles * QB) + slots[:, None],
+                 cq.to(tq_ptr.dtype.element_ty))
+        tl.store(ts_ptr + t.to(tl.int64) * C + cols, cscale)
 
 
-def quantize_both(x: torch.Tensor, tiles: torch.Tensor
-                  ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """One read of x [P, C] (expert-sorted rows) -> (`quantize_rows(x)`, `quantize_token_blocks(x, tiles)`), the
-    same bits. (Fusing SiTU's backward in front, so that dG | dU is never stored, spilled registers in the sm_90a
-    build at 8 and 16 warps: dH, G, U and the two quantisations of a 128 x 128 block at once; not done.)"""
-    return _block_quant(x, tiles, rows=True)
+def quantize_token_blocks(x: torch.Tensor, tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [P, C] (expert-sorted rows; C % 128 == 0) -> (q e4m3 [C, T 128], scale fp32 [T, C]) for the T tiles of
+    `token_block_tiles`: column block t holds tile t's rows quantised per channel (128 x 1 blocks), transposed,
+    and row t of the scales their scales (a block's scales contiguous: the GEMMs read one row a K step); unused
+    tiles are left unwritten (no expert's range reaches them).
 
-
-def _block_quant(x: torch.Tensor, tiles: torch.Tensor, rows: bool):
+    A tensor that needs both quantisations (dY, dG | dU) goes through `quantize_rows` and this pass, two reads: one
+    pass doing both needs 168 registers a thread at 8 warps, one program an SM, which leaves the memory system idle
+    while a program reduces and stores (kernels/moe/NOTES.md, session 31)."""
     P, C = x.shape
     if C % QUANT_BLOCK or x.stride(1) != 1:
         raise ValueError(f"x: expected contiguous rows of a width divisible by {QUANT_BLOCK}, got {tuple(x.shape)}")
     T = tiles.shape[0]
-    q = torch.empty(P if rows else 0, C, device=x.device, dtype=torch.float8_e4m3fn)
-    s = torch.empty(P if rows else 0, C // QUANT_BLOCK, device=x.device, dtype=torch.float32)
     tq = torch.empty(C, T * QUANT_BLOCK, device=x.device, dtype=torch.float8_e4m3fn)
     ts = torch.empty(T, C, device=x.device, dtype=torch.float32)
     if P and T:
-        _block_quant_kernel[(T, C // QUANT_BLOCK)](x, tiles, q if rows else tq, s if rows else ts, tq, ts, C,
-                                                   x.stride(0), T, ROWS=rows, QB=QUANT_BLOCK, num_warps=8)
-    return (q, s), (tq, ts)
+        _token_block_kernel[(T, C // QUANT_BLOCK)](x, tiles, tq, ts, C, x.stride(0), T, QB=QUANT_BLOCK, num_warps=8)
+    return tq, ts
 
 
 # ---------------------------------------------------------------------------------------------------- wgrad

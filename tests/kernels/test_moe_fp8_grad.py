@@ -58,20 +58,6 @@ def test_token_blocks_never_cross_an_expert():
         assert torch.equal(s[t0:t1].t(), s_r), e
 
 
-def test_one_pass_quantises_both_ways_with_the_separate_passes_bits():
-    """`quantize_both`: rows 1 x 128 and 128-token blocks from one read, the two quantisers' bits."""
-    plan = _plan([150, 0, 40, 129])
-    tiles, _ = fp8_grad.token_block_tiles(plan)
-    x = _rows(plan.rows, 256, seed=12)
-    (q, s), (tq, ts) = fp8_grad.quantize_both(x, tiles)
-    q_r, s_r = fp8_grad.quantize_rows(x)
-    tq_r, ts_r = fp8_grad.quantize_token_blocks(x, tiles)
-    used = int(fp8_grad.token_block_tiles(plan)[1][-1])
-    assert torch.equal(q.view(torch.uint8), q_r.view(torch.uint8)) and torch.equal(s, s_r)
-    assert torch.equal(tq[:, :used * 128].view(torch.uint8), tq_r[:, :used * 128].view(torch.uint8))
-    assert torch.equal(ts[:used], ts_r[:used])
-
-
 def test_wgrad_matches_the_spec_and_splits():
     plan = _plan([150, 0, 40, 129])
     a, b = _rows(plan.rows, 256, seed=3), _rows(plan.rows, 128, seed=4)
