@@ -63,10 +63,16 @@ def token_block_tiles(plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor]:
     return tiles, torch.cat([per.new_zeros(1), torch.cumsum(per, 0)])
 
 
+# sm_90a build: 64 registers a thread at 64 columns x 8 warps (103 at 128 columns): 4 programs an SM, not 2
+TOKEN_BLOCK_COLUMNS, TOKEN_BLOCK_WARPS = 64, 8
+
+
 @triton.jit
-def _token_block_kernel(x_ptr, tiles_ptr, tq_ptr, ts_ptr, C, x_stride, n_tiles, QB: tl.constexpr):
-    """Program (tile t, column block): the tile's rows (past the expert: zeros) quantised per column (QB x 1),
-    stored transposed in column block t of tq, the scales in row t of ts."""
+def _token_block_kernel(x_ptr, tiles_ptr, tq_ptr, ts_ptr, C, x_stride, n_tiles, QB: tl.constexpr,
+                        BLOCK_C: tl.constexpr):
+    """Program (tile t, BLOCK_C columns): the tile's rows (past the expert: zeros) quantised per column (QB x 1),
+    stored transposed in column block t of tq, the scales in row t of ts. Columns are independent: BLOCK_C only
+    sets the program's size (smaller: more programs an SM in flight), not the bits."""
     t = tl.program_id(0)
     e = tl.load(tiles_ptr + t * 3)
     if e >= 0:
@@ -74,7 +80,7 @@ def _token_block_kernel(x_ptr, tiles_ptr, tq_ptr, ts_ptr, C, x_stride, n_tiles, 
         r1 = tl.load(tiles_ptr + t * 3 + 2)
         rows = r0 + tl.arange(0, QB)
         rmask = rows < r1
-        cols = tl.program_id(1) * QB + tl.arange(0, QB)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         v = tl.load(x_ptr + rows.to(tl.int64)[:, None] * x_stride + cols[None, :], mask=rmask[:, None],
                     other=0.0).to(tl.float32)
         camax = tl.max(tl.abs(v), axis=0)
@@ -102,7 +108,8 @@ def quantize_token_blocks(x: torch.Tensor, tiles: torch.Tensor) -> tuple[torch.T
     tq = torch.empty(C, T * QUANT_BLOCK, device=x.device, dtype=torch.float8_e4m3fn)
     ts = torch.empty(T, C, device=x.device, dtype=torch.float32)
     if P and T:
-        _token_block_kernel[(T, C // QUANT_BLOCK)](x, tiles, tq, ts, C, x.stride(0), T, QB=QUANT_BLOCK, num_warps=8)
+        _token_block_kernel[(T, C // TOKEN_BLOCK_COLUMNS)](x, tiles, tq, ts, C, x.stride(0), T, QB=QUANT_BLOCK,
+                                                           BLOCK_C=TOKEN_BLOCK_COLUMNS, num_warps=TOKEN_BLOCK_WARPS)
     return tq, ts
 
 
