@@ -512,9 +512,9 @@ def wgrad(d: torch.Tensor, x: torch.Tensor, plan: RoutingPlan, out_dtype: torch.
     if d.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError("d, x: the last dimension must be contiguous")
     tile = gluon_bf16.DEFAULT_TILE  # (its K, the expert's rows, is any length: only the output tiles must be whole)
-    # Gluon only when asked for by name: with 896 experts at 4K tokens the all-Gluon bf16 layer's backward ran
-    # 1.45x slower than Triton's (its forward was not), and this kernel -- TMA descriptors made on the device by
-    # every program -- is the suspect (not yet isolated; NOTES.md)
+    # Gluon only when asked for by name: at 896 experts and 4K tokens the all-Gluon bf16 layer's forward+backward
+    # ran 1.45x slower than Triton's, its forward no slower; this kernel (TMA descriptors made on the device by
+    # every program) is the suspect, not yet isolated (NOTES.md)
     if (d.dtype == x.dtype == out_dtype and Nd % tile.block_m == 0 and gemm_kernels_override() is GemmKernels.GLUON
             and gemm_kernels_for(x.device, tile.block_k, Kd, x.dtype) is GemmKernels.GLUON):
         return gluon_bf16.wgrad(d, x, plan.offsets, E, out_dtype, tile=tile)
