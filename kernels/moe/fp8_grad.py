@@ -55,6 +55,60 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
+@triton.jit
+def _quant_row_block(v, rmask, r64, col0, block, q_ptr, s_ptr, C, QB: tl.constexpr):
+    """One 1 x QB block per row of v [rows, QB] (already in the stored dtype): `_quant_rows_kernel`'s arithmetic."""
+    v = tl.where(rmask[:, None], v.to(tl.float32), 0.0)
+    scale = e4m3_scale(tl.max(tl.abs(v), axis=1))
+    q = e4m3_values(v, scale[:, None])
+    tl.store(q_ptr + r64[:, None] * C + col0 + tl.arange(0, QB)[None, :], q.to(q_ptr.dtype.element_ty),
+             mask=rmask[:, None])
+    tl.store(s_ptr + r64 * (C // QB) + block, scale, mask=rmask)
+
+
+@triton.jit
+def _situ_bwd_rows_kernel(dh_ptr, gu_ptr, dgu_ptr, q_ptr, s_ptr, P, I, beta, linear_beta, BLOCK_M: tl.constexpr,
+                          QB: tl.constexpr):
+    """SiTU's backward (grouped_gemm._situ_bwd_kernel's arithmetic) and dG | dU's 1 x QB row quantisation of the
+    rounded result on the way out: one read of dH and G | U for both."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cb = tl.program_id(1)
+    cols = cb * QB + tl.arange(0, QB)
+    rmask = rows < P
+    r64 = rows.to(tl.int64)
+    dh = tl.load(dh_ptr + r64[:, None] * I + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    gp = gu_ptr + r64[:, None] * (2 * I) + cols[None, :]
+    g = tl.load(gp, mask=rmask[:, None], other=0.0).to(tl.float32)
+    u = tl.load(gp + I, mask=rmask[:, None], other=0.0).to(tl.float32)
+    dg, du = gg.situ_grads(dh, g, u, beta, linear_beta)
+    dg = dg.to(dgu_ptr.dtype.element_ty)
+    du = du.to(dgu_ptr.dtype.element_ty)
+    out = dgu_ptr + r64[:, None] * (2 * I) + cols[None, :]
+    tl.store(out, dg, mask=rmask[:, None])
+    tl.store(out + I, du, mask=rmask[:, None])
+    _quant_row_block(dg, rmask, r64, cb * QB, cb, q_ptr, s_ptr, 2 * I, QB)
+    _quant_row_block(du, rmask, r64, I + cb * QB, I // QB + cb, q_ptr, s_ptr, 2 * I, QB)
+
+
+def situ_backward_rows(dh: torch.Tensor, gu: torch.Tensor, beta: float, linear_beta: float
+                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """(dG | dU, its FP8 rows) = (grouped_gemm.situ_backward(dh, gu, ...), quantize_rows of that), the same bits,
+    from one read of dh [P, I] and gu [P, 2I] (contiguous; I % 128 == 0, as the FP8 layer needs anyway)."""
+    P, I = dh.shape
+    if I % QUANT_BLOCK or gu.shape != (P, 2 * I) or not (dh.is_contiguous() and gu.is_contiguous()):
+        raise ValueError(f"dh, gu: expected contiguous [P, I], [P, 2I] with I % {QUANT_BLOCK} == 0, got "
+                         f"{tuple(dh.shape)}, {tuple(gu.shape)}")
+    dgu = torch.empty(P, 2 * I, device=dh.device, dtype=gu.dtype)
+    q = torch.empty(P, 2 * I, device=dh.device, dtype=torch.float8_e4m3fn)
+    s = torch.empty(P, 2 * I // QUANT_BLOCK, device=dh.device, dtype=torch.float32)
+    if P:
+        BM = 16
+        _situ_bwd_rows_kernel[(cdiv(P, BM), I // QUANT_BLOCK)](dh, gu, dgu, q, s, P, I, float(beta),
+                                                               float(linear_beta), BLOCK_M=BM, QB=QUANT_BLOCK,
+                                                               num_warps=4)
+    return dgu, (q, s)
+
+
 def token_block_tiles(plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """(tiles = plan.tiles(128): one row per 128-token block of an expert, expert e's blocks
     [tile_offsets[e], tile_offsets[e + 1]) -- int64 [E + 1], computed on the device)."""

@@ -137,8 +137,8 @@ def _fp8_backward(ctx, dout, dy, dw, x_blocks, gu, h_blocks, w1, w3, w2):
     tiles, tile_offsets = fp8_grad.token_block_tiles(plan)
     dy_rows, dy_blocks = fp8_grad.quantize_rows(dy), fp8_grad.quantize_token_blocks(dy, tiles)  # dgrad's, dW2's
     dh = gg.scaled_mm(dy_rows, fp8_weight_t(w2), plan, gu.dtype)
-    dgu = gg.situ_backward(dh, gu, beta, linear_beta)
-    dgu_rows, dgu_blocks = fp8_grad.quantize_rows(dgu), fp8_grad.quantize_token_blocks(dgu, tiles)
+    dgu, dgu_rows = fp8_grad.situ_backward_rows(dh, gu, beta, linear_beta)  # dG | dU and its rows, one pass
+    dgu_blocks = fp8_grad.quantize_token_blocks(dgu, tiles)
     dw1 = dw3 = dw2 = dz = None
     if ctx.needs_input_grad[4]:
         dw2 = fp8_grad.wgrad_fp8(dy_blocks, h_blocks, tile_offsets, E, w2.dtype)

@@ -58,6 +58,21 @@ def test_token_blocks_never_cross_an_expert():
         assert torch.equal(s[t0:t1].t(), s_r), e
 
 
+def test_situ_backward_and_row_quantisation_in_one_pass_give_the_two_passes_bits():
+    """`situ_backward_rows` (one read of dH and G | U) == situ_backward then quantize_rows, bit for bit: dG | dU and
+    its 1 x 128 rows (each block within dG or within dU), ragged row counts included."""
+    I = 256
+    dh = _rows(37, I, seed=21)
+    gu = _rows(37, 2 * I, seed=22) * 3
+    dgu, (q, s) = fp8_grad.situ_backward_rows(dh, gu, 4.0, 25.0)
+    dgu_r = gg.situ_backward(dh, gu, 4.0, 25.0)
+    q_r, s_r = fp8_grad.quantize_rows(dgu_r)
+    assert torch.equal(dgu, dgu_r)
+    assert torch.equal(q.view(torch.uint8), q_r.view(torch.uint8)) and torch.equal(s, s_r)
+    with pytest.raises(ValueError, match="dh, gu"):
+        fp8_grad.situ_backward_rows(dh[:, :100].contiguous(), gu[:, :200].contiguous(), 4.0, 25.0)
+
+
 def test_wgrad_matches_the_spec_and_splits():
     plan = _plan([150, 0, 40, 129])
     a, b = _rows(plan.rows, 256, seed=3), _rows(plan.rows, 128, seed=4)
