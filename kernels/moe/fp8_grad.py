@@ -28,17 +28,25 @@ from k3_kernels.moe.permute import QUANT_BLOCK, RoutingPlan, e4m3_scale, e4m3_va
 
 # ------------------------------------------------------------------------------------------------- quantisers
 @triton.jit
+def _quant_row_block(v, rmask, r64, col0, block, q_ptr, s_ptr, C, QB: tl.constexpr):
+    """v [rows, QB] (rows past rmask ignored) quantised 1 x QB a row into q[r, col0:col0 + QB] (e4m3) and its
+    scale into s[r, block]; C is q's row length. Every row quantiser here goes through it."""
+    v = tl.where(rmask[:, None], v.to(tl.float32), 0.0)
+    scale = e4m3_scale(tl.max(tl.abs(v), axis=1))
+    q = e4m3_values(v, scale[:, None])
+    tl.store(q_ptr + r64[:, None] * C + col0 + tl.arange(0, QB)[None, :], q.to(q_ptr.dtype.element_ty),
+             mask=rmask[:, None])
+    tl.store(s_ptr + r64 * (C // QB) + block, scale, mask=rmask)
+
+
+@triton.jit
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, P, C, x_stride, BLOCK_P: tl.constexpr, QB: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     cols = tl.program_id(1) * QB + tl.arange(0, QB)
     rmask = rows < P
     r64 = rows.to(tl.int64)
-    v = tl.load(x_ptr + r64[:, None] * x_stride + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(v), axis=1)
-    scale = e4m3_scale(amax)
-    q = e4m3_values(v, scale[:, None])
-    tl.store(q_ptr + r64[:, None] * C + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=rmask[:, None])
-    tl.store(s_ptr + r64 * (C // QB) + tl.program_id(1), scale, mask=rmask)
+    v = tl.load(x_ptr + r64[:, None] * x_stride + cols[None, :], mask=rmask[:, None], other=0.0)
+    _quant_row_block(v, rmask, r64, tl.program_id(1) * QB, tl.program_id(1), q_ptr, s_ptr, C, QB)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,17 +61,6 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _quant_rows_kernel[(cdiv(P, BP), C // QUANT_BLOCK)](x, q, s, P, C, x.stride(0), BLOCK_P=BP, QB=QUANT_BLOCK,
                                                             num_warps=4)
     return q, s
-
-
-@triton.jit
-def _quant_row_block(v, rmask, r64, col0, block, q_ptr, s_ptr, C, QB: tl.constexpr):
-    """One 1 x QB block per row of v [rows, QB] (already in the stored dtype): `_quant_rows_kernel`'s arithmetic."""
-    v = tl.where(rmask[:, None], v.to(tl.float32), 0.0)
-    scale = e4m3_scale(tl.max(tl.abs(v), axis=1))
-    q = e4m3_values(v, scale[:, None])
-    tl.store(q_ptr + r64[:, None] * C + col0 + tl.arange(0, QB)[None, :], q.to(q_ptr.dtype.element_ty),
-             mask=rmask[:, None])
-    tl.store(s_ptr + r64 * (C // QB) + block, scale, mask=rmask)
 
 
 @triton.jit

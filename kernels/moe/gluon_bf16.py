@@ -23,7 +23,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from k3_kernels.moe.gluon_gemm import _MAXNREG, _ring, _ring_of
+from k3_kernels.moe.gluon_gemm import _MAXNREG, _ring, _ring_of, check_consumer_regs
 from k3_kernels.moe.permute import program_tile
 
 
@@ -48,8 +48,7 @@ class Bf16Tile:
             raise ValueError(f"tile: expected block_m 128, block_n 128 or 256, block_k 64, got {self}")
         if not 2 <= self.stages <= 4:
             raise ValueError(f"tile: stages must lie in [2, 4], got {self.stages}")
-        if self.consumer_regs % 8 or not 24 <= self.consumer_regs or 2 * self.consumer_regs + 40 > 512:
-            raise ValueError(f"tile: consumer_regs must be a multiple of 8 in [24, 236], got {self.consumer_regs}")
+        check_consumer_regs(self.consumer_regs)
 
 
 DEFAULT_TILE = Bf16Tile()

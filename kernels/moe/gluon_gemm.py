@@ -33,6 +33,13 @@ QUANT_BLOCK = 128  # the K block of both operands' scales and of one wgmma chain
 _MAXNREG = 168
 
 
+def check_consumer_regs(regs: int) -> None:
+    """Registers a consumer thread gets by setmaxnreg (both Gluon tiles): a multiple of 8 with 2 x regs + 40 (two
+    consumer warpgroups and the producer's group) <= 512."""
+    if regs % 8 or not 24 <= regs or 2 * regs + 40 > 512:
+        raise ValueError(f"tile: consumer_regs must be a multiple of 8 in [24, 236], got {regs}")
+
+
 @dataclass(frozen=True)
 class GluonTile:
     """Launch settings: block_m rows (two consumer warpgroups of block_m / 2 = 64 rows), block_n = 128 output
@@ -52,8 +59,7 @@ class GluonTile:
             raise ValueError(f"tile: block_m must be 128 (64 rows a consumer warpgroup), got {self.block_m}")
         if not 2 <= self.stages <= 6:
             raise ValueError(f"tile: stages must lie in [2, 6], got {self.stages}")
-        if self.consumer_regs % 8 or not 24 <= self.consumer_regs or 2 * self.consumer_regs + 40 > 512:
-            raise ValueError(f"tile: consumer_regs must be a multiple of 8 in [24, 236], got {self.consumer_regs}")
+        check_consumer_regs(self.consumer_regs)
 
 
 DEFAULT_TILE = GluonTile()
