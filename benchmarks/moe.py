@@ -351,7 +351,7 @@ def sweep(E, N, L, I, k, device, reps_ms):
 OURS = {f"ours_{prec.value}{suffix}": (cls, prec) for prec in Precision
         for suffix, cls in (("", OursMoE), ("_triton", OursMoETriton), ("_gluon", OursMoEGluon))}
 
-GLUON_FP8_TILES = [(4, 232), (3, 232), (5, 232), (6, 232), (4, 216)]  # (stages, consumer registers)
+GLUON_FP8_TILES = [(3, 232, False), (3, 232, True), (4, 232, True)]  # (stages, consumer registers, persistent)
 GLUON_BF16_TILES = [(256, 4), (256, 3), (128, 4), (128, 3)]  # (block_n, stages; at most 4 fit)
 
 
@@ -427,8 +427,9 @@ def gluon_gemms(E, N, L, I, k, device, reps_ms):
         print(f"{name}: {row}", flush=True)
     for name, fn in passes.items():
         out["passes_ms"][name] = timing(fn)
-    sweeps = [(gluon_gemm, f"fp8_stages{st}_regs{r}", gluon_gemm.GluonTile(stages=st, consumer_regs=r),
-               ("down", "gate_up_dgrad", "wgrad_w13")) for st, r in GLUON_FP8_TILES]
+    sweeps = [(gluon_gemm, f"fp8_stages{st}_regs{r}" + ("_persistent" if pers else ""),
+               gluon_gemm.GluonTile(stages=st, consumer_regs=r, persistent=pers),
+               ("gate_up", "down", "gate_up_dgrad", "wgrad_w2", "wgrad_w13")) for st, r, pers in GLUON_FP8_TILES]
     sweeps += [(gluon_bf16, f"bf16_n{bn}_stages{st}", gluon_bf16.Bf16Tile(block_n=bn, stages=st),
                 ("bf16_down", "bf16_gate_up_dgrad", "bf16_wgrad_w2")) for bn, st in GLUON_BF16_TILES]
     for module, key, tile, names in sweeps:

@@ -44,11 +44,14 @@ def check_consumer_regs(regs: int) -> None:
 class GluonTile:
     """Launch settings: block_m rows (two consumer warpgroups of block_m / 2 = 64 rows), block_n = 128 output
     columns (one weight-scale block), block_k = 128 (one scale block), `stages` TMA slots, registers a consumer
-    thread gets (setmaxnreg; the producer warp's group gets 40; 3 groups of 128 threads share 64K registers)."""
+    thread gets (setmaxnreg; the producer warp's group gets 40; 3 groups of 128 threads share 64K registers),
+    and whether the grid is persistent (one program an SM, each walking tiles pid, pid + programs, ...: its
+    producer loads the next tile while the consumers scale and store the last) or one program a tile."""
     block_m: int = 128
     stages: int = 3  # the H200 sweep's best of 3-6 (benchmarks/moe.py --gluon-gemms: within ~6% of each other)
     consumer_regs: int = 232
     group_m: int = 8
+    persistent: bool = True  # blind: measured against one program a tile by --gluon-gemms
     block_n: int = QUANT_BLOCK
     block_k: int = QUANT_BLOCK
 
@@ -97,40 +100,70 @@ def _ring_of(a_dtype: gl.constexpr, A0: gl.constexpr, A1: gl.constexpr, a_layout
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, b2_desc, ready, empty, a_lo, a_hi, b_bufs, r0, off_b, second, kb0, n_k,
-              STAGES: gl.constexpr, BLOCK_K: gl.constexpr, HALF_M: gl.constexpr):
-    """One warp: TMA loads of K blocks kb0 .. kb0 + n_k - 1 (both row halves of A, the B tile from the first or
-    `second` B) into the next free slot."""
+def _load_blocks(a_desc, b_desc, b2_desc, ready, empty, a_lo, a_hi, b_bufs, r0, off_b, second, kb0, n_k, it,
+                 STAGES: gl.constexpr, BLOCK_K: gl.constexpr, HALF_M: gl.constexpr):
+    """The producer's share of one tile: TMA loads of K blocks kb0 .. kb0 + n_k - 1 (both row halves of A, the B
+    tile from the first or `second` B) into the ring's next free slots. `it` counts the ring's fills over the
+    program's earlier tiles (slot and barrier phase); returns the count after this tile."""
     for k in range(n_k):
+        i = it + k
         kc = (kb0 + k) * BLOCK_K
-        slot = k % STAGES
-        mbarrier.wait(empty.index(slot), ((k // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1 at once
+        slot = i % STAGES
+        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1 at once
         bar = ready.index(slot)
         mbarrier.expect(bar, 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(a_desc, [r0, kc], bar, a_lo.index(slot))
         tma.async_copy_global_to_shared(a_desc, [r0 + HALF_M, kc], bar, a_hi.index(slot))
         tma.async_copy_global_to_shared(b_desc, [off_b, kc], bar, b_bufs.index(slot), not second)
         tma.async_copy_global_to_shared(b2_desc, [off_b, kc], bar, b_bufs.index(slot), second)
+    return it + n_k
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, r0, r1, col0, N, n_k, sb_base, c_stride,
-              HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """One warpgroup: rows [r0, r0 + HALF_M) of the tile. Per K block: wgmma chain from zero, wait, free the slot,
-    then acc + (P * s_a) * s_b on the CUDA cores -- while the other warpgroup's chain runs on the tensor cores."""
+def _mm_tile(e, tn, N_B, K, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+    """Where an output tile's B lies: (first column, from the second B?, row of B's view [E * N_B, K], K blocks)."""
+    col0 = tn * BLOCK_N
+    second = col0 >= N_B
+    local = col0 - gl.where(second, N_B, 0)  # column within its B
+    return col0, second, local, e * N_B + local, K // BLOCK_K
+
+
+@gluon.jit
+def _mm_producer(a_desc, b_desc, b2_desc, ready, empty, a_lo, a_hi, b_bufs, tiles_ptr, n_tiles_m, N, N_B, K,
+                 BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                 HALF_M: gl.constexpr):
+    """One warp: the loads of every tile this program owns (tiles pid, pid + programs, ...), running ahead into the
+    next tile while the consumers finish the last one."""
+    n_tiles_n = gl.cdiv(N, BLOCK_N)
+    it = 0
+    for t in range(gl.program_id(0), n_tiles_m * n_tiles_n, gl.num_programs(0)):
+        e, r0, r1, tn = program_tile(t, tiles_ptr, n_tiles_m, n_tiles_n, GROUP_M)
+        if e >= 0:
+            col0, second, local, off_b, n_k = _mm_tile(e, tn, N_B, K, BLOCK_N, BLOCK_K)
+            it = _load_blocks(a_desc, b_desc, b2_desc, ready, empty, a_lo, a_hi, b_bufs, r0, off_b, second, 0, n_k,
+                              it, STAGES, BLOCK_K, HALF_M)
+
+
+@gluon.jit
+def _consume_tile(a_bufs, b_bufs, ready, empty, sa_ptrs, rmask, sb_ptr, it, n_k, sb_step, sa_step,
+                  HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SCALES_PER_COL: gl.constexpr):
+    """One warpgroup's rows of one tile. Per K block: wgmma chain from zero, wait, free the slot, then
+    acc + (P * s_a) * s_b on the CUDA cores -- while the other warpgroup's chain runs on the tensor cores. s_a is
+    one scale a row (sa_ptrs + k * sa_step), s_b one scalar (sb_ptr + k) or, SCALES_PER_COL, one a column
+    (sb_ptr + k * sb_step: the wgrad)."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
-    rows = r0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, mma_layout))
-    rmask = rows < r1
-    sa_ptrs = as_ptr + rows.to(gl.int64) * n_k
-    sb_ptr = bs_ptr + sb_base
     acc = gl.zeros((HALF_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
     part = gl.zeros((HALF_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
     for k in range(n_k):
-        slot = k % STAGES
-        sa = gl.load(sa_ptrs + k, mask=rmask, other=0.0)
-        sb = gl.load(sb_ptr + k)
-        mbarrier.wait(ready.index(slot), (k // STAGES) & 1)
+        i = it + k
+        slot = i % STAGES
+        sa = gl.load(sa_ptrs + k * sa_step, mask=rmask, other=0.0)
+        if SCALES_PER_COL:
+            sb = gl.load(sb_ptr + k * sb_step)[None, :]
+        else:
+            sb = gl.load(sb_ptr + k)
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         part = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), part, use_acc=False,
                              is_async=True)
         part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
@@ -139,9 +172,32 @@ def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, r0, r1, col0,
         # a wait with nothing in flight, taking acc: the scaling cannot sink past the next wgmma's issue (which
         # would keep both partials live and make ptxas serialise the MMAs)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
-    ptrs = c_ptr + rows.to(gl.int64)[:, None] * c_stride + cols[None, :]
-    gl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & (cols < N)[None, :])
+    return acc
+
+
+@gluon.jit
+def _mm_consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, bs2_ptr, c_ptr, tiles_ptr, n_tiles_m, N, N_B, K,
+                 c_stride, ROW_OFFSET: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """One warpgroup: rows [r0 + ROW_OFFSET, + HALF_M) of every tile this program owns; stores each tile."""
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 32])
+    n_tiles_n = gl.cdiv(N, BLOCK_N)
+    it = 0
+    for t in range(gl.program_id(0), n_tiles_m * n_tiles_n, gl.num_programs(0)):
+        e, r0, r1, tn = program_tile(t, tiles_ptr, n_tiles_m, n_tiles_n, GROUP_M)
+        if e >= 0:
+            col0, second, local, off_b, n_k = _mm_tile(e, tn, N_B, K, BLOCK_N, BLOCK_K)
+            sb_base = (e.to(gl.int64) * gl.cdiv(N_B, BLOCK_N) + local // BLOCK_N) * n_k
+            sb_ptr = gl.where(second, bs2_ptr, bs_ptr) + sb_base
+            rows = r0 + ROW_OFFSET + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, mma_layout))
+            rmask = rows < r1
+            acc = _consume_tile(a_bufs, b_bufs, ready, empty, as_ptr + rows.to(gl.int64) * n_k, rmask, sb_ptr, it,
+                                n_k, 0, 1, HALF_M, BLOCK_N, STAGES, False)
+            it += n_k
+            cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
+            ptrs = c_ptr + rows.to(gl.int64)[:, None] * c_stride + cols[None, :]
+            gl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & (cols < N)[None, :])
 
 
 @gluon.jit
@@ -149,86 +205,97 @@ def _scaled_mm_kernel(a_desc, b_desc, b2_desc, as_ptr, bs_ptr, bs2_ptr, c_ptr, t
                       c_stride,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                       STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
-    """Warp-specialised: this partition (4 warps) and a worker partition (4 warps) each own half of the tile's
+    """Warp-specialised: this partition (4 warps) and a worker partition (4 warps) each own half of a tile's
     rows; a 1-warp worker issues the TMA loads. Slots are freed when both halves' chains have read them.
-    Output columns [0, N_B) come from B (b_desc, bs_ptr), [N_B, N) from B2 (gate/up: W1 then W3, one launch)."""
+    Output columns [0, N_B) come from B (b_desc, bs_ptr), [N_B, N) from B2 (gate/up: W1 then W3, one launch).
+    A program owns tiles pid, pid + programs, ... (one tile a program when the grid covers them all; the
+    persistent grid, one program an SM, lets the producer load the next tile during the last one's epilogue)."""
     HALF_M: gl.constexpr = BLOCK_M // 2
-    n_tiles_n = gl.cdiv(N, BLOCK_N)
-    e, r0, r1, tn = program_tile(gl.program_id(0), tiles_ptr, n_tiles_m, n_tiles_n, GROUP_M)
-    if e >= 0:
-        a_lo, a_hi, b_bufs, ready, empty = _ring(a_desc, b_desc, STAGES)
-        n_k = K // BLOCK_K
-        col0 = tn * BLOCK_N
-        second = col0 >= N_B
-        local = col0 - gl.where(second, N_B, 0)  # column within its B
-        off_b = e * N_B + local  # B is [E * N_B, K]: expert e's rows start at e * N_B
-        sb_base = (e.to(gl.int64) * gl.cdiv(N_B, BLOCK_N) + local // BLOCK_N) * n_k
-        sb_ptr = gl.where(second, bs2_ptr, bs_ptr)
-        gl.warp_specialize([
-            (_consumer, (a_lo, b_bufs, ready, empty, as_ptr, sb_ptr, c_ptr, r0, r1, col0, N, n_k, sb_base,
-                         c_stride, HALF_M, BLOCK_N, STAGES)),
-            (_consumer, (a_hi, b_bufs, ready, empty, as_ptr, sb_ptr, c_ptr, r0 + HALF_M, r1, col0, N, n_k,
-                         sb_base, c_stride, HALF_M, BLOCK_N, STAGES)),
-            (_producer, (a_desc, b_desc, b2_desc, ready, empty, a_lo, a_hi, b_bufs, r0, off_b, second, 0, n_k,
-                         STAGES, BLOCK_K, HALF_M)),
-        ], [4, 1], [CONSUMER_REGS, 40])
+    a_lo, a_hi, b_bufs, ready, empty = _ring(a_desc, b_desc, STAGES)
+    gl.warp_specialize([
+        (_mm_consumer, (a_lo, b_bufs, ready, empty, as_ptr, bs_ptr, bs2_ptr, c_ptr, tiles_ptr, n_tiles_m, N, N_B, K,
+                        c_stride, 0, HALF_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+        (_mm_consumer, (a_hi, b_bufs, ready, empty, as_ptr, bs_ptr, bs2_ptr, c_ptr, tiles_ptr, n_tiles_m, N, N_B, K,
+                        c_stride, HALF_M, HALF_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+        (_mm_producer, (a_desc, b_desc, b2_desc, ready, empty, a_lo, a_hi, b_bufs, tiles_ptr, n_tiles_m, N, N_B, K,
+                        BLOCK_N, BLOCK_K, GROUP_M, STAGES, HALF_M)),
+    ], [4, 1], [CONSUMER_REGS, 40])
 
 
 @gluon.jit
-def _wgrad_consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, out_ptr, m0, out_m0, col0, M_ALL, N, t0, n_k,
-                    HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """One warpgroup of the wgrad: rows [m0, m0 + HALF_M) of A (rows out_m0.. of its output); per token block t
-    the partial is scaled by s_a[t, m] and s_b[t, n] (both per row of their operand: 128 tokens x 1 blocks)."""
+def _wgrad_tile(t, tile_off_ptr, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Wgrad tile t (expert-major, then row tiles, then column tiles) -> (expert, first row, first column, the
+    expert's first token block, its blocks)."""
+    n_tn = gl.cdiv(N, BLOCK_N)
+    per_expert = (M // BLOCK_M) * n_tn
+    e = t // per_expert
+    tm = (t % per_expert) // n_tn
+    tn = t % n_tn
+    t0 = gl.load(tile_off_ptr + e).to(gl.int32)
+    n_k = gl.load(tile_off_ptr + e + 1).to(gl.int32) - t0
+    return e.to(gl.int64), tm * BLOCK_M, tn * BLOCK_N, t0, n_k
+
+
+@gluon.jit
+def _wgrad_producer(a_desc, b_desc, ready, empty, a_lo, a_hi, b_bufs, tile_off_ptr, M, N, n_tiles,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    it = 0
+    for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        e, m0, col0, t0, n_k = _wgrad_tile(t, tile_off_ptr, M, N, BLOCK_M, BLOCK_N)
+        it = _load_blocks(a_desc, b_desc, b_desc, ready, empty, a_lo, a_hi, b_bufs, m0, col0, False, t0, n_k, it,
+                          STAGES, BLOCK_K, BLOCK_M // 2)
+
+
+@gluon.jit
+def _wgrad_consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, out_ptr, out2_ptr, tile_off_ptr, M, N, M_SPLIT,
+                    n_tiles, ROW_OFFSET: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    STAGES: gl.constexpr):
+    """One warpgroup of the wgrad: rows [m0 + ROW_OFFSET, + HALF_M) of A for every tile the program owns; per
+    token block t the partial is scaled by s_a[t, m] and s_b[t, n] (both per row of their operand: 128 tokens x 1
+    blocks; scales are [T, channels], so a block's scales are one contiguous row)."""
+    HALF_M: gl.constexpr = BLOCK_M // 2
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
-    rows = m0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, mma_layout))
-    cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
-    acc = gl.zeros((HALF_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
-    part = gl.zeros((HALF_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
-    for k in range(n_k):
-        slot = k % STAGES
-        t = (t0 + k).to(gl.int64)  # scales are [T, channels]: a block's scales are one contiguous row
-        sa = gl.load(as_ptr + t * M_ALL + rows)
-        sb = gl.load(bs_ptr + t * N + cols)
-        mbarrier.wait(ready.index(slot), (k // STAGES) & 1)
-        part = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), part, use_acc=False,
-                             is_async=True)
-        part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-        mbarrier.arrive(empty.index(slot), count=1)
-        acc = acc + part * sa[:, None] * sb[None, :]
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # (see _consumer)
-    ptrs = out_ptr + (rows - m0 + out_m0).to(gl.int64)[:, None] * N + cols[None, :]
-    gl.store(ptrs, acc.to(out_ptr.dtype.element_ty))
+    it = 0
+    for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        e, m0, col0, t0, n_k = _wgrad_tile(t, tile_off_ptr, M, N, BLOCK_M, BLOCK_N)
+        rows = m0 + ROW_OFFSET + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, mma_layout))
+        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
+        t64 = t0.to(gl.int64)
+        acc = _consume_tile(a_bufs, b_bufs, ready, empty, as_ptr + t64 * M + rows, rows < M, bs_ptr + t64 * N + cols,
+                            it, n_k, N, M, HALF_M, BLOCK_N, STAGES, True)
+        it += n_k
+        second = m0 >= M_SPLIT
+        out_rows = gl.where(second, M - M_SPLIT, M_SPLIT)
+        base = gl.where(second, out2_ptr, out_ptr) + e * out_rows * N
+        local = rows - gl.where(second, M_SPLIT, 0)
+        gl.store(base + local.to(gl.int64)[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty))
 
 
 @gluon.jit
-def _scaled_wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, out2_ptr, tile_off_ptr, M, N, M_SPLIT,
+def _scaled_wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, out2_ptr, tile_off_ptr, M, N, M_SPLIT, n_tiles,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                          CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """out[e] tile (tm, tn) = sum over expert e's token blocks (fp8_grad._wgrad_kernel's product, same order):
-    the forward kernel's partitions with K running over the expert's blocks and both scales per row."""
+    the forward kernel's partitions with K running over the expert's blocks and both scales per row; tiles
+    expert-major, a program owning tiles pid, pid + programs, ... as the forward kernel's."""
     HALF_M: gl.constexpr = BLOCK_M // 2
-    e = gl.program_id(1).to(gl.int64)
-    n_tn = gl.cdiv(N, BLOCK_N)
-    tm = gl.program_id(0) // n_tn
-    tn = gl.program_id(0) % n_tn
-    t0 = gl.load(tile_off_ptr + e).to(gl.int32)
-    n_k = gl.load(tile_off_ptr + e + 1).to(gl.int32) - t0
-    m0 = tm * BLOCK_M
-    col0 = tn * BLOCK_N
-    second = m0 >= M_SPLIT
-    out_rows = gl.where(second, M - M_SPLIT, M_SPLIT)
-    base = gl.where(second, out2_ptr, out_ptr) + e * out_rows * N
-    local = m0 - gl.where(second, M_SPLIT, 0)
     a_lo, a_hi, b_bufs, ready, empty = _ring(a_desc, b_desc, STAGES)
     gl.warp_specialize([
-        (_wgrad_consumer, (a_lo, b_bufs, ready, empty, as_ptr, bs_ptr, base, m0, local, col0, M, N, t0, n_k,
-                           HALF_M, BLOCK_N, STAGES)),
-        (_wgrad_consumer, (a_hi, b_bufs, ready, empty, as_ptr, bs_ptr, base, m0 + HALF_M, local + HALF_M, col0, M,
-                           N, t0, n_k, HALF_M, BLOCK_N, STAGES)),
-        (_producer, (a_desc, b_desc, b_desc, ready, empty, a_lo, a_hi, b_bufs, m0, col0, False, t0, n_k, STAGES,
-                     BLOCK_K, HALF_M)),
+        (_wgrad_consumer, (a_lo, b_bufs, ready, empty, as_ptr, bs_ptr, out_ptr, out2_ptr, tile_off_ptr, M, N,
+                           M_SPLIT, n_tiles, 0, BLOCK_M, BLOCK_N, STAGES)),
+        (_wgrad_consumer, (a_hi, b_bufs, ready, empty, as_ptr, bs_ptr, out_ptr, out2_ptr, tile_off_ptr, M, N,
+                           M_SPLIT, n_tiles, HALF_M, BLOCK_M, BLOCK_N, STAGES)),
+        (_wgrad_producer, (a_desc, b_desc, ready, empty, a_lo, a_hi, b_bufs, tile_off_ptr, M, N, n_tiles, BLOCK_M,
+                           BLOCK_N, BLOCK_K, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 40])
+
+
+def _programs(n_tiles: int, tile: GluonTile, device: torch.device) -> int:
+    """Grid size: every tile its own program, or (persistent) one program an SM."""
+    if not tile.persistent:
+        return n_tiles
+    return max(1, min(n_tiles, torch.cuda.get_device_properties(device).multi_processor_count))
 
 
 def _descriptor(t: torch.Tensor, block: list[int]):
@@ -271,7 +338,7 @@ def scaled_segment_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
     b_desc = _descriptor(b.view(E * N_B, K), [tile.block_n, tile.block_k])
     b2_desc = _descriptor(b2_q.view(E * N_B, K), [tile.block_n, tile.block_k])
     n_m = tiles.shape[0]
-    grid = (n_m * (N // tile.block_n),)
+    grid = (_programs(n_m * (N // tile.block_n), tile, a.device),)
     _scaled_mm_kernel[grid](a_desc, b_desc, b2_desc, a_scale, b_scale, b2_scale, out, tiles, n_m, N, N_B, K,
                             out.stride(0), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                             GROUP_M=tile.group_m, STAGES=tile.stages, CONSUMER_REGS=tile.consumer_regs, num_warps=4,
@@ -295,7 +362,8 @@ def scaled_wgrad(aq: torch.Tensor, a_scale: torch.Tensor, bq: torch.Tensor, b_sc
             raise ValueError(f"{name}: must be contiguous")
     a_desc = _descriptor(aq, [tile.block_m // 2, tile.block_k])
     b_desc = _descriptor(bq, [tile.block_n, tile.block_k])
-    grid = ((M // tile.block_m) * (N // tile.block_n), E)
-    _scaled_wgrad_kernel[grid](a_desc, b_desc, a_scale, b_scale, out, out2, tile_offsets, M, N, split,
-                               BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.stages,
-                               CONSUMER_REGS=tile.consumer_regs, num_warps=4, maxnreg=_MAXNREG)
+    n_tiles = E * (M // tile.block_m) * (N // tile.block_n)
+    _scaled_wgrad_kernel[(_programs(n_tiles, tile, aq.device),)](
+        a_desc, b_desc, a_scale, b_scale, out, out2, tile_offsets, M, N, split, n_tiles, BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.stages, CONSUMER_REGS=tile.consumer_regs,
+        num_warps=4, maxnreg=_MAXNREG)

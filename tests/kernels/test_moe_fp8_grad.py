@@ -5,6 +5,7 @@ pin what the FP8 dgrads and wgrads compute -- operands quantised as DeepSeek-V3 
 128-token blocks that never cross an expert for a wgrad, weights' transposes in 128 x 128 blocks) -- and that the
 layer's gradients stay close to bf16's, deterministic, with experts that get no rows. Interpreter on CPU; the
 `gpu` tests compare the Gluon kernels with the Triton ones bit for bit on the H200."""
+import dataclasses
 import os
 
 import pytest
@@ -160,9 +161,14 @@ def _sm90() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="Gluon's kernels need an sm_90 GPU (H100/H200)")
-def test_gpu_fp8_full_same_bits_with_either_gemm():
+@pytest.mark.parametrize("persistent", [False, True])
+def test_gpu_fp8_full_same_bits_with_either_gemm(monkeypatch, persistent):
     """K3 widths, 112 experts, 1024 tokens: the FP8_FULL layer's output and every gradient are the same bits with
-    the Gluon GEMMs (forward, dgrads, wgrads) as with the Triton ones, and on a rerun."""
+    the Gluon GEMMs (forward, dgrads, wgrads; one program a tile or the persistent grid) as with the Triton ones,
+    and on a rerun."""
+    from k3_kernels.moe import gluon_gemm
+    monkeypatch.setattr(gluon_gemm, "DEFAULT_TILE", dataclasses.replace(gluon_gemm.DEFAULT_TILE,
+                                                                         persistent=persistent))
     case = _case(1024, 3584, 3072, 112, 16, seed=13)
     with gg.gemm_kernels(gg.GemmKernels.TRITON):
         y_t, g_t = _fwd_bwd(case, Precision.FP8_FULL)

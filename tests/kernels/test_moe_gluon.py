@@ -7,6 +7,7 @@ interpreter; on CPU its sm_90a build is checked for what the design rests on: wa
 FP8 wgmma chains, no spills, and no ptxas serialisation of the MMAs (the failure mode of the first design, which
 kept two partials in flight in one warpgroup). The SiTU + H-quantisation pass that follows the Gluon gate/up runs
 under the interpreter against the fused Triton epilogue it replaces, bit for bit."""
+import dataclasses
 import os
 
 import pytest
@@ -102,7 +103,7 @@ def build(fn, types, consts):
     consts = {n: v for n, v in consts.items() if n in fn.arg_names}
     sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in consts
-             and n != "n_tiles_m"}
+             and n not in ("n_tiles_m", "n_tiles")}
     src = GluonASTSource(fn, sig, {(i,): consts[n] for i, n in enumerate(fn.arg_names) if n in consts}, attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=G._MAXNREG))
     with tempfile.TemporaryDirectory() as d:
@@ -120,7 +121,8 @@ def build(fn, types, consts):
 t, bt = G.DEFAULT_TILE, B.DEFAULT_TILE
 ptrs = dict(as_ptr="*fp32", bs_ptr="*fp32", bs2_ptr="*fp32", c_ptr="*bf16", out_ptr="*bf16", out2_ptr="*bf16",
             tiles_ptr="*i32", tile_off_ptr="*i64", offsets_ptr="*i64", d_ptr="*bf16", x_ptr="*bf16")
-ints = {n: "i32" for n in ("n_tiles_m", "N", "N_B", "K", "K_B", "c_stride", "M", "M_SPLIT", "d_stride", "x_stride")}
+ints = {n: "i32" for n in ("n_tiles_m", "N", "N_B", "K", "K_B", "c_stride", "M", "M_SPLIT", "d_stride", "x_stride",
+                          "n_tiles")}
 fp8 = dict(ptrs, **ints, a_desc=desc("fp8e4nv", [t.block_m // 2, 128]), b_desc=desc("fp8e4nv", [128, 128]),
            b2_desc=desc("fp8e4nv", [128, 128]))
 fp8_consts = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m, STAGES=t.stages,
@@ -172,9 +174,14 @@ def _sm90() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="Gluon's kernel needs an sm_90 GPU (H100/H200)")
-def test_gpu_gluon_gemms_give_the_triton_bits():
+@pytest.mark.parametrize("persistent", [False, True])
+def test_gpu_gluon_gemms_give_the_triton_bits(monkeypatch, persistent):
     """K3 widths (latent 3584, intermediate 3072), 112 experts, uneven expert loads: the gate/up (G | U in one
-    launch, then the SiTU + quantisation pass) and the down GEMM give the Triton FP8 kernels' bits."""
+    launch, then the SiTU + quantisation pass) and the down GEMM give the Triton FP8 kernels' bits, with one
+    program a tile and with the persistent grid (programs walking several tiles through one ring)."""
+    from k3_kernels.moe import gluon_gemm
+    monkeypatch.setattr(gluon_gemm, "DEFAULT_TILE", dataclasses.replace(gluon_gemm.DEFAULT_TILE,
+                                                                         persistent=persistent))
     z, ids, w, w1, w3, w2 = _case(2048, 3584, 3072, 112, 16, seed=11)
     plan = plan_routing(ids, 112)
     _, xq, xs = permute_rows(z, plan, bf16=False, fp8=True)
