@@ -1,7 +1,8 @@
 """Block-scaled FP8 grouped GEMM for Hopper in Gluon: C = A B_e^T over each expert's sorted rows, A in e4m3 with
 1 x 128 scales along K, B_e in e4m3 with 128 x 128 block scales. The same product as the Triton kernel
 (`grouped_gemm._segment_mm_kernel` with FP8=True, the CPU-tested path) and the same bits: each 128-wide K block is
-one wgmma chain started from zero, its fp32 partial scaled as (P * s_a) * s_b and added to the accumulator in K order.
+one wgmma chain started from zero, its fp32 partial scaled as P * (s_a * s_b) and added to the accumulator in K
+order.
 
 Why a second kernel: Triton's `tl.dot` waits for each wgmma before its result can be scaled, and all warps run one
 instruction stream, so the tensor cores idle while the CUDA cores scale (the FP8 forward ran slower than bf16;
@@ -148,9 +149,10 @@ def _mm_producer(a_desc, b_desc, b2_desc, ready, empty, a_lo, a_hi, b_bufs, tile
 def _consume_tile(a_bufs, b_bufs, ready, empty, sa_ptrs, rmask, sb_ptr, it, n_k, sb_step, sa_step,
                   HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SCALES_PER_COL: gl.constexpr):
     """One warpgroup's rows of one tile. Per K block: wgmma chain from zero, wait, free the slot, then
-    acc + (P * s_a) * s_b on the CUDA cores -- while the other warpgroup's chain runs on the tensor cores. s_a is
-    one scale a row (sa_ptrs + k * sa_step), s_b one scalar (sb_ptr + k) or, SCALES_PER_COL, one a column
-    (sb_ptr + k * sb_step: the wgrad)."""
+    acc + P * (s_a * s_b) on the CUDA cores (s_a * s_b once a row: one FMA an element) -- while the other
+    warpgroup's chain runs on the tensor cores. s_a is one scale a row (sa_ptrs + k * sa_step), s_b one scalar
+    (sb_ptr + k) or, SCALES_PER_COL (the wgrad), one a column (sb_ptr + k * sb_step), applied as
+    acc + (P * s_a) * s_b."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
     acc = gl.zeros((HALF_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
@@ -160,15 +162,18 @@ def _consume_tile(a_bufs, b_bufs, ready, empty, sa_ptrs, rmask, sb_ptr, it, n_k,
         slot = i % STAGES
         sa = gl.load(sa_ptrs + k * sa_step, mask=rmask, other=0.0)
         if SCALES_PER_COL:
-            sb = gl.load(sb_ptr + k * sb_step)[None, :]
+            sb = gl.load(sb_ptr + k * sb_step)
         else:
-            sb = gl.load(sb_ptr + k)
+            row_scale = sa * gl.load(sb_ptr + k)  # one multiply a row, then one FMA an element
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         part = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), part, use_acc=False,
                              is_async=True)
         part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
         mbarrier.arrive(empty.index(slot), count=1)
-        acc = acc + part * sa[:, None] * sb
+        if SCALES_PER_COL:
+            acc = acc + part * sa[:, None] * sb[None, :]
+        else:
+            acc = acc + part * row_scale[:, None]
         # a wait with nothing in flight, taking acc: the scaling cannot sink past the next wgmma's issue (which
         # would keep both partials live and make ptxas serialise the MMAs)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))

@@ -155,8 +155,8 @@ def _gate_up_kernel(x_ptr, xs_ptr, w1_ptr, w3_ptr, ws1_ptr, ws3_ptr, gu_ptr, h_p
                 sw = (e64 * tl.cdiv(I, QB) + cols // QB) * nkb + kb
                 s1 = tl.load(ws1_ptr + sw, mask=cmask, other=0.0)
                 s3 = tl.load(ws3_ptr + sw, mask=cmask, other=0.0)
-                acc_g += tl.dot(a, b1) * sa[:, None] * s1[None, :]
-                acc_u += tl.dot(a, b3) * sa[:, None] * s3[None, :]
+                acc_g += tl.dot(a, b1) * (sa[:, None] * s1[None, :])
+                acc_u += tl.dot(a, b3) * (sa[:, None] * s3[None, :])
             else:
                 acc_g = tl.dot(a, b1, acc_g, input_precision=PREC)
                 acc_u = tl.dot(a, b3, acc_u, input_precision=PREC)
@@ -214,7 +214,7 @@ def _segment_mm_kernel(a_ptr, as_ptr, b0_ptr, b1_ptr, bs_ptr, c_ptr, gu_ptr, til
                 nkb = K0 // QB
                 sa = tl.load(as_ptr + r64 * nkb + kb, mask=rmask, other=0.0)
                 sb = tl.load(bs_ptr + (e64 * tl.cdiv(N, QB) + cols // QB) * nkb + kb, mask=cmask, other=0.0)
-                acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+                acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
             else:
                 acc = tl.dot(a, b, acc, input_precision=PREC)
         if TWO_B:
