@@ -352,7 +352,9 @@ OURS = {f"ours_{prec.value}{suffix}": (cls, prec) for prec in Precision
         for suffix, cls in (("", OursMoE), ("_triton", OursMoETriton), ("_gluon", OursMoEGluon))}
 
 GLUON_FP8_TILES = [(3, 232, False), (3, 232, True), (4, 232, True)]  # (stages, consumer registers, persistent)
-GLUON_BF16_TILES = [(256, 4), (256, 3), (128, 4), (128, 3)]  # (block_n, stages; at most 4 fit)
+# (row-pass rows, warps, token-block columns, warps): the defaults first
+PASS_SETTINGS = [(16, 4, 64, 8), (32, 4, 128, 8), (64, 8, 32, 4), (32, 8, 64, 4), (128, 8, 128, 4)]
+GLUON_BF16_TILES: list[tuple[int, int]] = []  # (block_n, stages); session 31 swept 4 (moe_gluon.json)
 
 
 def gluon_gemms(E, N, L, I, k, device, reps_ms):
@@ -399,10 +401,32 @@ def gluon_gemms(E, N, L, I, k, device, reps_ms):
         "wgrad_w2": (2 * P * L * I, lambda: fp8_grad.wgrad_fp8(tdy, th, offsets, E, torch.bfloat16)),
         "wgrad_w13": (4 * P * L * I, lambda: fp8_grad.wgrad_fp8(tdgu, tx, offsets, E, torch.bfloat16, split=I)),
     }
+    dh = dy[:, :I].contiguous()
     passes = {"quantize_rows_dgu": lambda: fp8_grad.quantize_rows(dgu),
               "quantize_token_blocks_dgu": lambda: fp8_grad.quantize_token_blocks(dgu, tiles),
-              "situ_backward": lambda: gg.situ_backward(dy[:, :I].contiguous(), gu, BETA, LINEAR_BETA)}
-    out = {"experts": E, "tokens": N, "rows": P, "gemms": {}, "passes_ms": {}, "gluon_sweep": {}}
+              "situ_backward": lambda: gg.situ_backward(dh, gu, BETA, LINEAR_BETA),
+              "situ_backward_rows": lambda: fp8_grad.situ_backward_rows(dh, gu, BETA, LINEAR_BETA)}
+    out = {"experts": E, "tokens": N, "rows": P, "gemms": {}, "passes_ms": {}, "pass_sweep": {}, "gluon_sweep": {}}
+    # the quantisation passes' program sizes (same bits whatever the size): rows x warps of the row passes,
+    # columns x warps of the token-block pass; the bytes each moves, for GB/s
+    pass_bytes = {"quantize_rows_dgu": dgu.numel() * 3 + dgu.numel() // 32,
+                  "quantize_token_blocks_dgu": dgu.numel() * 3 + dgu.numel() // 32,
+                  "situ_backward_rows": dh.numel() * 2 + gu.numel() * 2 + gu.numel() * 3 + gu.numel() // 32}
+    for setting in PASS_SETTINGS:
+        saved = (fp8_grad.ROW_PASS_ROWS, fp8_grad.ROW_PASS_WARPS, fp8_grad.TOKEN_BLOCK_COLUMNS,
+                 fp8_grad.TOKEN_BLOCK_WARPS)
+        (fp8_grad.ROW_PASS_ROWS, fp8_grad.ROW_PASS_WARPS, fp8_grad.TOKEN_BLOCK_COLUMNS,
+         fp8_grad.TOKEN_BLOCK_WARPS) = setting
+        key = "rows{}x{}w_cols{}x{}w".format(*setting)
+        try:
+            times = {n: timing(passes[n]) for n in pass_bytes}
+            out["pass_sweep"][key] = {n: {"ms": ms, "gbps": pass_bytes[n] / ms / 1e6} for n, ms in times.items()}
+        except Exception as err:
+            out["pass_sweep"][key] = {"error": f"{type(err).__name__}: {str(err)[:160]}"}
+        finally:
+            (fp8_grad.ROW_PASS_ROWS, fp8_grad.ROW_PASS_WARPS, fp8_grad.TOKEN_BLOCK_COLUMNS,
+             fp8_grad.TOKEN_BLOCK_WARPS) = saved
+        print("passes", key, out["pass_sweep"][key], flush=True)
     flat = lambda r: [t for t in (r if isinstance(r, tuple) else (r,)) if t is not None]  # noqa: E731
     for name, (flops, fn) in gemms.items():
         row = {}

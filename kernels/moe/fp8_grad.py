@@ -39,6 +39,11 @@ def _quant_row_block(v, rmask, r64, col0, block, q_ptr, s_ptr, C, QB: tl.constex
     tl.store(s_ptr + r64 * (C // QB) + block, scale, mask=rmask)
 
 
+# rows a program of the row passes (quantize_rows, situ_backward_rows) and its warps: rows are independent, so these
+# set the programs' size only, not the bits (benchmarks/moe.py --gluon-gemms sweeps them)
+ROW_PASS_ROWS, ROW_PASS_WARPS = 16, 4
+
+
 @triton.jit
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, P, C, x_stride, BLOCK_P: tl.constexpr, QB: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -57,9 +62,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(P, C, device=x.device, dtype=torch.float8_e4m3fn)
     s = torch.empty(P, C // QUANT_BLOCK, device=x.device, dtype=torch.float32)
     if P:
-        BP = 16
+        BP = ROW_PASS_ROWS
         _quant_rows_kernel[(cdiv(P, BP), C // QUANT_BLOCK)](x, q, s, P, C, x.stride(0), BLOCK_P=BP, QB=QUANT_BLOCK,
-                                                            num_warps=4)
+                                                            num_warps=ROW_PASS_WARPS)
     return q, s
 
 
@@ -99,10 +104,10 @@ def situ_backward_rows(dh: torch.Tensor, gu: torch.Tensor, beta: float, linear_b
     q = torch.empty(P, 2 * I, device=dh.device, dtype=torch.float8_e4m3fn)
     s = torch.empty(P, 2 * I // QUANT_BLOCK, device=dh.device, dtype=torch.float32)
     if P:
-        BM = 16
+        BM = ROW_PASS_ROWS
         _situ_bwd_rows_kernel[(cdiv(P, BM), I // QUANT_BLOCK)](dh, gu, dgu, q, s, P, I, float(beta),
                                                                float(linear_beta), BLOCK_M=BM, QB=QUANT_BLOCK,
-                                                               num_warps=4)
+                                                               num_warps=ROW_PASS_WARPS)
     return dgu, (q, s)
 
 

@@ -59,6 +59,29 @@ def test_token_blocks_never_cross_an_expert():
         assert torch.equal(s[t0:t1].t(), s_r), e
 
 
+@pytest.mark.parametrize("setting", [(32, 8, 128, 4), (64, 4, 32, 8)])
+def test_pass_program_sizes_do_not_change_the_bits(monkeypatch, setting):
+    """The quantisation passes' program sizes (rows a row-pass program, columns a token-block program, warps) are
+    benchmark knobs (benchmarks/moe.py sweeps them on the GPU): rows and columns are independent, so every
+    setting gives the default's bits, ragged rows and experts included."""
+    plan = _plan([150, 0, 40, 129])
+    x = _rows(plan.rows, 256, seed=3)
+    dh, gu = _rows(plan.rows, 128, seed=4), _rows(plan.rows, 256, seed=5)
+    tiles, offsets = fp8_grad.token_block_tiles(plan)
+    used = int(offsets[-1])  # the token-block pass leaves unused tiles unwritten
+
+    def run():
+        tq, ts = fp8_grad.quantize_token_blocks(x, tiles)
+        return [*fp8_grad.quantize_rows(x), tq[:, :used * 128], ts[:used],
+                *fp8_grad.situ_backward_rows(dh, gu, 4.0, 25.0)[1]]
+    default = run()
+    for name, value in zip(("ROW_PASS_ROWS", "ROW_PASS_WARPS", "TOKEN_BLOCK_COLUMNS", "TOKEN_BLOCK_WARPS"), setting):
+        monkeypatch.setattr(fp8_grad, name, value)
+    for i, (a, b) in enumerate(zip(default, run())):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), i
+
+
 def test_situ_backward_and_row_quantisation_in_one_pass_give_the_two_passes_bits():
     """`situ_backward_rows` (one read of dH and G | U) == situ_backward then quantize_rows, bit for bit: dG | dU and
     its 1 x 128 rows (each block within dG or within dU), ragged row counts included."""
