@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import weakref
 
 import torch
 
@@ -33,8 +34,10 @@ class Precision(enum.Enum):
     FP8_FULL = "fp8_full"   # forward, dgrad and wgrad GEMMs in e4m3 (fp8_grad.py: DeepSeek-V3's recipe)
 
 
-# key -> ((data_ptr, version) of each source weight, (q, scale)): requantised only when a source changed
-_FP8_CACHE: dict[tuple, tuple[tuple, tuple[torch.Tensor, torch.Tensor]]] = {}
+# key -> ((data_ptr, version) of each source weight, (q, scale), weak references to the sources): requantised
+# only when a source changed. Keys hold id()s, which Python reuses once a tensor dies (and the allocator its
+# data_ptr): an entry is used only for the very tensors it was made from, and dropped when one of them dies.
+_FP8_CACHE: dict[tuple, tuple[tuple, tuple[torch.Tensor, torch.Tensor], tuple[weakref.ref, ...]]] = {}
 
 
 def fp8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,12 +63,23 @@ def fp8_weight_t13(w1: torch.Tensor, w3: torch.Tensor) -> tuple[torch.Tensor, to
 def _cached(key, sources: tuple[torch.Tensor, ...], make):
     stamp = tuple((t.data_ptr(), t._version) for t in sources)
     hit = _FP8_CACHE.get(key)
-    if hit is not None and hit[0] == stamp:
+    same_tensors = hit is not None and all(ref() is t for ref, t in zip(hit[2], sources))
+    if same_tensors and hit[0] == stamp:
         return hit[1]
     with torch.no_grad():
         value = make()
-    _FP8_CACHE[key] = (stamp, value)
+    _FP8_CACHE[key] = (stamp, value, hit[2] if same_tensors else tuple(weakref.ref(t) for t in sources))
+    if not same_tensors:  # once per tensor, not per version: the entry goes when a source does
+        for t in sources:
+            weakref.finalize(t, _drop, key).atexit = False
     return value
+
+
+def _drop(key) -> None:
+    """A source of `key`'s entry died: drop the entry, unless it was remade meanwhile for live tensors."""
+    hit = _FP8_CACHE.get(key)
+    if hit is not None and any(ref() is None for ref in hit[2]):
+        del _FP8_CACHE[key]
 
 
 def clear_fp8_cache() -> None:

@@ -177,6 +177,26 @@ def test_transposed_weight_caches_follow_the_weights():
     assert torch.equal(s13b[:, :, 1:], 2 * s13[:, :, 1:]) and torch.equal(s13b[:, :, :1], s13[:, :, :1])
 
 
+def test_fp8_cache_never_serves_a_dead_tensors_copy():
+    """The FP8 copies are cached under id(w) with (data_ptr, version) as the stamp; Python reuses a dead tensor's id
+    and the allocator its memory, so fresh clones (as every forward of the tests makes) could get another, dead
+    weight's copy -- found as an order-dependent GPU test failure (session 32), reproduced here: without the
+    identity check this loop was served stale copies. Entries of dead tensors are dropped."""
+    from k3_kernels.moe import layer
+    from k3_kernels.moe.quant import quantize_weight_fp8
+    g = torch.Generator().manual_seed(12)
+    case = [(torch.randn(2, 128, 128, generator=g) * (j + 1)).to(DEV, torch.bfloat16) for j in range(3)]
+    before = len(layer._FP8_CACHE)
+    for _ in range(30):
+        clones = [t.clone() for t in case]
+        for w in clones:
+            q, s = fp8_weight(w)
+            q_ref, s_ref = quantize_weight_fp8(w)
+            assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+        del clones, w, q, s
+    assert len(layer._FP8_CACHE) == before
+
+
 # ------------------------------------------------------------------------------------------------- GPU (sm_90)
 def _sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
