@@ -46,13 +46,15 @@ class GluonTile:
     """Launch settings: block_m rows (two consumer warpgroups of block_m / 2 = 64 rows), block_n = 128 output
     columns (one weight-scale block), block_k = 128 (one scale block), `stages` TMA slots, registers a consumer
     thread gets (setmaxnreg; the producer warp's group gets 40; 3 groups of 128 threads share 64K registers),
-    and whether the grid is persistent (one program an SM, each walking tiles pid, pid + programs, ...: its
-    producer loads the next tile while the consumers scale and store the last) or one program a tile."""
+    whether the grid is persistent (one program an SM, each walking tiles pid, pid + programs, ...: its producer
+    loads the next tile while the consumers scale and store the last) or one program a tile, and whether the
+    consumers load the next K block's scales before this block's chain."""
     block_m: int = 128
-    stages: int = 3  # the H200 sweep's best of 3-6 (benchmarks/moe.py --gluon-gemms: within ~6% of each other)
+    stages: int = 4  # persistent: 4 >= 3 on every GEMM but one (within 0.2%) in the H200 sweep (--gluon-gemms)
     consumer_regs: int = 232
     group_m: int = 8
-    persistent: bool = True  # blind: measured against one program a tile by --gluon-gemms
+    persistent: bool = True  # H200 A/B (--gluon-gemms): every FP8 GEMM as fast or faster, down 1.30x
+    prefetch_scales: bool = False  # unmeasured: the sweep's A/B decides
     block_n: int = QUANT_BLOCK
     block_k: int = QUANT_BLOCK
 
@@ -146,25 +148,46 @@ def _mm_producer(a_desc, b_desc, b2_desc, ready, empty, a_lo, a_hi, b_bufs, tile
 
 
 @gluon.jit
-def _consume_tile(a_bufs, b_bufs, ready, empty, sa_ptrs, rmask, sb_ptr, it, n_k, sb_step, sa_step,
-                  HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SCALES_PER_COL: gl.constexpr):
+def _consume_tile(a_bufs, b_bufs, ready, empty, sa_ptrs, rmask, sb_ptr, sb_mask, it, n_k, sb_step, sa_step,
+                  HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SCALES_PER_COL: gl.constexpr,
+                  PREFETCH_SCALES: gl.constexpr):
     """One warpgroup's rows of one tile. Per K block: wgmma chain from zero, wait, free the slot, then
     acc + P * (s_a * s_b) on the CUDA cores (s_a * s_b once a row: one FMA an element) -- while the other
     warpgroup's chain runs on the tensor cores. s_a is one scale a row (sa_ptrs + k * sa_step), s_b one scalar
-    (sb_ptr + k) or, SCALES_PER_COL (the wgrad), one a column (sb_ptr + k * sb_step), applied as
-    acc + (P * s_a) * s_b."""
+    (sb_ptr + k) or, SCALES_PER_COL (the wgrad), one a column (sb_ptr + k * sb_step, sb_mask), applied as
+    acc + (P * s_a) * s_b. PREFETCH_SCALES loads block k + 1's scales before block k's chain (their latency off
+    the scaling's path; more registers, same bits)."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
     acc = gl.zeros((HALF_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
     part = gl.zeros((HALF_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+    if PREFETCH_SCALES:
+        has_k = n_k > 0  # (an expert without tokens: its scale row may lie past the end)
+        sa_next = gl.load(sa_ptrs, mask=rmask & has_k, other=0.0)
+        if SCALES_PER_COL:
+            sb_next = gl.load(sb_ptr, mask=sb_mask & has_k, other=0.0)
+        else:
+            sb_next = gl.load(sb_ptr, mask=has_k, other=0.0)
     for k in range(n_k):
         i = it + k
         slot = i % STAGES
-        sa = gl.load(sa_ptrs + k * sa_step, mask=rmask, other=0.0)
-        if SCALES_PER_COL:
-            sb = gl.load(sb_ptr + k * sb_step)
+        if PREFETCH_SCALES:
+            sa = sa_next
+            sb = sb_next
+            k_next = gl.minimum(k + 1, n_k - 1)  # the last block loads its own scales again (in bounds)
+            sa_next = gl.load(sa_ptrs + k_next * sa_step, mask=rmask, other=0.0)
+            if SCALES_PER_COL:
+                sb_next = gl.load(sb_ptr + k_next * sb_step, mask=sb_mask, other=0.0)
+            else:
+                sb_next = gl.load(sb_ptr + k_next)
         else:
-            row_scale = sa * gl.load(sb_ptr + k)  # one multiply a row, then one FMA an element
+            sa = gl.load(sa_ptrs + k * sa_step, mask=rmask, other=0.0)
+            if SCALES_PER_COL:
+                sb = gl.load(sb_ptr + k * sb_step, mask=sb_mask, other=0.0)
+            else:
+                sb = gl.load(sb_ptr + k)
+        if not SCALES_PER_COL:
+            row_scale = sa * sb  # one multiply a row, then one FMA an element
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         part = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), part, use_acc=False,
                              is_async=True)
@@ -183,7 +206,7 @@ def _consume_tile(a_bufs, b_bufs, ready, empty, sa_ptrs, rmask, sb_ptr, it, n_k,
 @gluon.jit
 def _mm_consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, bs2_ptr, c_ptr, tiles_ptr, n_tiles_m, N, N_B, K,
                  c_stride, ROW_OFFSET: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                 BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, PREFETCH_SCALES: gl.constexpr):
     """One warpgroup: rows [r0 + ROW_OFFSET, + HALF_M) of every tile this program owns; stores each tile."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
@@ -197,8 +220,8 @@ def _mm_consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, bs2_ptr, c_ptr, t
             sb_ptr = gl.where(second, bs2_ptr, bs_ptr) + sb_base
             rows = r0 + ROW_OFFSET + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, mma_layout))
             rmask = rows < r1
-            acc = _consume_tile(a_bufs, b_bufs, ready, empty, as_ptr + rows.to(gl.int64) * n_k, rmask, sb_ptr, it,
-                                n_k, 0, 1, HALF_M, BLOCK_N, STAGES, False)
+            acc = _consume_tile(a_bufs, b_bufs, ready, empty, as_ptr + rows.to(gl.int64) * n_k, rmask, sb_ptr, None,
+                                it, n_k, 0, 1, HALF_M, BLOCK_N, STAGES, False, PREFETCH_SCALES)
             it += n_k
             cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
             ptrs = c_ptr + rows.to(gl.int64)[:, None] * c_stride + cols[None, :]
@@ -209,7 +232,8 @@ def _mm_consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, bs2_ptr, c_ptr, t
 def _scaled_mm_kernel(a_desc, b_desc, b2_desc, as_ptr, bs_ptr, bs2_ptr, c_ptr, tiles_ptr, n_tiles_m, N, N_B, K,
                       c_stride,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                      STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                      STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PREFETCH_SCALES: gl.constexpr,
+                      num_warps: gl.constexpr):
     """Warp-specialised: this partition (4 warps) and a worker partition (4 warps) each own half of a tile's
     rows; a 1-warp worker issues the TMA loads. Slots are freed when both halves' chains have read them.
     Output columns [0, N_B) come from B (b_desc, bs_ptr), [N_B, N) from B2 (gate/up: W1 then W3, one launch).
@@ -219,9 +243,9 @@ def _scaled_mm_kernel(a_desc, b_desc, b2_desc, as_ptr, bs_ptr, bs2_ptr, c_ptr, t
     a_lo, a_hi, b_bufs, ready, empty = _ring(a_desc, b_desc, STAGES)
     gl.warp_specialize([
         (_mm_consumer, (a_lo, b_bufs, ready, empty, as_ptr, bs_ptr, bs2_ptr, c_ptr, tiles_ptr, n_tiles_m, N, N_B, K,
-                        c_stride, 0, HALF_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+                        c_stride, 0, HALF_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, PREFETCH_SCALES)),
         (_mm_consumer, (a_hi, b_bufs, ready, empty, as_ptr, bs_ptr, bs2_ptr, c_ptr, tiles_ptr, n_tiles_m, N, N_B, K,
-                        c_stride, HALF_M, HALF_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+                        c_stride, HALF_M, HALF_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, PREFETCH_SCALES)),
         (_mm_producer, (a_desc, b_desc, b2_desc, ready, empty, a_lo, a_hi, b_bufs, tiles_ptr, n_tiles_m, N, N_B, K,
                         BLOCK_N, BLOCK_K, GROUP_M, STAGES, HALF_M)),
     ], [4, 1], [CONSUMER_REGS, 40])
@@ -254,7 +278,7 @@ def _wgrad_producer(a_desc, b_desc, ready, empty, a_lo, a_hi, b_bufs, tile_off_p
 @gluon.jit
 def _wgrad_consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, out_ptr, out2_ptr, tile_off_ptr, M, N, M_SPLIT,
                     n_tiles, ROW_OFFSET: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    STAGES: gl.constexpr):
+                    STAGES: gl.constexpr, PREFETCH_SCALES: gl.constexpr):
     """One warpgroup of the wgrad: rows [m0 + ROW_OFFSET, + HALF_M) of A for every tile the program owns; per
     token block t the partial is scaled by s_a[t, m] and s_b[t, n] (both per row of their operand: 128 tokens x 1
     blocks; scales are [T, channels], so a block's scales are one contiguous row)."""
@@ -268,7 +292,7 @@ def _wgrad_consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, out_ptr, out2_
         cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
         t64 = t0.to(gl.int64)
         acc = _consume_tile(a_bufs, b_bufs, ready, empty, as_ptr + t64 * M + rows, rows < M, bs_ptr + t64 * N + cols,
-                            it, n_k, N, M, HALF_M, BLOCK_N, STAGES, True)
+                            cols < N, it, n_k, N, M, HALF_M, BLOCK_N, STAGES, True, PREFETCH_SCALES)
         it += n_k
         second = m0 >= M_SPLIT
         out_rows = gl.where(second, M - M_SPLIT, M_SPLIT)
@@ -280,7 +304,7 @@ def _wgrad_consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, out_ptr, out2_
 @gluon.jit
 def _scaled_wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, out2_ptr, tile_off_ptr, M, N, M_SPLIT, n_tiles,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                         CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                         CONSUMER_REGS: gl.constexpr, PREFETCH_SCALES: gl.constexpr, num_warps: gl.constexpr):
     """out[e] tile (tm, tn) = sum over expert e's token blocks (fp8_grad._wgrad_kernel's product, same order):
     the forward kernel's partitions with K running over the expert's blocks and both scales per row; tiles
     expert-major, a program owning tiles pid, pid + programs, ... as the forward kernel's."""
@@ -288,9 +312,9 @@ def _scaled_wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, out2_ptr, tile
     a_lo, a_hi, b_bufs, ready, empty = _ring(a_desc, b_desc, STAGES)
     gl.warp_specialize([
         (_wgrad_consumer, (a_lo, b_bufs, ready, empty, as_ptr, bs_ptr, out_ptr, out2_ptr, tile_off_ptr, M, N,
-                           M_SPLIT, n_tiles, 0, BLOCK_M, BLOCK_N, STAGES)),
+                           M_SPLIT, n_tiles, 0, BLOCK_M, BLOCK_N, STAGES, PREFETCH_SCALES)),
         (_wgrad_consumer, (a_hi, b_bufs, ready, empty, as_ptr, bs_ptr, out_ptr, out2_ptr, tile_off_ptr, M, N,
-                           M_SPLIT, n_tiles, HALF_M, BLOCK_M, BLOCK_N, STAGES)),
+                           M_SPLIT, n_tiles, HALF_M, BLOCK_M, BLOCK_N, STAGES, PREFETCH_SCALES)),
         (_wgrad_producer, (a_desc, b_desc, ready, empty, a_lo, a_hi, b_bufs, tile_off_ptr, M, N, n_tiles, BLOCK_M,
                            BLOCK_N, BLOCK_K, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 40])
@@ -346,8 +370,8 @@ def scaled_segment_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
     grid = (_programs(n_m * (N // tile.block_n), tile, a.device),)
     _scaled_mm_kernel[grid](a_desc, b_desc, b2_desc, a_scale, b_scale, b2_scale, out, tiles, n_m, N, N_B, K,
                             out.stride(0), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-                            GROUP_M=tile.group_m, STAGES=tile.stages, CONSUMER_REGS=tile.consumer_regs, num_warps=4,
-                            maxnreg=_MAXNREG)
+                            GROUP_M=tile.group_m, STAGES=tile.stages, CONSUMER_REGS=tile.consumer_regs,
+                            PREFETCH_SCALES=tile.prefetch_scales, num_warps=4, maxnreg=_MAXNREG)
     return out
 
 
@@ -371,4 +395,4 @@ def scaled_wgrad(aq: torch.Tensor, a_scale: torch.Tensor, bq: torch.Tensor, b_sc
     _scaled_wgrad_kernel[(_programs(n_tiles, tile, aq.device),)](
         a_desc, b_desc, a_scale, b_scale, out, out2, tile_offsets, M, N, split, n_tiles, BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.stages, CONSUMER_REGS=tile.consumer_regs,
-        num_warps=4, maxnreg=_MAXNREG)
+        PREFETCH_SCALES=tile.prefetch_scales, num_warps=4, maxnreg=_MAXNREG)
