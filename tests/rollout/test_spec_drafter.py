@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from k3.rollout import Engine, SamplingParams
-from k3.rollout.spec import SpecConfig
+from k3.rollout.spec import DrafterDtype, SpecConfig
 from k3.rollout.spec.drafter import load_drafter, save_drafter
 from k3.rollout.spec.ngram import NgramDrafter, SuffixIndex
 from k3.rollout.spec.train_drafter import DrafterTrainConfig, target_features, train_head
@@ -59,9 +59,14 @@ def test_bfloat16_head_is_bitwise_plain_decoding(model, trained):
     assert st["spec_accepted_tokens"] > 0.3 * st["spec_draft_tokens"], st
     with pytest.raises(ValueError, match="speculative.drafter_dtype"):
         SpecConfig(method="drafter", drafter_dtype="fp8")
-    # the default drafts in the target's dtype (this fp32 target: fp32; a bf16 target on the GPU: bf16)
+    # the default ("auto") drafts in the target's dtype off CUDA (this fp32 target: fp32), in e4m3 on CUDA
     default = Engine(model, speculative=SpecConfig(method="drafter", drafter_path=str(path)), **SMALL)
-    assert SpecConfig().drafter_dtype.value == "target" and default.spec.drafter.dtype == next(model.parameters()).dtype
+    assert SpecConfig().drafter_dtype.value == "auto" and default.spec.drafter.dtype == next(model.parameters()).dtype
+    assert SpecConfig().drafter_dtype.resolved("cuda") is DrafterDtype.FLOAT8
+    assert SpecConfig().drafter_dtype.resolved("cpu") is DrafterDtype.TARGET
+    assert SpecConfig(drafter_dtype="bfloat16").drafter_dtype.resolved("cuda") is DrafterDtype.BFLOAT16
+    with pytest.raises(ValueError, match="drafter_dtype"):
+        DrafterDtype.AUTO.torch_dtype(torch.float32)
 
 
 def test_static_verify_with_features_is_bitwise_plain_decoding(model, trained):

@@ -51,21 +51,33 @@ class Acceptance(str, enum.Enum):
 
 
 class DrafterDtype(str, enum.Enum):
-    """The trained head's weights and arithmetic at draft time (its RMS norms reduce in fp32 either way). TARGET
-    (the default): the target model's parameter dtype (bf16 for a bf16 target, fp32 for the CPU tiny model).
+    """The trained head's weights and arithmetic at draft time (its RMS norms reduce in fp32 either way). AUTO (the
+    default): FLOAT8 on CUDA (faster than the bf16 head at batch 1 and 8 in both H200 runs, sessions 31-32; same
+    accept length), TARGET elsewhere. TARGET: the target model's parameter dtype (bf16 for a bf16 target, fp32
+    for the CPU tiny model).
     FLOAT32: as trained. BFLOAT16: half the bytes a draft step reads (at K3's width the head's fuse / mix / up /
     down matrices are 1.8 GB in fp32, read once (fuse) and three times (the rest) for a chain of 3). FLOAT8: those
     four matrices in e4m3 with one scale per output row (k3_kernels.fp8_linear; a quarter of fp32's bytes), the
-    activations in the target's dtype. The values other than "target" and "float8" are the torch dtypes' names."""
+    activations in the target's dtype. The values other than "auto", "target" and "float8" are the torch dtypes'
+    names."""
+    AUTO = "auto"
     TARGET = "target"
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
     FLOAT8 = "float8"
 
+    def resolved(self, device_type: str) -> "DrafterDtype":
+        """The concrete choice on a device of this type (AUTO -> FLOAT8 on CUDA, TARGET elsewhere)."""
+        if self is DrafterDtype.AUTO:
+            return DrafterDtype.FLOAT8 if device_type == "cuda" else DrafterDtype.TARGET
+        return self
+
     def torch_dtype(self, target: "torch.dtype") -> "torch.dtype":
         """The dtype of the head's activations (and, but for FLOAT8, its weights) for a target whose parameters
-        are `target`."""
+        are `target` (a resolved choice: not AUTO)."""
         import torch
+        if self is DrafterDtype.AUTO:
+            raise ValueError("drafter_dtype: resolve 'auto' for a device first (DrafterDtype.resolved)")
         return target if self in (DrafterDtype.TARGET, DrafterDtype.FLOAT8) else getattr(torch, self.value)
 
 
@@ -84,7 +96,7 @@ class SpecConfig:
     # first, a shorter one only when it agrees with the head's first token; 0 = the head alone. (method=ngram is
     # prompt lookup itself and ignores it.)
     lookup: int = 2
-    drafter_dtype: DrafterDtype = DrafterDtype.TARGET   # method=drafter: the head's precision at draft time
+    drafter_dtype: DrafterDtype = DrafterDtype.AUTO     # method=drafter: the head's precision at draft time
 
     def __post_init__(self) -> None:
         for name, enum_type in (("method", SpecMethod), ("verify", VerifyMode), ("acceptance", Acceptance),

@@ -44,8 +44,9 @@ class SpecDecoder:
             self.drafter = NgramDrafter(cfg.ngram_max, cfg.ngram_min)
         else:
             from k3.rollout.spec.drafter import load_drafter
-            self.drafter = load_drafter(cfg.drafter_path, eng.model, cfg.drafter_dtype.torch_dtype(eng.dtype),
-                                        fp8_weights=cfg.drafter_dtype is DrafterDtype.FLOAT8)
+            dtype = cfg.drafter_dtype.resolved(eng.device.type)
+            self.drafter = load_drafter(cfg.drafter_path, eng.model, dtype.torch_dtype(eng.dtype),
+                                        fp8_weights=dtype is DrafterDtype.FLOAT8)
             if eng.graphs is not None:   # the chain's draft steps as CUDA graphs too
                 self.drafter.capture_graphs(trees=eng.graphs.trees)
         self.features: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # seq -> its latest features
