@@ -26,6 +26,7 @@ benchmarks/results/moe.json (or $OUT/moe.json when OUT is set).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -351,8 +352,9 @@ def sweep(E, N, L, I, k, device, reps_ms):
 OURS = {f"ours_{prec.value}{suffix}": (cls, prec) for prec in Precision
         for suffix, cls in (("", OursMoE), ("_triton", OursMoETriton), ("_gluon", OursMoEGluon))}
 
-# (stages, consumer registers, persistent grid, prefetched scales): the default first
-GLUON_FP8_TILES = [(4, 232, True, False), (4, 232, True, True), (3, 232, True, True), (4, 232, False, False)]
+# GluonTile fields changed from the default (the default first)
+GLUON_FP8_TILES = [{}, {"prefetch_scales": True}, {"tma_store_wgrad": True},
+                   {"prefetch_scales": True, "tma_store_wgrad": True}, {"stages": 3}, {"persistent": False}]
 # (row-pass rows, warps, token-block columns, warps): the defaults first
 PASS_SETTINGS = [(16, 4, 64, 8), (32, 4, 128, 8), (64, 8, 32, 4), (32, 8, 64, 4), (128, 8, 128, 4)]
 GLUON_BF16_TILES: list[tuple[int, int]] = []  # (block_n, stages); session 31 swept 4 (moe_gluon.json)
@@ -452,10 +454,9 @@ def gluon_gemms(E, N, L, I, k, device, reps_ms):
         print(f"{name}: {row}", flush=True)
     for name, fn in passes.items():
         out["passes_ms"][name] = timing(fn)
-    sweeps = [(gluon_gemm, f"fp8_stages{st}_regs{r}" + ("_persistent" if pers else "") + ("_prefetch" if pre else ""),
-               gluon_gemm.GluonTile(stages=st, consumer_regs=r, persistent=pers, prefetch_scales=pre),
-               ("gate_up", "down", "gate_up_dgrad", "wgrad_w2", "wgrad_w13"))
-              for st, r, pers, pre in GLUON_FP8_TILES]
+    sweeps = [(gluon_gemm, "fp8_" + ("_".join(f"{k}={v}" for k, v in change.items()) or "default"),
+               dataclasses.replace(gluon_gemm.DEFAULT_TILE, **change),
+               ("gate_up", "down", "gate_up_dgrad", "wgrad_w2", "wgrad_w13")) for change in GLUON_FP8_TILES]
     sweeps += [(gluon_bf16, f"bf16_n{bn}_stages{st}", gluon_bf16.Bf16Tile(block_n=bn, stages=st),
                 ("bf16_down", "bf16_gate_up_dgrad", "bf16_wgrad_w2")) for bn, st in GLUON_BF16_TILES]
     for module, key, tile, names in sweeps:

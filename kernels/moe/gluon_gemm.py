@@ -47,14 +47,16 @@ class GluonTile:
     columns (one weight-scale block), block_k = 128 (one scale block), `stages` TMA slots, registers a consumer
     thread gets (setmaxnreg; the producer warp's group gets 40; 3 groups of 128 threads share 64K registers),
     whether the grid is persistent (one program an SM, each walking tiles pid, pid + programs, ...: its producer
-    loads the next tile while the consumers scale and store the last) or one program a tile, and whether the
-    consumers load the next K block's scales before this block's chain."""
+    loads the next tile while the consumers scale and store the last) or one program a tile, whether the
+    consumers load the next K block's scales before this block's chain, and whether the wgrad stores its tiles
+    by TMA from shared memory (16 KB a consumer)."""
     block_m: int = 128
     stages: int = 4  # persistent: 4 >= 3 on every GEMM but one (within 0.2%) in the H200 sweep (--gluon-gemms)
     consumer_regs: int = 232
     group_m: int = 8
     persistent: bool = True  # H200 A/B (--gluon-gemms): every FP8 GEMM as fast or faster, down 1.30x
     prefetch_scales: bool = False  # unmeasured: the sweep's A/B decides
+    tma_store_wgrad: bool = False  # the wgrad's tiles out by TMA from shared memory; unmeasured (sweep A/B)
     block_n: int = QUANT_BLOCK
     block_k: int = QUANT_BLOCK
 
@@ -276,12 +278,15 @@ def _wgrad_producer(a_desc, b_desc, ready, empty, a_lo, a_hi, b_bufs, tile_off_p
 
 
 @gluon.jit
-def _wgrad_consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, out_ptr, out2_ptr, tile_off_ptr, M, N, M_SPLIT,
-                    n_tiles, ROW_OFFSET: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    STAGES: gl.constexpr, PREFETCH_SCALES: gl.constexpr):
+def _wgrad_consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, out_ptr, out2_ptr, out_desc, out2_desc, c_buf,
+                    tile_off_ptr, M, N, M_SPLIT, n_tiles, ROW_OFFSET: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PREFETCH_SCALES: gl.constexpr,
+                    TMA_STORE: gl.constexpr):
     """One warpgroup of the wgrad: rows [m0 + ROW_OFFSET, + HALF_M) of A for every tile the program owns; per
     token block t the partial is scaled by s_a[t, m] and s_b[t, n] (both per row of their operand: 128 tokens x 1
-    blocks; scales are [T, channels], so a block's scales are one contiguous row)."""
+    blocks; scales are [T, channels], so a block's scales are one contiguous row). TMA_STORE: the tile goes out
+    through c_buf (shared memory) by a TMA store that drains while the next tile's chains run (its rows are
+    whole: no mask), instead of each thread storing its registers."""
     HALF_M: gl.constexpr = BLOCK_M // 2
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
@@ -296,25 +301,46 @@ def _wgrad_consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, out_ptr, out2_
         it += n_k
         second = m0 >= M_SPLIT
         out_rows = gl.where(second, M - M_SPLIT, M_SPLIT)
-        base = gl.where(second, out2_ptr, out_ptr) + e * out_rows * N
-        local = rows - gl.where(second, M_SPLIT, 0)
-        gl.store(base + local.to(gl.int64)[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty))
+        if TMA_STORE:
+            tma.store_wait(0)  # the last tile's store has read c_buf
+            c_buf.store(acc.to(out_desc.dtype))
+            fence_async_shared()
+            row = (e * out_rows + m0 + ROW_OFFSET - gl.where(second, M_SPLIT, 0)).to(gl.int32)
+            if second:
+                tma.async_copy_shared_to_global(out2_desc, [row, col0], c_buf)
+            else:
+                tma.async_copy_shared_to_global(out_desc, [row, col0], c_buf)
+        else:
+            base = gl.where(second, out2_ptr, out_ptr) + e * out_rows * N
+            local = rows - gl.where(second, M_SPLIT, 0)
+            gl.store(base + local.to(gl.int64)[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty))
+    if TMA_STORE:
+        tma.store_wait(0)
 
 
 @gluon.jit
-def _scaled_wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, out2_ptr, tile_off_ptr, M, N, M_SPLIT, n_tiles,
-                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                         CONSUMER_REGS: gl.constexpr, PREFETCH_SCALES: gl.constexpr, num_warps: gl.constexpr):
+def _scaled_wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, out2_ptr, out_desc, out2_desc, tile_off_ptr, M, N,
+                         M_SPLIT, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PREFETCH_SCALES: gl.constexpr,
+                         TMA_STORE: gl.constexpr, num_warps: gl.constexpr):
     """out[e] tile (tm, tn) = sum over expert e's token blocks (fp8_grad._wgrad_kernel's product, same order):
     the forward kernel's partitions with K running over the expert's blocks and both scales per row; tiles
     expert-major, a program owning tiles pid, pid + programs, ... as the forward kernel's."""
     HALF_M: gl.constexpr = BLOCK_M // 2
     a_lo, a_hi, b_bufs, ready, empty = _ring(a_desc, b_desc, STAGES)
+    if TMA_STORE:  # one output half-tile buffer a consumer
+        c_lo = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
+        c_hi = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
+    else:
+        c_lo = a_lo
+        c_hi = a_hi
     gl.warp_specialize([
-        (_wgrad_consumer, (a_lo, b_bufs, ready, empty, as_ptr, bs_ptr, out_ptr, out2_ptr, tile_off_ptr, M, N,
-                           M_SPLIT, n_tiles, 0, BLOCK_M, BLOCK_N, STAGES, PREFETCH_SCALES)),
-        (_wgrad_consumer, (a_hi, b_bufs, ready, empty, as_ptr, bs_ptr, out_ptr, out2_ptr, tile_off_ptr, M, N,
-                           M_SPLIT, n_tiles, HALF_M, BLOCK_M, BLOCK_N, STAGES, PREFETCH_SCALES)),
+        (_wgrad_consumer, (a_lo, b_bufs, ready, empty, as_ptr, bs_ptr, out_ptr, out2_ptr, out_desc, out2_desc, c_lo,
+                           tile_off_ptr, M, N, M_SPLIT, n_tiles, 0, BLOCK_M, BLOCK_N, STAGES, PREFETCH_SCALES,
+                           TMA_STORE)),
+        (_wgrad_consumer, (a_hi, b_bufs, ready, empty, as_ptr, bs_ptr, out_ptr, out2_ptr, out_desc, out2_desc, c_hi,
+                           tile_off_ptr, M, N, M_SPLIT, n_tiles, HALF_M, BLOCK_M, BLOCK_N, STAGES, PREFETCH_SCALES,
+                           TMA_STORE)),
         (_wgrad_producer, (a_desc, b_desc, ready, empty, a_lo, a_hi, b_bufs, tile_off_ptr, M, N, n_tiles, BLOCK_M,
                            BLOCK_N, BLOCK_K, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 40])
@@ -327,9 +353,13 @@ def _programs(n_tiles: int, tile: GluonTile, device: torch.device) -> int:
     return max(1, min(n_tiles, torch.cuda.get_device_properties(device).multi_processor_count))
 
 
+_GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
+              torch.float32: gl.float32}
+
+
 def _descriptor(t: torch.Tensor, block: list[int]):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
+    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
     return TensorDescriptor.from_tensor(t, block, layout)
 
 
@@ -391,8 +421,12 @@ def scaled_wgrad(aq: torch.Tensor, a_scale: torch.Tensor, bq: torch.Tensor, b_sc
             raise ValueError(f"{name}: must be contiguous")
     a_desc = _descriptor(aq, [tile.block_m // 2, tile.block_k])
     b_desc = _descriptor(bq, [tile.block_n, tile.block_k])
+    box = [tile.block_m // 2, tile.block_n]  # the TMA store's: one consumer's half of an output tile
+    out_desc = _descriptor(out.view(-1, N), box)
+    out2_desc = _descriptor(out2.view(-1, N), box) if out2.numel() else out_desc
     n_tiles = E * (M // tile.block_m) * (N // tile.block_n)
     _scaled_wgrad_kernel[(_programs(n_tiles, tile, aq.device),)](
-        a_desc, b_desc, a_scale, b_scale, out, out2, tile_offsets, M, N, split, n_tiles, BLOCK_M=tile.block_m,
-        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.stages, CONSUMER_REGS=tile.consumer_regs,
-        PREFETCH_SCALES=tile.prefetch_scales, num_warps=4, maxnreg=_MAXNREG)
+        a_desc, b_desc, a_scale, b_scale, out, out2, out_desc, out2_desc, tile_offsets, M, N, split, n_tiles,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.stages,
+        CONSUMER_REGS=tile.consumer_regs, PREFETCH_SCALES=tile.prefetch_scales, TMA_STORE=tile.tma_store_wgrad,
+        num_warps=4, maxnreg=_MAXNREG)

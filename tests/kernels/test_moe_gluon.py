@@ -124,15 +124,17 @@ ptrs = dict(as_ptr="*fp32", bs_ptr="*fp32", bs2_ptr="*fp32", c_ptr="*bf16", out_
 ints = {n: "i32" for n in ("n_tiles_m", "N", "N_B", "K", "K_B", "c_stride", "M", "M_SPLIT", "d_stride", "x_stride",
                           "n_tiles")}
 fp8 = dict(ptrs, **ints, a_desc=desc("fp8e4nv", [t.block_m // 2, 128]), b_desc=desc("fp8e4nv", [128, 128]),
-           b2_desc=desc("fp8e4nv", [128, 128]))
+           b2_desc=desc("fp8e4nv", [128, 128]), out_desc=desc("bf16", [t.block_m // 2, 128]),
+           out2_desc=desc("bf16", [t.block_m // 2, 128]))
 fp8_consts = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m, STAGES=t.stages,
-                  CONSUMER_REGS=t.consumer_regs, PREFETCH_SCALES=False, num_warps=4)
+                  CONSUMER_REGS=t.consumer_regs, PREFETCH_SCALES=False, TMA_STORE=False, num_warps=4)
 bf16_consts = dict(BLOCK_M=bt.block_m, BLOCK_N=bt.block_n, BLOCK_K=bt.block_k, GROUP_M=bt.group_m, STAGES=bt.stages,
                    CONSUMER_REGS=bt.consumer_regs, num_warps=4)
 out = {"_scaled_mm_kernel": build(G._scaled_mm_kernel, fp8, fp8_consts),
        "_scaled_wgrad_kernel": build(G._scaled_wgrad_kernel, fp8, fp8_consts),
        "_scaled_mm_kernel_prefetch": build(G._scaled_mm_kernel, fp8, dict(fp8_consts, PREFETCH_SCALES=True)),
        "_scaled_wgrad_kernel_prefetch": build(G._scaled_wgrad_kernel, fp8, dict(fp8_consts, PREFETCH_SCALES=True)),
+       "_scaled_wgrad_kernel_tma_store": build(G._scaled_wgrad_kernel, fp8, dict(fp8_consts, TMA_STORE=True)),
        "bf16_wgrad": build(B._bf16_wgrad_kernel, dict(ptrs, **ints), bf16_consts)}
 for k_major in (True, False):
     box = [bt.block_n, bt.block_k] if k_major else [bt.block_k, bt.block_n]
@@ -157,7 +159,8 @@ def test_gluon_gemm_builds_for_the_h200():
     assert run.returncode == 0, run.stderr[-3000:]
     builds = json.loads(run.stdout.strip().splitlines()[-1])
     assert set(builds) == {"_scaled_mm_kernel", "_scaled_wgrad_kernel", "_scaled_mm_kernel_prefetch",
-                           "_scaled_wgrad_kernel_prefetch", "bf16_k_major_True", "bf16_k_major_False", "bf16_wgrad"}
+                           "_scaled_wgrad_kernel_prefetch", "_scaled_wgrad_kernel_tma_store", "bf16_k_major_True",
+                           "bf16_k_major_False", "bf16_wgrad"}
     assert builds["bf16_wgrad"]["tensormap_acquires"] >= 2  # its per-expert descriptors, made on the device
     for name, out in builds.items():
         assert "serialized" not in out["info"], (name, out["info"])
