@@ -125,12 +125,15 @@ def _load_blocks(a_desc, b_desc, b2_desc, ready, empty, a_lo, a_hi, b_bufs, r0, 
 
 
 @gluon.jit
-def _mm_tile(e, tn, N_B, K, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
-    """Where an output tile's B lies: (first column, from the second B?, row of B's view [E * N_B, K], K blocks)."""
+def _mm_tile(t, tiles_ptr, n_tiles_m, N, N_B, K, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+             GROUP_M: gl.constexpr):
+    """Tile t of the grouped GEMM (`program_tile`'s order) -> (expert (-1: none), first row, the expert's end row,
+    first column, from the second B?, column within its B, row of B's view [E * N_B, K], K blocks)."""
+    e, r0, r1, tn = program_tile(t, tiles_ptr, n_tiles_m, gl.cdiv(N, BLOCK_N), GROUP_M)
     col0 = tn * BLOCK_N
     second = col0 >= N_B
-    local = col0 - gl.where(second, N_B, 0)  # column within its B
-    return col0, second, local, e * N_B + local, K // BLOCK_K
+    local = col0 - gl.where(second, N_B, 0)
+    return e, r0, r1, col0, second, local, e * N_B + local, K // BLOCK_K
 
 
 @gluon.jit
@@ -139,12 +142,11 @@ def _mm_producer(a_desc, b_desc, b2_desc, ready, empty, a_lo, a_hi, b_bufs, tile
                  HALF_M: gl.constexpr):
     """One warp: the loads of every tile this program owns (tiles pid, pid + programs, ...), running ahead into the
     next tile while the consumers finish the last one."""
-    n_tiles_n = gl.cdiv(N, BLOCK_N)
     it = 0
-    for t in range(gl.program_id(0), n_tiles_m * n_tiles_n, gl.num_programs(0)):
-        e, r0, r1, tn = program_tile(t, tiles_ptr, n_tiles_m, n_tiles_n, GROUP_M)
+    for t in range(gl.program_id(0), n_tiles_m * gl.cdiv(N, BLOCK_N), gl.num_programs(0)):
+        e, r0, r1, col0, second, local, off_b, n_k = _mm_tile(t, tiles_ptr, n_tiles_m, N, N_B, K, BLOCK_N, BLOCK_K,
+                                                               GROUP_M)
         if e >= 0:
-            col0, second, local, off_b, n_k = _mm_tile(e, tn, N_B, K, BLOCK_N, BLOCK_K)
             it = _load_blocks(a_desc, b_desc, b2_desc, ready, empty, a_lo, a_hi, b_bufs, r0, off_b, second, 0, n_k,
                               it, STAGES, BLOCK_K, HALF_M)
 
@@ -212,12 +214,11 @@ def _mm_consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, bs2_ptr, c_ptr, t
     """One warpgroup: rows [r0 + ROW_OFFSET, + HALF_M) of every tile this program owns; stores each tile."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
-    n_tiles_n = gl.cdiv(N, BLOCK_N)
     it = 0
-    for t in range(gl.program_id(0), n_tiles_m * n_tiles_n, gl.num_programs(0)):
-        e, r0, r1, tn = program_tile(t, tiles_ptr, n_tiles_m, n_tiles_n, GROUP_M)
+    for t in range(gl.program_id(0), n_tiles_m * gl.cdiv(N, BLOCK_N), gl.num_programs(0)):
+        e, r0, r1, col0, second, local, off_b, n_k = _mm_tile(t, tiles_ptr, n_tiles_m, N, N_B, K, BLOCK_N, BLOCK_K,
+                                                               GROUP_M)
         if e >= 0:
-            col0, second, local, off_b, n_k = _mm_tile(e, tn, N_B, K, BLOCK_N, BLOCK_K)
             sb_base = (e.to(gl.int64) * gl.cdiv(N_B, BLOCK_N) + local // BLOCK_N) * n_k
             sb_ptr = gl.where(second, bs2_ptr, bs_ptr) + sb_base
             rows = r0 + ROW_OFFSET + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, mma_layout))
