@@ -47,8 +47,8 @@ class Fp8LinearTile:
             raise ValueError("f16_operands: with the swapped layout only")
 
 
-# the H200 sweep's best chain of three drafter linears at 8 rows (benchmarks.fp8_linear --sweep; 0.414 ms against
-# 0.455 for the earlier guess, benchmarks/results/fp8_linear_h200_42ca552.json)
+# the H200 sweep's best chain of three drafter linears at 8 rows (benchmarks.fp8_linear --sweep ->
+# benchmarks/results/fp8_linear_h200_42ca552.json)
 DEFAULT_TILE = Fp8LinearTile(block_n=128, block_k=128, num_warps=8, num_stages=3, split_k=4, f16_operands=True)
 
 

@@ -51,12 +51,12 @@ class GluonTile:
     consumers load the next K block's scales before this block's chain, and whether the wgrad stores its tiles
     by TMA from shared memory (16 KB a consumer)."""
     block_m: int = 128
-    stages: int = 4  # persistent: 4 >= 3 on every GEMM but one (within 0.2%) in the H200 sweep (--gluon-gemms)
+    stages: int = 4  # the H200 sweep's choice (benchmarks/moe.py --gluon-gemms; kernels/moe/NOTES.md)
     consumer_regs: int = 232
     group_m: int = 8
-    persistent: bool = True  # H200 A/B (--gluon-gemms): every FP8 GEMM as fast or faster, down 1.30x
-    prefetch_scales: bool = False  # unmeasured: the sweep's A/B decides
-    tma_store_wgrad: bool = False  # the wgrad's tiles out by TMA from shared memory; unmeasured (sweep A/B)
+    persistent: bool = True  # the H200 A/B's choice (the same sweep)
+    prefetch_scales: bool = False  # off until the sweep has measured it
+    tma_store_wgrad: bool = False  # the wgrad's tiles out by TMA from shared memory; off until measured
     block_n: int = QUANT_BLOCK
     block_k: int = QUANT_BLOCK
 

@@ -52,8 +52,7 @@ class Acceptance(str, enum.Enum):
 
 class DrafterDtype(str, enum.Enum):
     """The trained head's weights and arithmetic at draft time (its RMS norms reduce in fp32 either way). AUTO (the
-    default): FLOAT8 on CUDA (faster than the bf16 head at batch 1 and 8 in both H200 runs, sessions 31-32; same
-    accept length), TARGET elsewhere. TARGET: the target model's parameter dtype (bf16 for a bf16 target, fp32
+    default): FLOAT8 on CUDA (the faster head on the H200: k3/rollout/spec/NOTES.md), TARGET elsewhere. TARGET: the target model's parameter dtype (bf16 for a bf16 target, fp32
     for the CPU tiny model).
     FLOAT32: as trained. BFLOAT16: half the bytes a draft step reads (at K3's width the head's fuse / mix / up /
     down matrices are 1.8 GB in fp32, read once (fuse) and three times (the rest) for a chain of 3). FLOAT8: those
