@@ -23,22 +23,10 @@ import triton.language as tl
 from k3_kernels.launch import cdiv
 from k3_kernels.moe import gluon_gemm
 from k3_kernels.moe import grouped_gemm as gg
-from k3_kernels.moe.permute import QUANT_BLOCK, RoutingPlan, e4m3_scale, e4m3_values
+from k3_kernels.moe.permute import QUANT_BLOCK, RoutingPlan, e4m3_scale, e4m3_values, store_row_quant
 
 
 # ------------------------------------------------------------------------------------------------- quantisers
-@triton.jit
-def _quant_row_block(v, rmask, r64, col0, block, q_ptr, s_ptr, C, QB: tl.constexpr):
-    """v [rows, QB] (rows past rmask ignored) quantised 1 x QB a row into q[r, col0:col0 + QB] (e4m3) and its
-    scale into s[r, block]; C is q's row length. Every row quantiser here goes through it."""
-    v = tl.where(rmask[:, None], v.to(tl.float32), 0.0)
-    scale = e4m3_scale(tl.max(tl.abs(v), axis=1))
-    q = e4m3_values(v, scale[:, None])
-    tl.store(q_ptr + r64[:, None] * C + col0 + tl.arange(0, QB)[None, :], q.to(q_ptr.dtype.element_ty),
-             mask=rmask[:, None])
-    tl.store(s_ptr + r64 * (C // QB) + block, scale, mask=rmask)
-
-
 # rows a program of the row passes (quantize_rows, situ_backward_rows) and its warps: rows are independent, so these
 # set the programs' size only, not the bits (benchmarks/moe.py --gluon-gemms sweeps them)
 ROW_PASS_ROWS, ROW_PASS_WARPS = 16, 4
@@ -51,7 +39,7 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, P, C, x_stride, BLOCK_P: tl.constexp
     rmask = rows < P
     r64 = rows.to(tl.int64)
     v = tl.load(x_ptr + r64[:, None] * x_stride + cols[None, :], mask=rmask[:, None], other=0.0)
-    _quant_row_block(v, rmask, r64, tl.program_id(1) * QB, tl.program_id(1), q_ptr, s_ptr, C, QB)
+    store_row_quant(v, rmask[:, None], rmask, r64, cols, tl.program_id(1), q_ptr, C, s_ptr, C // QB)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,8 +76,8 @@ def _situ_bwd_rows_kernel(dh_ptr, gu_ptr, dgu_ptr, q_ptr, s_ptr, P, I, beta, lin
     out = dgu_ptr + r64[:, None] * (2 * I) + cols[None, :]
     tl.store(out, dg, mask=rmask[:, None])
     tl.store(out + I, du, mask=rmask[:, None])
-    _quant_row_block(dg, rmask, r64, cb * QB, cb, q_ptr, s_ptr, 2 * I, QB)
-    _quant_row_block(du, rmask, r64, I + cb * QB, I // QB + cb, q_ptr, s_ptr, 2 * I, QB)
+    store_row_quant(dg, rmask[:, None], rmask, r64, cols, cb, q_ptr, 2 * I, s_ptr, 2 * I // QB)
+    store_row_quant(du, rmask[:, None], rmask, r64, I + cols, I // QB + cb, q_ptr, 2 * I, s_ptr, 2 * I // QB)
 
 
 def situ_backward_rows(dh: torch.Tensor, gu: torch.Tensor, beta: float, linear_beta: float

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from k3_kernels.launch import cdiv
 from k3_kernels.moe import gluon_bf16, gluon_gemm
-from k3_kernels.moe.permute import QUANT_BLOCK, RoutingPlan, e4m3_scale, e4m3_values, program_tile
+from k3_kernels.moe.permute import QUANT_BLOCK, RoutingPlan, program_tile, store_row_quant
 from k3_kernels.situ.fused import _tanh
 
 
@@ -177,11 +177,7 @@ def _gate_up_kernel(x_ptr, xs_ptr, w1_ptr, w3_ptr, ws1_ptr, ws3_ptr, gu_ptr, h_p
         if WRITE_H:
             tl.store(h_ptr + r64[:, None] * I + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=m)
         if QUANT_H:  # BLOCK_N == QB: one scale per row of the tile
-            amax = tl.max(tl.abs(tl.where(m, h, 0.0)), axis=1)
-            scale = e4m3_scale(amax)
-            q = e4m3_values(h, scale[:, None])
-            tl.store(hq_ptr + r64[:, None] * I + cols[None, :], q.to(hq_ptr.dtype.element_ty), mask=m)
-            tl.store(hs_ptr + r64 * tl.cdiv(I, QB) + tn, scale, mask=rmask)
+            store_row_quant(h, m, rmask, r64, cols, tn, hq_ptr, I, hs_ptr, tl.cdiv(I, QB))
 
 
 @triton.jit
@@ -338,11 +334,7 @@ def _situ_quant_kernel(gu_ptr, h_ptr, hq_ptr, hs_ptr, P, I, beta, linear_beta, W
     if WRITE_H:
         tl.store(h_ptr + r64[:, None] * I + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=m)
     if QUANT_H:
-        amax = tl.max(tl.abs(tl.where(m, h, 0.0)), axis=1)
-        scale = e4m3_scale(amax)
-        q = e4m3_values(h, scale[:, None])
-        tl.store(hq_ptr + r64[:, None] * I + cols[None, :], q.to(hq_ptr.dtype.element_ty), mask=m)
-        tl.store(hs_ptr + r64 * tl.cdiv(I, QB) + tl.program_id(1), scale, mask=rmask)
+        store_row_quant(h, m, rmask, r64, cols, tl.program_id(1), hq_ptr, I, hs_ptr, tl.cdiv(I, QB))
 
 
 def situ_quant(gu: torch.Tensor, beta: float, linear_beta: float, h: torch.Tensor | None, hq: torch.Tensor | None,

@@ -36,6 +36,19 @@ def e4m3_values(v, scale):
 
 
 @triton.jit
+def store_row_quant(v, mask, rmask, r64, cols, block, q_ptr, q_stride, s_ptr, s_stride):
+    """v [rows, 128] quantised 1 x 128 a row (entries outside `mask` count as zeros): e4m3 values into q[r, cols]
+    (rows q_stride apart) where `mask`, each row's scale into s[r, block] (rows s_stride apart) where `rmask`.
+    Every FP8 row quantiser of the layer goes through it (the permute's X, H in the gate/up epilogue and the SiTU
+    pass, the backward's dY and dG | dU)."""
+    v = tl.where(mask, v.to(tl.float32), 0.0)
+    scale = e4m3_scale(tl.max(tl.abs(v), axis=1))
+    q = e4m3_values(v, scale[:, None])
+    tl.store(q_ptr + r64[:, None] * q_stride + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + r64 * s_stride + block, scale, mask=rmask)
+
+
+@triton.jit
 def program_tile(pid, tiles_ptr, n_tiles_m, n_tiles_n, GROUP_M: tl.constexpr):
     """Program pid of a grouped GEMM over `RoutingPlan.tiles` -> (expert, first row, expert's end row, n tile),
     swizzled: GROUP_M m-tiles share the n sweep, so their weight tiles stay in L2."""
@@ -118,12 +131,7 @@ def _permute_kernel(x_ptr, src_ptr, out_ptr, q_ptr, s_ptr, P, D, x_stride, out_s
         if WRITE_OUT:
             tl.store(out_ptr + r64[:, None] * out_stride + cols[None, :], v, mask=m)
         if QUANT:  # BLOCK_D == 128: one scale per row per block
-            vf = v.to(tl.float32)
-            amax = tl.max(tl.abs(vf), axis=1)
-            scale = e4m3_scale(amax)
-            q = e4m3_values(vf, scale[:, None])
-            tl.store(q_ptr + r64[:, None] * q_stride + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
-            tl.store(s_ptr + r64 * n_blocks + b, scale, mask=rmask)
+            store_row_quant(v, m, rmask, r64, cols, b, q_ptr, q_stride, s_ptr, n_blocks)
 
 
 def permute_rows(x: torch.Tensor, plan: RoutingPlan, *, bf16: bool = True, fp8: bool = False,
