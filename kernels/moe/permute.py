@@ -2,8 +2,9 @@
 
 `plan_routing` sorts the pairs by expert with a stable sort (within an expert by pair id = t k + j), so each
 permuted row's place depends only on the routing, and counts the experts' rows and builds the grouped GEMMs' tile
-table on the device (no host sync). `permute_rows` gathers rows (optionally quantising them to FP8 e4m3 with 1 x 128 scales in the same pass)
-into new tensors or into caller-given buffers at a row offset (the staging the EP dispatch of issue #29 uses).
+table on the device (no host sync). `permute_rows` gathers rows (optionally quantising them to FP8 e4m3 with
+1 x 128 scales in the same pass) into new tensors or into caller-given buffers at a row offset (the staging the EP
+dispatch of issue #29 uses).
 `combine` sums a token's k rows in slot order in fp32 (no atomics, no scatter-add); `combine_backward` gives the
 rows' gradients and the gate weights' gradients. Spec: naive.py (naive_permutation, naive_permute, naive_combine).
 """
