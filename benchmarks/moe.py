@@ -30,6 +30,7 @@ import dataclasses
 import os
 import sys
 import time
+from unittest import mock
 
 import torch
 
@@ -416,19 +417,14 @@ def gluon_gemms(E, N, L, I, k, device, reps_ms):
                   "quantize_token_blocks_dgu": dgu.numel() * 3 + dgu.numel() // 32,
                   "situ_backward_rows": dh.numel() * 2 + gu.numel() * 2 + gu.numel() * 3 + gu.numel() // 32}
     for setting in PASS_SETTINGS:
-        saved = (fp8_grad.ROW_PASS_ROWS, fp8_grad.ROW_PASS_WARPS, fp8_grad.TOKEN_BLOCK_COLUMNS,
-                 fp8_grad.TOKEN_BLOCK_WARPS)
-        (fp8_grad.ROW_PASS_ROWS, fp8_grad.ROW_PASS_WARPS, fp8_grad.TOKEN_BLOCK_COLUMNS,
-         fp8_grad.TOKEN_BLOCK_WARPS) = setting
         key = "rows{}x{}w_cols{}x{}w".format(*setting)
+        names = ("ROW_PASS_ROWS", "ROW_PASS_WARPS", "TOKEN_BLOCK_COLUMNS", "TOKEN_BLOCK_WARPS")
         try:
-            times = {n: timing(passes[n]) for n in pass_bytes}
+            with mock.patch.multiple(fp8_grad, **dict(zip(names, setting))):
+                times = {n: timing(passes[n]) for n in pass_bytes}
             out["pass_sweep"][key] = {n: {"ms": ms, "gbps": pass_bytes[n] / ms / 1e6} for n, ms in times.items()}
         except Exception as err:
             out["pass_sweep"][key] = {"error": f"{type(err).__name__}: {str(err)[:160]}"}
-        finally:
-            (fp8_grad.ROW_PASS_ROWS, fp8_grad.ROW_PASS_WARPS, fp8_grad.TOKEN_BLOCK_COLUMNS,
-             fp8_grad.TOKEN_BLOCK_WARPS) = saved
         print("passes", key, out["pass_sweep"][key], flush=True)
     flat = lambda r: [t for t in (r if isinstance(r, tuple) else (r,)) if t is not None]  # noqa: E731
     for name, (flops, fn) in gemms.items():
