@@ -10,14 +10,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
 from k3.model import ops
 from k3.model.state import CacheView
-from k3_kernels.elementwise import position_invariant
-from k3_kernels.kda import l2norm, naive_kda_gate, naive_kda_lowerbound_gate
 
 # Up to this many new tokens the recurrent (decode) path is used; above it the chunked path.
 RECURRENT_MAX_TOKENS = 16
@@ -59,44 +56,16 @@ class KimiDeltaAttention(nn.Module):
             return self.g_proj(x)
         return self.g_b_proj(self.g_a_proj(x))
 
-    def _short_conv(self, x: torch.Tensor, conv: nn.Conv1d, window: torch.Tensor | None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Causal depthwise conv + SiLU over [window | x]; returns (y [B, T, C], new window [B, C, W-1])."""
-        B, T, C = x.shape
-        xt = x.transpose(1, 2)
-        if window is None:
-            window = xt.new_zeros(B, C, self.conv_size - 1)
-        full = torch.cat([window.to(xt.dtype), xt], dim=-1)
-        y = F.silu(ops.short_conv(full, conv.weight))
-        return y.transpose(1, 2), full[..., full.shape[-1] - (self.conv_size - 1):]
-
     def step_inputs(self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
                     conv: torch.Tensor | None, with_q: bool = True):
         """The recurrence's inputs from the projections of x (xq, xk, xv [B, T, H*K], f [B, T, H*K], b [B, T, H])
-        and the short-conv windows `conv` [B, 3, H*K, W-1] (None: zeros) -> (q, k, v, g, beta, new windows). The
-        forward's own code; speculative commits (k3.rollout.spec) call it again on stored projections, at decode's
+        and the short-conv windows `conv` [B, 3, H*K, W-1] (None: zeros) -> (q, k, v, g, beta, new windows), by
+        `ops.kda_step_inputs`. Speculative commits (k3.rollout.spec) call it again on stored projections, at decode's
         shapes, to rebuild k, v, g, beta bitwise instead of storing them (`with_q=False`: q is None, its window
         only rolled)."""
-        B, T, _ = xq.shape
-        H, K = self.n_heads, self.head_dim
-        windows = [None, None, None] if conv is None else list(conv.unbind(1))
-        if with_q:
-            q, wq = self._short_conv(xq, self.q_conv1d, windows[0])
-            q = l2norm(q.view(B, T, H, K))
-        else:
-            w0 = xq.new_zeros(B, xq.shape[2], self.conv_size - 1) if windows[0] is None else windows[0].to(xq.dtype)
-            q, wq = None, torch.cat([w0, xq.transpose(1, 2)], dim=-1)[..., T:]
-        k, wk = self._short_conv(xk, self.k_conv1d, windows[1])
-        v, wv = self._short_conv(xv, self.v_conv1d, windows[2])
-        k = l2norm(k.view(B, T, H, K))
-        v = v.view(B, T, H, K)
-        f = f.view(B, T, H, K)
-        if self.lower_bound is not None:
-            g = naive_kda_lowerbound_gate(f, self.A_log, self.dt_bias, self.lower_bound)
-        else:
-            g = naive_kda_gate(f, self.A_log, self.dt_bias)
-        beta = position_invariant(torch.sigmoid, b.float())   # [B, T, H]: few values per token (CPU tails)
-        return q, k, v, g, beta, torch.stack([wq, wk, wv], dim=1)
+        return ops.kda_step_inputs(xq, xk, xv, f, b, conv, (self.q_conv1d.weight, self.k_conv1d.weight,
+                                                            self.v_conv1d.weight),
+                                   self.A_log, self.dt_bias, self.lower_bound, with_q=with_q)
 
     def forward(self, x: torch.Tensor, cache: CacheView, layer: int) -> torch.Tensor:
         B, T, _ = x.shape

@@ -10,7 +10,7 @@ from torch import nn
 
 from k3_kernels.attnres import naive_block_attnres
 from k3_kernels.fp8_linear.naive import MAX_ROWS as FP8_LINEAR_MAX_ROWS, naive_fp8_weight_linear
-from k3_kernels.kda import naive_chunk_kda, naive_recurrent_kda
+from k3_kernels.kda import naive_chunk_kda, naive_kda_step_inputs, naive_recurrent_kda
 from k3_kernels.lora import naive_multi_lora
 from k3_kernels.moe import naive_dequant_mxfp4
 from k3_kernels.norm import naive_gated_rms_norm, naive_rms_norm
@@ -172,27 +172,19 @@ def mla_masked_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch
                                               scale) for t in range(T)], 1) for b in range(B)])
 
 
-def conv_taps(full: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The causal depthwise conv as W elementwise multiply-adds in fp32, taps in order (full [B, C, W-1+T],
-    weight [C, 1, W] -> [B, C, T] in full's dtype): each output element is the same ops on the same values
-    whatever T is."""
-    W = weight.shape[-1]
-    T = full.shape[-1] - W + 1
-    taps = weight[:, 0].float()
-    acc = full[..., 0:T].float() * taps[:, 0:1]
-    for j in range(1, W):
-        acc = acc + full[..., j:j + T].float() * taps[:, j:j + 1]
-    return acc.to(full.dtype)
-
-
-def short_conv(full: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """KDA's causal depthwise conv: full [B, C, W-1+T] (the window, then the call's tokens), weight [C, 1, W] ->
-    [B, C, T]. CUDA inference: `conv_taps` (a token's bits are then the same whether the call holds 1 token or a
-    verify's k+1; cuDNN picks its algorithm by the input's length). Otherwise F.conv1d (the CPU conv is per token
-    already, tests/model/test_verify_shapes.py; CUDA training keeps cuDNN)."""
-    if _on_cuda(full) and not _recorded(full, weight):
-        return conv_taps(full, weight)
-    return F.conv1d(full, weight, groups=full.shape[1])
+def kda_step_inputs(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+                    windows: torch.Tensor | None, conv_weights: tuple[torch.Tensor, ...], A_log: torch.Tensor,
+                    dt_bias: torch.Tensor, lower_bound: float | None, eps: float = 1e-6, with_q: bool = True):
+    """KDA's q, k, v, g, beta and rolled short-conv windows from its projections (k3_kernels.kda.naive_kda_step_inputs
+    is the spec). CUDA inference: one Triton launch a layer (`fused_kda_step_inputs`: a token's bits are the same
+    whether the call holds 1 token, a verify's k+1 or a prefill; the torch composition is ~50 launches, and cuDNN's
+    conv picks its algorithm by the input's length). Otherwise the spec (the CPU conv is per token already,
+    tests/model/test_verify_shapes.py; CUDA training keeps cuDNN and autograd)."""
+    if _on_cuda(xk) and not _recorded(xq, xk, xv, f, b, *conv_weights, A_log, dt_bias):
+        from k3_kernels.kda.step_inputs import fused_kda_step_inputs
+        return fused_kda_step_inputs(xq, xk, xv, f, b, windows, conv_weights, A_log, dt_bias, lower_bound, eps,
+                                     with_q)
+    return naive_kda_step_inputs(xq, xk, xv, f, b, windows, conv_weights, A_log, dt_bias, lower_bound, eps, with_q)
 
 
 CPU_KDA_CHUNK = 16

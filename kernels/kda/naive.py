@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from k3_kernels.elementwise import position_invariant
+
 
 # In-chunk cumulative log-decays down to -_FACTOR_SPAN keep exp(-G) below e^80 (fp32 max ~ e^88): the chunked
 # reference then factorises the decay (K3's safe gate, >= -5 per token, with 16-token chunks always does).
@@ -41,6 +43,47 @@ def naive_kda_lowerbound_gate(g: torch.Tensor, A_log: torch.Tensor | None, dt_bi
     if A_log is not None:
         x = A_log.float().view(H, 1).exp() * x
     return lower_bound * torch.sigmoid(x)
+
+
+def naive_kda_step_inputs(xq: torch.Tensor | None, xk: torch.Tensor, xv: torch.Tensor, f: torch.Tensor,
+                          b: torch.Tensor, windows: torch.Tensor | None, conv_weights: tuple[torch.Tensor, ...],
+                          A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
+                          eps: float = 1e-6, with_q: bool = True):
+    """KDA's per-token inputs from its projections (the spec of `step_inputs.fused_kda_step_inputs`):
+    q, k = L2Norm(SiLU(ShortConv(x))), v = SiLU(ShortConv(xv)), g the gate (K3's safe gate when `lower_bound` is
+    set, else KDA's default), beta = sigmoid(b). xq, xk, xv, f [B, T, H*K]; b [B, T, H]; windows [B, 3, H*K, W-1]
+    (the q / k / v short-conv windows; None: zeros); conv_weights the three depthwise weights [H*K, 1, W].
+    Returns (q [B, T, H, K] or None without `with_q` (its window is still rolled), k, v in x's dtype, g [B, T, H, K]
+    fp32, beta [B, T, H] fp32, new windows [B, 3, H*K, W-1] in x's dtype). The short conv is F.conv1d over
+    [window | x] (on CPU each token's sum is the same whatever T is; tests/model/test_verify_shapes.py)."""
+    B, T, C = xk.shape
+    H = b.shape[-1]
+    K = C // H
+    W1 = conv_weights[0].shape[-1] - 1
+
+    def full_window(x: torch.Tensor, s: int) -> torch.Tensor:   # [window | x] as [B, C, W-1+T] in x's dtype
+        w = x.new_zeros(B, C, W1) if windows is None else windows[:, s].to(x.dtype)
+        return torch.cat([w, x.transpose(1, 2)], dim=-1)
+
+    def conv_silu(x: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        full = full_window(x, s)
+        y = F.silu(F.conv1d(full, conv_weights[s], groups=C))
+        return y.transpose(1, 2), full[..., full.shape[-1] - W1:]
+
+    if with_q:
+        q, wq = conv_silu(xq, 0)
+        q = l2norm(q.reshape(B, T, H, K), eps)
+    else:
+        q, wq = None, full_window(xq, 0)[..., T:]
+    k, wk = conv_silu(xk, 1)
+    v, wv = conv_silu(xv, 2)
+    k = l2norm(k.reshape(B, T, H, K), eps)
+    v = v.reshape(B, T, H, K)
+    f = f.reshape(B, T, H, K)
+    g = (naive_kda_lowerbound_gate(f, A_log, dt_bias, lower_bound) if lower_bound is not None
+         else naive_kda_gate(f, A_log, dt_bias))
+    beta = position_invariant(torch.sigmoid, b.float())   # [B, T, H]: few values per token (CPU tails)
+    return q, k, v, g, beta, torch.stack([wq, wk, wv], dim=1)
 
 
 def _expand_heads(q: torch.Tensor, k: torch.Tensor, hv: int) -> tuple[torch.Tensor, torch.Tensor]:

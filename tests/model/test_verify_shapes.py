@@ -5,9 +5,10 @@ MLA latents of T one-token [B, 1] forwards (plain decoding), bit for bit. Why it
 one [T, S] score GEMM, the router's sigmoid took the scalar tail on [N, experts]), so a batched verify was only
 close to plain decoding. Checked under this machine's ATen ISA, AVX2 and the scalar default; on CUDA (`gpu`) in fp32
 and bf16, where cuBLAS linears, cuDNN's conv and the batched attention einsums broke it (k3.model.ops now routes
-inference through the batch-invariant GEMM, `conv_taps` and the per-query MLA kernel).
+inference through the batch-invariant GEMM, the fused KDA step inputs and the per-query MLA kernel).
 
-The CPU counterpart of the CUDA-only pieces: `conv_taps` below; the two kernels' own tests (interpreter)."""
+The CPU counterparts of the CUDA-only pieces: the kernels' own tests under the interpreter
+(tests/kernels/test_kda_step_inputs.py for the step inputs)."""
 import os
 import subprocess
 import sys
@@ -64,18 +65,3 @@ def test_verify_forward_is_bitwise_one_token_forwards_on_cuda(dtype):
     out = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "BAD []", out.stdout[-2000:]
-
-
-def test_conv_taps_token_bits_do_not_depend_on_the_call_length():
-    """conv_taps (CUDA inference's short conv): token t of a [W-1+T] call equals the one-token call over its own
-    window, bit for bit; close to F.conv1d."""
-    from k3.model.ops import conv_taps
-    g = torch.Generator().manual_seed(0)
-    for dtype in (torch.float32, torch.bfloat16):
-        full = torch.randn(3, 40, 3 + 9, generator=g).to(dtype)
-        w = torch.randn(40, 1, 4, generator=g).to(dtype)
-        out = conv_taps(full, w)
-        for t in range(9):
-            assert torch.equal(conv_taps(full[..., t:t + 4], w), out[..., t:t + 1]), (dtype, t)
-        ref = torch.nn.functional.conv1d(full.double(), w.double(), groups=40)
-        assert (out.double() - ref).abs().max() <= (1e-5 if dtype == torch.float32 else 2e-2) * ref.abs().max()
