@@ -57,15 +57,15 @@ class KimiDeltaAttention(nn.Module):
         return self.g_b_proj(self.g_a_proj(x))
 
     def step_inputs(self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
-                    conv: torch.Tensor | None, with_q: bool = True):
+                    conv: torch.Tensor | None, with_q: bool = True, roll: torch.Tensor | None = None):
         """The recurrence's inputs from the projections of x (xq, xk, xv [B, T, H*K], f [B, T, H*K], b [B, T, H])
         and the short-conv windows `conv` [B, 3, H*K, W-1] (None: zeros) -> (q, k, v, g, beta, new windows), by
         `ops.kda_step_inputs`. Speculative commits (k3.rollout.spec) call it again on stored projections, at decode's
         shapes, to rebuild k, v, g, beta bitwise instead of storing them (`with_q=False`: q is None, its window
-        only rolled)."""
+        only rolled; `roll` [B]: each row's windows rolled by its own accepted count, not by T)."""
         return ops.kda_step_inputs(xq, xk, xv, f, b, conv, (self.q_conv1d.weight, self.k_conv1d.weight,
                                                             self.v_conv1d.weight),
-                                   self.A_log, self.dt_bias, self.lower_bound, with_q=with_q)
+                                   self.A_log, self.dt_bias, self.lower_bound, with_q=with_q, roll=roll)
 
     def forward(self, x: torch.Tensor, cache: CacheView, layer: int) -> torch.Tensor:
         B, T, _ = x.shape

@@ -172,19 +172,33 @@ def mla_masked_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch
                                               scale) for t in range(T)], 1) for b in range(B)])
 
 
+# Set to True (tests) to run the fused KDA step inputs (k3_kernels.kda.step_inputs) on CPU tensors too, in Triton's
+# interpreter: the CPU counterpart of the CUDA engine's composition (decode, verify and commit all through it).
+KDA_STEP_KERNEL_ON_CPU = False
+
+
+def kda_step_kernel(x: torch.Tensor) -> bool:
+    """Whether KDA's step inputs of x's device go through the one-launch kernel in inference (`kda_step_inputs`):
+    a token's bits are then the same whatever the call holds, so a speculative commit may rebuild every accepted
+    position in one call."""
+    return _on_cuda(x) or KDA_STEP_KERNEL_ON_CPU
+
+
 def kda_step_inputs(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
                     windows: torch.Tensor | None, conv_weights: tuple[torch.Tensor, ...], A_log: torch.Tensor,
-                    dt_bias: torch.Tensor, lower_bound: float | None, eps: float = 1e-6, with_q: bool = True):
+                    dt_bias: torch.Tensor, lower_bound: float | None, eps: float = 1e-6, with_q: bool = True,
+                    roll: torch.Tensor | None = None):
     """KDA's q, k, v, g, beta and rolled short-conv windows from its projections (k3_kernels.kda.naive_kda_step_inputs
     is the spec). CUDA inference: one Triton launch a layer (`fused_kda_step_inputs`: a token's bits are the same
     whether the call holds 1 token, a verify's k+1 or a prefill; the torch composition is ~50 launches, and cuDNN's
     conv picks its algorithm by the input's length). Otherwise the spec (the CPU conv is per token already,
     tests/model/test_verify_shapes.py; CUDA training keeps cuDNN and autograd)."""
-    if _on_cuda(xk) and not _recorded(xq, xk, xv, f, b, *conv_weights, A_log, dt_bias):
+    if kda_step_kernel(xk) and not _recorded(xq, xk, xv, f, b, *conv_weights, A_log, dt_bias):
         from k3_kernels.kda.step_inputs import fused_kda_step_inputs
         return fused_kda_step_inputs(xq, xk, xv, f, b, windows, conv_weights, A_log, dt_bias, lower_bound, eps,
-                                     with_q)
-    return naive_kda_step_inputs(xq, xk, xv, f, b, windows, conv_weights, A_log, dt_bias, lower_bound, eps, with_q)
+                                     with_q, roll)
+    return naive_kda_step_inputs(xq, xk, xv, f, b, windows, conv_weights, A_log, dt_bias, lower_bound, eps, with_q,
+                                 roll)
 
 
 CPU_KDA_CHUNK = 16

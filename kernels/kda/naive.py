@@ -48,14 +48,16 @@ def naive_kda_lowerbound_gate(g: torch.Tensor, A_log: torch.Tensor | None, dt_bi
 def naive_kda_step_inputs(xq: torch.Tensor | None, xk: torch.Tensor, xv: torch.Tensor, f: torch.Tensor,
                           b: torch.Tensor, windows: torch.Tensor | None, conv_weights: tuple[torch.Tensor, ...],
                           A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
-                          eps: float = 1e-6, with_q: bool = True):
+                          eps: float = 1e-6, with_q: bool = True, roll: torch.Tensor | None = None):
     """KDA's per-token inputs from its projections (the spec of `step_inputs.fused_kda_step_inputs`):
     q, k = L2Norm(SiLU(ShortConv(x))), v = SiLU(ShortConv(xv)), g the gate (K3's safe gate when `lower_bound` is
     set, else KDA's default), beta = sigmoid(b). xq, xk, xv, f [B, T, H*K]; b [B, T, H]; windows [B, 3, H*K, W-1]
     (the q / k / v short-conv windows; None: zeros); conv_weights the three depthwise weights [H*K, 1, W].
     Returns (q [B, T, H, K] or None without `with_q` (its window is still rolled), k, v in x's dtype, g [B, T, H, K]
-    fp32, beta [B, T, H] fp32, new windows [B, 3, H*K, W-1] in x's dtype). The short conv is F.conv1d over
-    [window | x] (on CPU each token's sum is the same whatever T is; tests/model/test_verify_shapes.py)."""
+    fp32, beta [B, T, H] fp32, new windows [B, 3, H*K, W-1] in x's dtype: the last W-1 positions of [window | x],
+    or with `roll` [B] of [window | x[b, :roll[b]]], a speculative commit's accepted tokens). The short conv is
+    F.conv1d over [window | x] (on CPU each token's sum is the same whatever T is:
+    tests/model/test_verify_shapes.py)."""
     B, T, C = xk.shape
     H = b.shape[-1]
     K = C // H
@@ -65,16 +67,24 @@ def naive_kda_step_inputs(xq: torch.Tensor | None, xk: torch.Tensor, xv: torch.T
         w = x.new_zeros(B, C, W1) if windows is None else windows[:, s].to(x.dtype)
         return torch.cat([w, x.transpose(1, 2)], dim=-1)
 
+    def rolled(full: torch.Tensor) -> torch.Tensor:   # the window after T (or roll[b]) tokens
+        if roll is None:
+            return full[..., full.shape[-1] - W1:]
+        cols = roll.to(device=full.device, dtype=torch.long).view(B, 1, 1) + torch.arange(W1, device=full.device)
+        return torch.gather(full, -1, cols.expand(B, C, W1))
+
     def conv_silu(x: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor]:
         full = full_window(x, s)
         y = F.silu(F.conv1d(full, conv_weights[s], groups=C))
-        return y.transpose(1, 2), full[..., full.shape[-1] - W1:]
+        return y.transpose(1, 2), rolled(full)
 
+    if roll is not None and tuple(roll.shape) != (B,):
+        raise ValueError(f"KDA step inputs: roll {tuple(roll.shape)} must be [B={B}]")
     if with_q:
         q, wq = conv_silu(xq, 0)
         q = l2norm(q.reshape(B, T, H, K), eps)
     else:
-        q, wq = None, full_window(xq, 0)[..., T:]
+        q, wq = None, rolled(full_window(xq, 0))
     k, wk = conv_silu(xk, 1)
     v, wv = conv_silu(xv, 2)
     k = l2norm(k.reshape(B, T, H, K), eps)

@@ -41,12 +41,12 @@ def _l2norm(y, cm, eps):
 
 
 @triton.jit
-def _roll_window(x, sx_b, sx_t, win, sw_b, sw_c, sw_j, out, so_b, so_c, bi, T, c, cm, W: tl.constexpr,
+def _roll_window(x, sx_b, sx_t, win, sw_b, sw_c, sw_j, out, so_b, so_c, bi, n, c, cm, W: tl.constexpr,
                  HAS_WINDOW: tl.constexpr):
-    """The window after this call's T tokens: the last W-1 positions of [window | x], in x's dtype."""
+    """The window after the row's first n tokens: positions n .. n+W-2 of [window | x], in x's dtype."""
     W1: tl.constexpr = W - 1
     for j in tl.static_range(W1):
-        p = T + j
+        p = n + j
         from_x = p >= W1
         val = tl.load(x + bi * sx_b + (p - W1) * sx_t + c, mask=cm & from_x, other=0.)
         if HAS_WINDOW:
@@ -58,8 +58,9 @@ def _roll_window(x, sx_b, sx_t, win, sw_b, sw_c, sw_j, out, so_b, so_c, bi, T, c
 @triton.jit
 def _step_inputs_kernel(xq, xk, xv, sx_b, sx_t, f, sf_b, sf_t, b, sb_b, sb_t, win, sw_b, sw_s, sw_c, sw_j,
                         taps_q, taps_k, taps_v, A_log, dt_bias, q_out, k_out, v_out, g_out, beta_out, win_out,
-                        T, H, K, lower_bound, eps, W: tl.constexpr, BK: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                        WITH_Q: tl.constexpr, SAFE_GATE: tl.constexpr):
+                        roll, T, H, K, lower_bound, eps, W: tl.constexpr, BK: tl.constexpr,
+                        HAS_WINDOW: tl.constexpr, WITH_Q: tl.constexpr, SAFE_GATE: tl.constexpr,
+                        HAS_ROLL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)   # token b * T + t
     h = tl.program_id(1).to(tl.int64)
     bi = row // T
@@ -89,10 +90,13 @@ def _step_inputs_kernel(xq, xk, xv, sx_b, sx_t, f, sf_b, sf_t, b, sb_b, sb_t, wi
     if t == T - 1:   # the token that ends its row writes the row's rolled windows for this head's channels
         W1: tl.constexpr = W - 1
         so_b = 3 * C * W1
-        _roll_window(xq, sx_b, sx_t, win, sw_b, sw_c, sw_j, win_out, so_b, W1, bi, T, c, cm, W, HAS_WINDOW)
-        _roll_window(xk, sx_b, sx_t, win + sw_s, sw_b, sw_c, sw_j, win_out + C * W1, so_b, W1, bi, T, c, cm, W,
+        n = T
+        if HAS_ROLL:   # a speculative commit: the row keeps its first roll[b] tokens
+            n = tl.load(roll + bi).to(tl.int64)
+        _roll_window(xq, sx_b, sx_t, win, sw_b, sw_c, sw_j, win_out, so_b, W1, bi, n, c, cm, W, HAS_WINDOW)
+        _roll_window(xk, sx_b, sx_t, win + sw_s, sw_b, sw_c, sw_j, win_out + C * W1, so_b, W1, bi, n, c, cm, W,
                      HAS_WINDOW)
-        _roll_window(xv, sx_b, sx_t, win + 2 * sw_s, sw_b, sw_c, sw_j, win_out + 2 * C * W1, so_b, W1, bi, T, c,
+        _roll_window(xv, sx_b, sx_t, win + 2 * sw_s, sw_b, sw_c, sw_j, win_out + 2 * C * W1, so_b, W1, bi, n, c,
                      cm, W, HAS_WINDOW)
 
 
@@ -102,9 +106,10 @@ _launch = CachedLaunch(_step_inputs_kernel)
 def fused_kda_step_inputs(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
                           windows: torch.Tensor | None, conv_weights: tuple[torch.Tensor, ...], A_log: torch.Tensor,
                           dt_bias: torch.Tensor, lower_bound: float | None, eps: float = 1e-6,
-                          with_q: bool = True):
+                          with_q: bool = True, roll: torch.Tensor | None = None):
     """`naive_kda_step_inputs` in one launch (same arguments and outputs; inference only, no autograd). xq, xk, xv
-    share one layout (any batch / token strides, channels contiguous), as do f and b."""
+    share one layout (any batch / token strides, channels contiguous), as do f and b. `roll` [B] (integers in
+    [0, T], not read back: a CUDA graph may capture the call) rolls each row's windows by its own count."""
     B, T, C = xk.shape
     H = b.shape[-1]
     K = C // H
@@ -116,6 +121,10 @@ def fused_kda_step_inputs(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, 
         raise ValueError(f"KDA step inputs: windows {tuple(windows.shape)} must be {(B, 3, C, W - 1)}")
     if W < 2:
         raise ValueError(f"KDA step inputs: conv kernel size {W} must be >= 2")
+    if roll is not None and (tuple(roll.shape) != (B,) or roll.dtype not in (torch.int32, torch.int64)
+                             or roll.device != xk.device):
+        raise ValueError(f"KDA step inputs: roll must be integer [B={B}] on {xk.device}, got {roll.dtype} "
+                         f"{tuple(roll.shape)} on {roll.device}")
     xq, xk, xv = _same_layout(xq, xk, xv)
     f, = _same_layout(f)
     b, = _same_layout(b)
@@ -134,10 +143,10 @@ def fused_kda_step_inputs(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, 
     sw = win.stride()
     _launch((B * T, H), xq, xk, xv, xq.stride(0), xq.stride(1), f, f.stride(0), f.stride(1), b, b.stride(0),
             b.stride(1), win, sw[0], sw[1], sw[2], sw[3], taps[0], taps[1], taps[2], A_log, dt_bias,
-            q if with_q else k, k, v, g, beta, new_windows, T, H, K,
+            q if with_q else k, k, v, g, beta, new_windows, roll if roll is not None else beta, T, H, K,
             float(lower_bound) if lower_bound is not None else 0., float(eps),
             W=W, BK=next_pow2(K), HAS_WINDOW=windows is not None, WITH_Q=with_q,
-            SAFE_GATE=lower_bound is not None, num_warps=1)
+            SAFE_GATE=lower_bound is not None, HAS_ROLL=roll is not None, num_warps=1)
     return q, k, v, g, beta, new_windows
 
 

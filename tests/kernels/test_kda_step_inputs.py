@@ -121,13 +121,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from k3_kernels.kda.step_inputs import _step_inputs_kernel as fn
+TYPES = dict(win="*fp32", A_log="*fp32", g_out="*fp32", beta_out="*fp32", roll="*i64", T="i32", H="i32", K="i32",
+             lower_bound="fp32", eps="fp32")
 out = {}
 for safe in (True, False):
     for with_q in (True, False):
-        consts = dict(W=4, BK=128, HAS_WINDOW=True, WITH_Q=with_q, SAFE_GATE=safe)
-        sig = {n: "constexpr" if n in consts else ("fp32" if n in ("lower_bound", "eps") else
-               ("*fp32" if n in ("win", "A_log", "g_out", "beta_out") else "*bf16") if not n.startswith("s")
-               and n not in ("T", "H", "K") else "i64") for n in fn.arg_names}
+        consts = dict(W=4, BK=128, HAS_WINDOW=True, WITH_Q=with_q, SAFE_GATE=safe, HAS_ROLL=not with_q)
+        sig = {n: "constexpr" if n in consts else TYPES.get(n, "i64" if n.startswith("s") else "*bf16")
+               for n in fn.arg_names}
         src = ASTSource(fn, sig, {(i,): consts[n] for i, n in enumerate(fn.arg_names) if n in consts})
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1))
         out[f"safe={safe},q={with_q}"] = {"cubin": len(k.asm["cubin"]), "local": k.asm["ptx"].count("ld.local")}
@@ -148,3 +149,22 @@ def test_builds_for_the_h200():
     assert run.returncode == 0, run.stderr[-3000:]
     builds = json.loads(run.stdout.strip().splitlines()[-1])
     assert len(builds) == 4 and all(b["cubin"] > 0 and b["local"] == 0 for b in builds.values()), builds
+
+
+def test_roll_keeps_each_rows_accepted_tokens(bounds_guard):
+    """`roll` (the speculative commit): each row's windows after its own first roll[b] tokens (0 = unchanged, T =
+    all), as the replay spec's conv roll gives them; the other outputs as without it."""
+    from k3_kernels.replay_ssm.naive import naive_conv_roll
+    case = _case(4, 3, 2, 16, torch.bfloat16, True)
+    roll = torch.tensor([0, 1, 3, 2], device=DEV)
+    ref = naive_kda_step_inputs(**case, lower_bound=-5.0, with_q=False, roll=roll)
+    got = fused_kda_step_inputs(**case, lower_bound=-5.0, with_q=False, roll=roll)
+    inputs = torch.stack([case["xq"], case["xk"], case["xv"]], 2).transpose(0, 1)   # [T, B, 3, C]
+    conv = naive_conv_roll(case["windows"].to(torch.bfloat16), inputs, roll)
+    assert torch.equal(ref[5], conv) and torch.equal(got[5], conv)
+    assert torch.equal(got[5][0], case["windows"][0].to(torch.bfloat16))
+    plain = fused_kda_step_inputs(**case, lower_bound=-5.0, with_q=False)
+    assert all(torch.equal(a, b) for a, b in zip(got[1:5], plain[1:5]))
+    with pytest.raises(ValueError, match="roll"):
+        fused_kda_step_inputs(**case, lower_bound=-5.0, roll=roll[:2])
+    assert bounds_guard is None or bounds_guard.checked > 0

@@ -316,9 +316,10 @@ def test_job_config_refuses_bad_speculative_settings(bad):
 @pytest.mark.parametrize("layers_per_fold", [16, 4])
 def test_commit_with_the_layers_folded_together_is_the_per_layer_commit(model, monkeypatch, layers_per_fold):
     """CUDA commits with the KDA layers side by side (`commit._fold_layers_together`: one replay call for up to
-    LAYERS_PER_FOLD layers' states, folded in place in the pool, one conv roll, one gather and one write of the
-    windows, instead of a handful of launches per layer; K3 has 69 KDA layers). Under the same fold kernel -- the Triton fold, in the interpreter on CPU, whose
-    programs each own one row, head and value block -- it must commit exactly what the per-layer commit does: the
+    LAYERS_PER_FOLD layers' states, folded in place in the pool, one gather and one write of the windows, instead
+    of a handful of launches per layer; K3 has 69 KDA layers). Under the same fold kernel -- the Triton fold, in the
+    interpreter on CPU, whose programs each own one row, head and value block -- it must commit exactly what the
+    per-layer commit does: the
     same tokens and log-probs over several steps (a state that differed would change every later logit), with
     accepted, partial and rejected drafts, the tiny model's 6 KDA layers in one group and in groups of 4 + 2."""
     import k3.rollout.spec.commit as commit_module
@@ -345,3 +346,31 @@ def test_commit_with_the_layers_folded_together_is_the_per_layer_commit(model, m
             "spec_draft_tokens"]
     assert True in folds and False in folds
     assert same(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("spec", ["ngram:3:batched", "ngram:2x3:batched"])
+def test_cuda_composition_in_the_interpreter_is_bitwise_plain_decoding(model, monkeypatch, spec):
+    """The CPU counterpart of the CUDA engine's KDA path: the fused step-inputs kernel (Triton interpreter) for
+    prefill, decode, the batched verify and the commit, which rebuilds every accepted position in one call and
+    rolls the windows in it (`roll`), the layers folded together (the CPU fold: the Triton fold's bits are not the
+    CPU decode's, only the GPU decode's). Spec decoding must give plain decoding's tokens, log-probs and committed
+    states under that composition too, for a chain and a tree."""
+    import k3.rollout.spec.decode as decode
+    from k3.model import ops
+    monkeypatch.setattr(ops, "KDA_STEP_KERNEL_ON_CPU", True)
+    per_commit = decode.commit
+    monkeypatch.setattr(decode, "commit", lambda *a: per_commit(*a, fold_layers=True))
+    prompts = [rand_tokens(9 + 3 * i, 900 + i) for i in range(2)]
+    sp = SamplingParams(temperature=0.0, max_tokens=8)
+    plain_eng = Engine(model, prefix_cache=False, **SMALL)
+    plain_states = _record_states(plain_eng)
+    ref = plain_eng.generate(prompts, sp)
+    eng = _spec_engine(model, [p + c.token_ids for p, c in zip(prompts, ref)], prefix_cache=False, spec=spec)
+    states = _record_states(eng)
+    assert same(eng.generate(prompts, sp), ref)
+    assert 0 < eng.stats["spec_accepted_tokens"] < eng.stats["spec_draft_tokens"]
+    common = set(states) & set(plain_states)
+    assert len(common) >= 4
+    for key in common:
+        assert torch.equal(states[key][0], plain_states[key][0]), key
+        assert torch.equal(states[key][1], plain_states[key][1]), key

@@ -11,7 +11,6 @@ import torch
 
 from k3.model import ops
 from k3.rollout.spec.scratch import ReplayScratch
-from k3_kernels.replay_ssm.naive import naive_conv_roll
 
 if TYPE_CHECKING:
     from k3.rollout.engine import Engine
@@ -23,15 +22,18 @@ def replay_step_inputs(mod, scratch: ReplayScratch, ki: int, window: torch.Tenso
     """k, v, g, beta [steps, B, ...] of the stored positions of KDA layer `ki` (module `mod`), rebuilt from the
     stored projections by the layer's own `step_inputs`, one position at a time at the decode batch size from the
     committed windows `window` [B, 3, C, W-1] (each seat's window moves on only while it accepts): the bits the
-    verify pass computed, and plain decoding would. On CUDA one call over all positions gives the same bits
-    (tests/model/test_verify_shapes.py, tests/rollout/test_spec_engine.py's gpu test); positions past a seat's
-    accepted count are computed and not folded."""
+    verify pass computed, and plain decoding would; then the windows [B, 3, C, W-1] rolled by each seat's accepted
+    count `n_seat`. With the fused kernel (CUDA) one call over all positions gives the same bits
+    (tests/kernels/test_kda_step_inputs.py, tests/rollout/test_spec_engine.py) and rolls the windows itself;
+    positions past a seat's accepted count are computed and not folded."""
     proj = {name: scratch.seats(ki, name, list(range(scratch.rows)), B) for name in ("conv_in", "f", "b")}
-    if window.is_cuda:   # CUDA inference is invariant to the tokens per call (k3.model.ops): all positions at once
+    if ops.kda_step_kernel(window):   # invariant to the tokens per call: all positions at once
         x = proj["conv_in"][:steps].transpose(0, 1)   # [B, steps, 3, C]
-        _, k, v, g, beta, _ = mod.step_inputs(x[:, :, 0], x[:, :, 1], x[:, :, 2], proj["f"][:steps].transpose(0, 1),
-                                              proj["b"][:steps].transpose(0, 1), window, with_q=False)
-        return tuple(t.transpose(0, 1) for t in (k, v, g, beta))
+        _, k, v, g, beta, rolled = mod.step_inputs(x[:, :, 0], x[:, :, 1], x[:, :, 2],
+                                                   proj["f"][:steps].transpose(0, 1),
+                                                   proj["b"][:steps].transpose(0, 1), window, with_q=False,
+                                                   roll=n_seat)
+        return tuple(t.transpose(0, 1) for t in (k, v, g, beta)) + (rolled,)
     ks, vs, gs, bs = [], [], [], []
     for t in range(steps):
         x = proj["conv_in"][t]
@@ -43,7 +45,7 @@ def replay_step_inputs(mod, scratch: ReplayScratch, ki: int, window: torch.Tenso
         vs.append(v[:, 0])
         gs.append(g[:, 0])
         bs.append(beta[:, 0])
-    return tuple(torch.stack(x) for x in (ks, vs, gs, bs))
+    return tuple(torch.stack(x) for x in (ks, vs, gs, bs)) + (window,)
 
 
 def commit(eng: "Engine", rows: list["RunningSeq"], scratch: ReplayScratch, n_commit: list[int],
@@ -77,9 +79,9 @@ def commit(eng: "Engine", rows: list["RunningSeq"], scratch: ReplayScratch, n_co
         window = conv_store.new_zeros(B, *conv_store.shape[2:])
         window[:R] = conv_store[slots, ki]
         mod = eng.model.model.layers[layer_of[ki]].self_attn
-        k, v, g, beta = replay_step_inputs(mod, scratch, ki, window, steps, n_seat, B)
+        k, v, g, beta, rolled = replay_step_inputs(mod, scratch, ki, window, steps, n_seat, B)
         recs.append(ops.kda_replay_commit(S0, k, v, g, beta, n_seat)[:R])
-        convs.append(naive_conv_roll(window[:R], scratch.bufs[ki]["conv_in"].transpose(0, 1), n_seat[:R]))
+        convs.append(rolled[:R])
     rec, conv = torch.stack(recs, 1), torch.stack(convs, 1)
     rec_store[slots] = rec.to(torch.float32)
     conv_store[slots] = conv.to(conv_store.dtype)
@@ -116,9 +118,10 @@ def _fold_layers_together(eng: "Engine", scratch: ReplayScratch, slots: torch.Te
     """The commit's folds with the layers side by side: up to LAYERS_PER_FOLD layers' states of the R rows in one
     replay call ([R x layers] rows: the Triton fold runs one program per row, head and value block, so a row's bits
     do not depend on the rows beside it), folded in place in the state pool (`ops.kda_replay_commit_into`: read
-    and written once, not gathered and scattered), their conv windows rolled in one call, gathered once. The step
-    inputs are still rebuilt per layer at the decode batch size (each layer's own weights) from the committed
-    windows, gathered before any state is written. Returns the new windows [R, L, 3, C, W-1]."""
+    and written once, not gathered and scattered), the committed windows gathered once. The step inputs are still
+    rebuilt per layer at the decode batch size (each layer's own weights) from the committed windows, gathered
+    before any state is written; that call rolls the windows by each seat's accepted count too. Returns the new
+    windows [R, L, 3, C, W-1]."""
     B = eng.cfg.decode_batch
     rec_store, conv_store = eng.states.dev["rec"], eng.states.dev["conv"]
     layer_of = {ki: layer for layer, ki in eng.kda_index.items()}
@@ -131,18 +134,17 @@ def _fold_layers_together(eng: "Engine", scratch: ReplayScratch, slots: torch.Te
     for l0 in range(0, L, LAYERS_PER_FOLD):
         group = range(l0, min(L, l0 + LAYERS_PER_FOLD))
         n = len(group)
-        inputs = []
+        inputs, rolled = [], []
         for ki in group:
             mod = eng.model.model.layers[layer_of[ki]].self_attn
-            k, v, g, beta = replay_step_inputs(mod, scratch, ki, windows[:, ki], steps, n_seat, B)
+            k, v, g, beta, window = replay_step_inputs(mod, scratch, ki, windows[:, ki], steps, n_seat, B)
             inputs.append((k[:, :R], v[:, :R], g[:, :R], beta[:, :R]))
+            rolled.append(window[:R])
         # row r * n + j: request r, layer l0 + j (position-major inputs [steps, R * n, ...])
         k, v, g, beta = (torch.stack(xs, 2).flatten(1, 2) for xs in zip(*inputs))
         n_accept = n_rows.repeat_interleave(n)
         rows = (slots.view(R, 1) * L + torch.arange(l0, l0 + n, device=slots.device)).flatten()
         # (slots and n_commit are built on the host: distinct live slots, counts within [0, steps])
         ops.kda_replay_commit_into(state_rows, rows, k, v, g, beta, n_accept, checked=True)
-        conv_in = torch.stack([scratch.bufs[ki]["conv_in"] for ki in group], 1).flatten(0, 1)   # [R * n, T, 3, C]
-        rolled = naive_conv_roll(windows[:R, l0:l0 + n].flatten(0, 1), conv_in.transpose(0, 1), n_accept)
-        convs.append(rolled.view(R, n, *rolled.shape[1:]))
-    return torch.cat(convs, 1)
+        convs += rolled
+    return torch.stack(convs, 1)
