@@ -26,14 +26,12 @@ def replay_step_inputs(mod, scratch: ReplayScratch, ki: int, window: torch.Tenso
     count `n_seat`. With the fused kernel (CUDA) one call over all positions gives the same bits
     (tests/kernels/test_kda_step_inputs.py, tests/rollout/test_spec_engine.py) and rolls the windows itself;
     positions past a seat's accepted count are computed and not folded."""
-    proj = {name: scratch.seats(ki, name, list(range(scratch.rows)), B) for name in ("conv_in", "f", "b")}
     if ops.kda_step_kernel(window):   # invariant to the tokens per call: all positions at once
-        x = proj["conv_in"][:steps].transpose(0, 1)   # [B, steps, 3, C]
-        _, k, v, g, beta, rolled = mod.step_inputs(x[:, :, 0], x[:, :, 1], x[:, :, 2],
-                                                   proj["f"][:steps].transpose(0, 1),
-                                                   proj["b"][:steps].transpose(0, 1), window, with_q=False,
+        x, f, b = (scratch.by_seat(ki, name, B)[:, :steps] for name in ("conv_in", "f", "b"))   # [B, steps, ...]
+        _, k, v, g, beta, rolled = mod.step_inputs(x[:, :, 0], x[:, :, 1], x[:, :, 2], f, b, window, with_q=False,
                                                    roll=n_seat)
         return tuple(t.transpose(0, 1) for t in (k, v, g, beta)) + (rolled,)
+    proj = {name: scratch.seats(ki, name, list(range(scratch.rows)), B) for name in ("conv_in", "f", "b")}
     ks, vs, gs, bs = [], [], [], []
     for t in range(steps):
         x = proj["conv_in"][t]

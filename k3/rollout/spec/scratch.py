@@ -93,6 +93,16 @@ class ReplayScratch:
         out[:, seat_of_row] = src.transpose(0, 1)
         return out
 
+    def by_seat(self, ki: int, name: str, n_seats: int) -> torch.Tensor:
+        """Seat-major [n_seats, T, ...], request r at seat r, zeros in empty seats: a view when every seat is a
+        request (the captured commit), else a copy."""
+        src = self.bufs[ki][name]
+        if self.rows == n_seats:
+            return src
+        out = src.new_zeros(n_seats, *src.shape[1:])
+        out[:self.rows] = src
+        return out
+
     def reorder(self, order: list[list[int]]) -> None:
         """Row r's positions order[r] move to positions 0, 1, ... (a batched tree verify keeps its walked path)."""
         if all(list(idx) == list(range(len(idx))) for idx in order):   # nothing moves
