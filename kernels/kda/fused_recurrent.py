@@ -1,6 +1,6 @@
 """Token-by-token KDA decode in Triton (forward only), with in-place state-pool updates.
 
-One program per (sequence, value head, V block) keeps its [K, BV] slice of the fp32 state in registers and
+One program per (sequence, value head, V block; V blocks adjacent in the launch) keeps its [K, BV] slice of the fp32 state in registers and
 walks the sequence's few tokens: S <- diag(e^g) S; S += beta k (v - S^T k)^T; o = S^T (scale q).
 With `ssm_state_indices`, sequence n reads `initial_state[ssm_state_indices[n]]` and writes its final state back
 to the same slot (a rollout engine's state pool). Structure follows fla-core 0.6.0
@@ -24,9 +24,13 @@ def _recurrent_fwd(q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu, idx, scale, 
                    BV: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
                    L2NORM: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, VARLEN: tl.constexpr,
                    HAS_IDX: tl.constexpr, BETA_SIGMOID: tl.constexpr, STATE_V_FIRST: tl.constexpr):
-    n = tl.program_id(0).to(tl.int64)
-    hv = tl.program_id(1).to(tl.int64)
-    iv = tl.program_id(2)
+    # one axis, V blocks fastest: the programs that read and write the columns of one state's rows run side by
+    # side (a state's [K, V] rows are V * 4 bytes; one V block alone reads a quarter of each row)
+    pid = tl.program_id(0).to(tl.int64)
+    NV = tl.cdiv(V, BV)
+    iv = pid % NV
+    hv = (pid // NV) % HV
+    n = pid // (NV * HV)
     h = hv // (HV // H)
     if VARLEN:  # clamped to the T tokens there are: a bad device-side cu_seqlens cannot reach past them
         bos = tl.minimum(tl.maximum(tl.load(cu + n).to(tl.int64), 0), T)
@@ -159,7 +163,7 @@ def fused_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     BK, BV = _p2(K), min(32, _p2(V))
     gate = 0 if not use_gate_in_kernel else (2 if lower_bound is not None else 1)
     dummy = o
-    _recurrent_fwd[(N, HV, cdiv(V, BV))](
+    _recurrent_fwd[(N * HV * cdiv(V, BV),)](
         q, k, v, g, beta, A_log.contiguous() if A_log is not None else dummy,
         dt_bias.contiguous() if dt_bias is not None else dummy,
         o, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
