@@ -1,7 +1,8 @@
 """Token-by-token KDA decode in Triton (forward only), with in-place state-pool updates.
 
-One program per (sequence, value head, V block; V blocks adjacent in the launch) keeps its [K, BV] slice of the fp32 state in registers and
-walks the sequence's few tokens: S <- diag(e^g) S; S += beta k (v - S^T k)^T; o = S^T (scale q).
+One program per (sequence, value head, V block; V blocks adjacent in the launch) keeps its [K, BV] slice of the
+fp32 state in registers and walks the sequence's few tokens: S <- diag(e^g) S; S += beta k (v - S^T k)^T;
+o = S^T (scale q).
 With `ssm_state_indices`, sequence n reads `initial_state[ssm_state_indices[n]]` and writes its final state back
 to the same slot (a rollout engine's state pool). Structure follows fla-core 0.6.0
 `fla/ops/kda/fused_recurrent.py` (read, not copied).

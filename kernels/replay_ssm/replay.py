@@ -23,9 +23,11 @@ def _replay_commit(state, rows, k, v, g, beta, n_accept, out, B, H, HV, K, V, BK
                    IN_PLACE: tl.constexpr):
     """IN_PLACE: row b's state is state[rows[b]], written back there (out unused), and not at all when
     n_accept[b] = 0; otherwise state[b] -> out[b]."""
-    b = tl.program_id(0).to(tl.int64)
-    hv = tl.program_id(1).to(tl.int64)
-    iv = tl.program_id(2)
+    pid = tl.program_id(0).to(tl.int64)   # one axis, V blocks fastest (as the decode kernel's launch)
+    NV = tl.cdiv(V, BV)
+    iv = pid % NV
+    hv = (pid // NV) % HV
+    b = pid // (NV * HV)
     h = hv // (HV // H)
     ok = tl.arange(0, BK)
     km = ok < K
@@ -61,8 +63,8 @@ def _launch(state, rows, k, v, g, beta, n, out, B: int, in_place: bool) -> None:
     if not (1 <= K <= 256 and 1 <= V <= 256):
         raise ValueError(f"state: head dims must be in [1, 256], got K={K}, V={V}")
     BK, BV = next_pow2(K), min(32, next_pow2(V))
-    _replay_commit[(B, HV, cdiv(V, BV))](state, rows, k, v, g, beta, n, out, B, k.shape[2], HV, K, V, BK=BK, BV=BV,
-                                         IN_PLACE=in_place, num_warps=4)
+    _replay_commit[(B * HV * cdiv(V, BV),)](state, rows, k, v, g, beta, n, out, B, k.shape[2], HV, K, V, BK=BK,
+                                            BV=BV, IN_PLACE=in_place, num_warps=4)
 
 
 def replay_commit(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
