@@ -16,19 +16,25 @@ from k3_kernels.launch import CachedLaunch, next_pow2
 
 
 @triton.jit
+def _full_at(x, sx_b, sx_t, win, sw_b, sw_c, sw_j, bi, p, c, cm, W1: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Channels c of row bi at position p of [window | x] (the window's W-1 columns, then the call's tokens), in
+    x's dtype (zeros for the window without HAS_WINDOW)."""
+    from_x = p >= W1
+    val = tl.load(x + bi * sx_b + (p - W1) * sx_t + c, mask=cm & from_x, other=0.)
+    if HAS_WINDOW:
+        old = tl.load(win + bi * sw_b + c * sw_c + p * sw_j, mask=cm & (p < W1), other=0.)
+        val = tl.where(from_x, val, old.to(x.dtype.element_ty))
+    return val
+
+
+@triton.jit
 def _conv_silu(x, sx_b, sx_t, win, sw_b, sw_c, sw_j, taps, bi, t, c, cm, W: tl.constexpr, BK: tl.constexpr,
                HAS_WINDOW: tl.constexpr):
     """SiLU(ShortConv) of token t's channels c (fp32, rounded through x's dtype as the spec's two ops are):
     [window | x] position t + j times tap j, taps in order."""
-    W1: tl.constexpr = W - 1
     acc = tl.zeros([BK], dtype=tl.float32)
     for j in tl.static_range(W):
-        p = t + j   # position in [window | x]
-        from_x = p >= W1
-        val = tl.load(x + bi * sx_b + (p - W1) * sx_t + c, mask=cm & from_x, other=0.).to(tl.float32)
-        if HAS_WINDOW:
-            old = tl.load(win + bi * sw_b + c * sw_c + p * sw_j, mask=cm & (p < W1), other=0.)
-            val = tl.where(from_x, val, old.to(x.dtype.element_ty).to(tl.float32))
+        val = _full_at(x, sx_b, sx_t, win, sw_b, sw_c, sw_j, bi, t + j, c, cm, W - 1, HAS_WINDOW).to(tl.float32)
         acc += val * tl.load(taps + c * W + j, mask=cm, other=0.).to(tl.float32)
     y = acc.to(x.dtype.element_ty).to(tl.float32)
     return (y / (1. + tl.exp(-y))).to(x.dtype.element_ty)
@@ -44,14 +50,8 @@ def _l2norm(y, cm, eps):
 def _roll_window(x, sx_b, sx_t, win, sw_b, sw_c, sw_j, out, so_b, so_c, bi, n, c, cm, W: tl.constexpr,
                  HAS_WINDOW: tl.constexpr):
     """The window after the row's first n tokens: positions n .. n+W-2 of [window | x], in x's dtype."""
-    W1: tl.constexpr = W - 1
-    for j in tl.static_range(W1):
-        p = n + j
-        from_x = p >= W1
-        val = tl.load(x + bi * sx_b + (p - W1) * sx_t + c, mask=cm & from_x, other=0.)
-        if HAS_WINDOW:
-            old = tl.load(win + bi * sw_b + c * sw_c + p * sw_j, mask=cm & (p < W1), other=0.)
-            val = tl.where(from_x, val, old.to(x.dtype.element_ty))
+    for j in tl.static_range(W - 1):
+        val = _full_at(x, sx_b, sx_t, win, sw_b, sw_c, sw_j, bi, n + j, c, cm, W - 1, HAS_WINDOW)
         tl.store(out + bi * so_b + c * so_c + j, val, mask=cm)
 
 
@@ -152,6 +152,6 @@ def fused_kda_step_inputs(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, 
 
 def _same_layout(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """xs with contiguous channels and the first one's batch / token strides (copies where they differ)."""
-    if all(x.stride(-1) == 1 and x.stride()[:2] == xs[0].stride()[:2] for x in xs) and xs[0].stride(-1) == 1:
+    if all(x.stride(-1) == 1 and x.stride()[:2] == xs[0].stride()[:2] for x in xs):
         return xs
     return tuple(x.contiguous() for x in xs)
