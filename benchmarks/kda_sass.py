@@ -60,7 +60,10 @@ ALL_TYPES = {"g": "*fp32", "A_log": "*fp32", "dt_bias": "*fp32", "Gc": "*fp32", 
              "Rs": "*fp32", "Ps": "*fp32", "DQs": "*fp32", "DKs": "*fp32", "DGs": "*fp32", "dg": "*fp32",
              "h0": "*fp32", "ht": "*fp32", "dht": "*fp32", "dh0": "*fp32", "cu": "*i64", "cidx": "*i32",
              "coff": "*i32", "seqs": "*i32", "idx": "*i64", "c_first": "i32", "scale": "fp32", "lower_bound": "fp32",
-             "H": "i32", "HV": "i32", "K": "i32", "V": "i32", "T": "i32", "P": "i32"}  # other pointers: bf16
+             "H": "i32", "HV": "i32", "K": "i32", "V": "i32", "T": "i32", "P": "i32", "dG": "*fp32",
+             "part_dt": "*fp32", "part_A": "*fp32", "n_tok": "i32", "eps": "fp32", "g_out": "*fp32",
+             "beta_out": "*fp32", "roll": "*i64", **{s: "i32" for s in ("sx_b", "sx_t", "sf_b", "sf_t", "sb_b", "sb_t",
+                                                                    "sw_b", "sw_s", "sw_c", "sw_j")}}  # other pointers: bf16
 _STATE = dict(HV=16, K=128, V=128, BK=128, BVF=128, PREC="tf32")
 ALL_CASES = {  # name: (kernel, constexprs (those the version's kernel takes), options)
     "cumsum": ("_fwd_cumsum", dict(BK=128, KA=32, GATE=0, HAS_A=False, HAS_DT=False), dict(num_warps=4)),
@@ -79,12 +82,27 @@ ALL_CASES = {  # name: (kernel, constexprs (those the version's kernel takes), o
     "recurrent": ("_recurrent_fwd", dict(H=16, HV=16, K=128, V=128, BK=128, BV=32, GATE=2, HAS_A=True, HAS_DT=True,
                                          L2NORM=False, HAS_H0=True, STORE_HT=True, VARLEN=False, HAS_IDX=False,
                                          BETA_SIGMOID=0, STATE_V_FIRST=False), dict(num_warps=4)),
+    "recurrent_default_gate": ("_recurrent_fwd", dict(H=16, HV=16, K=128, V=128, BK=128, BV=32, GATE=1, HAS_A=True,
+                                                      HAS_DT=True, L2NORM=True, HAS_H0=True, STORE_HT=True,
+                                                      VARLEN=True, HAS_IDX=True, BETA_SIGMOID=1, STATE_V_FIRST=True),
+                               dict(num_warps=4)),
+    "cumsum_default_gate": ("_fwd_cumsum", dict(BK=128, KA=32, GATE=1, HAS_A=True, HAS_DT=True), dict(num_warps=4)),
+    "gate_bwd_default": ("_gate_bwd", dict(BK=128, ROWS=64, STEPS=4, GATE=1, HAS_A=True, HAS_DT=True),
+                         dict(num_warps=4)),
+    "gate_bwd_safe": ("_gate_bwd", dict(BK=128, ROWS=64, STEPS=4, GATE=2, HAS_A=True, HAS_DT=True),
+                      dict(num_warps=4)),
+    # the step-inputs kernel took SAFE_GATE (a bool) before the named gate modes
+    "step_inputs_safe": ("_step_inputs_kernel", dict(W=4, BK=128, HAS_WINDOW=True, WITH_Q=True, GATE=2,
+                                                     SAFE_GATE=True, HAS_ROLL=False), dict(num_warps=1)),
+    "step_inputs_default": ("_step_inputs_kernel", dict(W=4, BK=128, HAS_WINDOW=True, WITH_Q=False, GATE=1,
+                                                        SAFE_GATE=False, HAS_ROLL=True), dict(num_warps=1)),
 }
 
 
 def _find_kernel(name: str):
     """The version's Triton kernel `name`, wherever its layout keeps it (chunk.py before the split)."""
-    for sub in ("chunk_fwd", "chunk_intra", "chunk_bwd", "chunk_bwd_intra", "chunk", "fused_recurrent"):
+    for sub in ("chunk_fwd", "chunk_intra", "chunk_bwd", "chunk_bwd_intra", "chunk", "fused_recurrent", "gate",
+                "step_inputs"):
         try:
             mod = importlib.import_module("k3_kernels.kda." + sub)
         except ImportError:

@@ -45,10 +45,10 @@ from .chunk_bwd import _bwd
 from .chunk_fwd import _fwd
 from .checks import (activate_beta, check_beta_options, check_cu_seqlens, check_gate, check_shapes, check_state,
                      state_layout)
-from .gate import gate_backward
+from .gate import GATE_DEFAULT, GATE_NONE, gate_backward, gate_mode
 from .intermediate import intermediate_states
 from .naive import l2norm, naive_kda_gate, naive_kda_lowerbound_gate
-from .plan import BT, CONFIG, _chunk_plan, _p2, _prec, _state_classes, _state_split  # noqa: F401 (tests, benchmarks)
+from .plan import BT, CONFIG, _chunk_plan, _prec, _state_classes, _state_split  # noqa: F401 (tests, benchmarks)
 from .plan import tile_dims
 
 
@@ -67,12 +67,12 @@ class _ChunkKDA(torch.autograd.Function):
         dq, dk, dv, dg, dbeta, dh0 = _bwd(q, k, v, beta, do.contiguous(), dht.contiguous() if dht is not None else None,
                                           ctx.has_h0, ctx.scale, saved, ctx.plan)
         dA_log = ddt = None
-        if ctx.gate and CONFIG["gate_bwd"] == "triton":  # the gate's backward as one pass (gate.py)
+        if ctx.gate != GATE_NONE and CONFIG["gate_bwd"] == "triton":  # the gate's backward as one pass (gate.py)
             dg, dA_log, ddt = gate_backward(g, dg, A_log, dt_bias, ctx.gate, ctx.lower_bound)
-        elif ctx.gate:  # torch autograd over the reference gate (elementwise; torch's fixed-order reductions)
+        elif ctx.gate != GATE_NONE:  # torch autograd over the reference gate (elementwise; torch's fixed-order reductions)
             with torch.enable_grad():
                 inputs = [x.detach().requires_grad_(True) if x is not None else None for x in (g, A_log, dt_bias)]
-                if ctx.gate == 1:
+                if ctx.gate == GATE_DEFAULT:
                     ga = naive_kda_gate(inputs[0], inputs[1], inputs[2])
                 else:
                     ga = naive_kda_lowerbound_gate(inputs[0], inputs[1], inputs[2], ctx.lower_bound)
@@ -137,7 +137,7 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     beta = activate_beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
-    gate = 0 if not use_gate_in_kernel else (2 if lower_bound is not None else 1)
+    gate = gate_mode(use_gate_in_kernel, lower_bound)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     h0 = initial_state
     if h0 is not None:

@@ -9,6 +9,7 @@ import triton.language as tl
 from k3_kernels.launch import cdiv
 
 from .chunk_intra import _fwd_intra
+from .gate import GATE_NONE, gate_activation
 from .plan import BT, CONFIG, _forked, _join, _prec, _state_split, state_stages, tile_dims
 from .utils import _chunk_rows
 
@@ -25,17 +26,13 @@ def _fwd_cumsum(g, A_log, dt_bias, Gc, cu, cidx, c_first, lower_bound, HV, K, BK
     r = tl.arange(0, 64)
     m = (r < nv)[:, None] & (oc < K)[None, :]
     gx = tl.load(g + ((t0 + r) * HV + hv)[:, None] * K + oc[None, :], mask=m, other=0.).to(tl.float32)
-    if GATE == 1:  # -exp(A_log) * softplus(g + dt_bias)
+    if GATE != GATE_NONE:
         if HAS_DT:
             gx = gx + tl.load(dt_bias + hv * K + oc, mask=oc < K, other=0.).to(tl.float32)[None, :]
-        sp = tl.where(gx > 20., gx, tl.log(1. + tl.exp(tl.minimum(gx, 20.))))
-        gx = -tl.exp(tl.load(A_log + hv).to(tl.float32)) * sp
-    elif GATE == 2:  # lower_bound * sigmoid(exp(A_log) * (g + dt_bias))
-        if HAS_DT:
-            gx = gx + tl.load(dt_bias + hv * K + oc, mask=oc < K, other=0.).to(tl.float32)[None, :]
+        a_exp = 1.
         if HAS_A:
-            gx = gx * tl.exp(tl.load(A_log + hv).to(tl.float32))
-        gx = lower_bound * tl.sigmoid(gx)
+            a_exp = tl.exp(tl.load(A_log + hv).to(tl.float32))
+        gx = gate_activation(gx, a_exp, lower_bound, GATE, HAS_A)
     gx = tl.where(m, gx, 0.)
     tl.store(Gc + (c * HV + hv) * 64 * BK + r[:, None] * BK + oc[None, :], tl.cumsum(gx, 0))
 

@@ -16,7 +16,8 @@ import triton.language as tl
 from k3_kernels.launch import cdiv
 
 from .checks import check_beta_options, check_cu_seqlens, check_gate, check_shapes, check_state, state_layout
-from .plan import _p2
+from .gate import GATE_NONE, gate_activation, gate_mode
+from .plan import pow2_tile
 
 
 @triton.jit
@@ -56,9 +57,10 @@ def _recurrent_fwd(q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu, idx, scale, 
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_H0:
         S += tl.load(h0 + ps, mask=live, other=0.)
-    if GATE != 0:
+    if GATE != GATE_NONE:
         if HAS_DT:
             bias = tl.load(dt_bias + hv * K + ok, mask=km, other=0.).to(tl.float32)
+        a_exp = 1.
         if HAS_A:
             a_exp = tl.exp(tl.load(A_log + hv).to(tl.float32))
     for t in range(bos, eos):
@@ -69,14 +71,10 @@ def _recurrent_fwd(q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu, idx, scale, 
             kt = kt / tl.sqrt(tl.sum(kt * kt, 0) + 1e-6)
         vt = tl.load(v + (t * HV + hv) * V + ov, mask=vm, other=0.).to(tl.float32)
         gt = tl.load(g + (t * HV + hv) * K + ok, mask=km, other=0.).to(tl.float32)
-        if GATE != 0 and HAS_DT:
-            gt = gt + bias
-        if GATE == 1:
-            gt = -a_exp * tl.where(gt > 20., gt, tl.log(1. + tl.exp(tl.minimum(gt, 20.))))
-        elif GATE == 2:
-            if HAS_A:
-                gt = gt * a_exp
-            gt = lower_bound * tl.sigmoid(gt)
+        if GATE != GATE_NONE:
+            if HAS_DT:
+                gt = gt + bias
+            gt = gate_activation(gt, a_exp, lower_bound, GATE, HAS_A)
         bt = tl.load(beta + t * HV + hv).to(tl.float32)
         if BETA_SIGMOID != 0:  # beta logits: sigmoid, or 2 sigmoid (allow_neg_eigval)
             bt = BETA_SIGMOID * tl.sigmoid(bt)
@@ -161,8 +159,8 @@ def fused_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     o = torch.empty_like(v)
     if o.numel() == 0 and ht is None:
         return o, ht
-    BK, BV = _p2(K), min(32, _p2(V))
-    gate = 0 if not use_gate_in_kernel else (2 if lower_bound is not None else 1)
+    BK, BV = pow2_tile(K), min(32, pow2_tile(V))
+    gate = gate_mode(use_gate_in_kernel, lower_bound)
     dummy = o
     _recurrent_fwd[(N * HV * cdiv(V, BV),)](
         q, k, v, g, beta, A_log.contiguous() if A_log is not None else dummy,

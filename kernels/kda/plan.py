@@ -29,7 +29,8 @@ CONFIG = {"fwd_state_bv": None, "fwd_state_warps": 4, "fwd_state_stages": 3,  # 
           "gate_bwd": "triton"}  # the in-kernel gate's backward: gate.py's pass, or "torch" (autograd, the A/B)
 
 
-def _p2(x: int) -> int:
+def pow2_tile(x: int) -> int:
+    """The power-of-two tile width covering x, at least 16 (tl.dot's smallest)."""
     return max(16, next_pow2(x))
 
 
@@ -54,7 +55,7 @@ def tile_dims(K: int, V: int, dtype: torch.dtype, device: torch.device) -> tuple
     bounds (compute-sanitizer memcheck, H200: K = 60 -> 64, and K = V = 16), as a 1-stage build of them did in an
     earlier session (kernels/kda/NOTES.md); 128, the layout of every measured row, is the one known good. The
     interpreter keeps the plain powers of two."""
-    BK, BVF = _p2(K), _p2(V)
+    BK, BVF = pow2_tile(K), pow2_tile(V)
     if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
         BK, BVF = max(BK, 128), max(BVF, 128)
     return BK, BVF

@@ -14,6 +14,8 @@ import triton.language as tl
 
 from k3_kernels.launch import CachedLaunch, next_pow2
 
+from .gate import gate_activation, gate_mode
+
 
 @triton.jit
 def _full_at(x, sx_b, sx_t, win, sw_b, sw_c, sw_j, bi, p, c, cm, W1: tl.constexpr, HAS_WINDOW: tl.constexpr):
@@ -59,7 +61,7 @@ def _roll_window(x, sx_b, sx_t, win, sw_b, sw_c, sw_j, out, so_b, so_c, bi, n, c
 def _step_inputs_kernel(xq, xk, xv, sx_b, sx_t, f, sf_b, sf_t, b, sb_b, sb_t, win, sw_b, sw_s, sw_c, sw_j,
                         taps_q, taps_k, taps_v, A_log, dt_bias, q_out, k_out, v_out, g_out, beta_out, win_out,
                         roll, T, H, K, lower_bound, eps, W: tl.constexpr, BK: tl.constexpr,
-                        HAS_WINDOW: tl.constexpr, WITH_Q: tl.constexpr, SAFE_GATE: tl.constexpr,
+                        HAS_WINDOW: tl.constexpr, WITH_Q: tl.constexpr, GATE: tl.constexpr,
                         HAS_ROLL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)   # token b * T + t
     h = tl.program_id(1).to(tl.int64)
@@ -79,11 +81,7 @@ def _step_inputs_kernel(xq, xk, xv, sx_b, sx_t, f, sf_b, sf_t, b, sb_b, sb_t, wi
     tl.store(v_out + out, v, mask=cm)
     x = (tl.load(f + bi * sf_b + t * sf_t + c, mask=cm, other=0.).to(tl.float32)
          + tl.load(dt_bias + c, mask=cm, other=0.).to(tl.float32))
-    a = tl.exp(tl.load(A_log + h).to(tl.float32))
-    if SAFE_GATE:   # lower_bound * sigmoid(exp(A_log) (f + dt_bias))
-        g = lower_bound * tl.sigmoid(a * x)
-    else:   # -exp(A_log) * softplus(f + dt_bias), softplus linear above 20 as torch's
-        g = -a * tl.where(x > 20., x, tl.log(1. + tl.exp(tl.minimum(x, 20.))))
+    g = gate_activation(x, tl.exp(tl.load(A_log + h).to(tl.float32)), lower_bound, GATE, True)
     tl.store(g_out + out, g, mask=cm)
     beta = tl.load(b + bi * sb_b + t * sb_t + h).to(tl.float32)
     tl.store(beta_out + row * H + h, tl.sigmoid(beta))
@@ -146,7 +144,7 @@ def fused_kda_step_inputs(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, 
             q if with_q else k, k, v, g, beta, new_windows, roll if roll is not None else beta, T, H, K,
             float(lower_bound) if lower_bound is not None else 0., float(eps),
             W=W, BK=next_pow2(K), HAS_WINDOW=windows is not None, WITH_Q=with_q,
-            SAFE_GATE=lower_bound is not None, HAS_ROLL=roll is not None, num_warps=1)
+            GATE=gate_mode(True, lower_bound), HAS_ROLL=roll is not None, num_warps=1)
     return q, k, v, g, beta, new_windows
 
 

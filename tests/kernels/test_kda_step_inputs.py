@@ -120,13 +120,15 @@ import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from k3_kernels.kda.gate import GATE_DEFAULT, GATE_SAFE
 from k3_kernels.kda.step_inputs import _step_inputs_kernel as fn
 TYPES = dict(win="*fp32", A_log="*fp32", g_out="*fp32", beta_out="*fp32", roll="*i64", T="i32", H="i32", K="i32",
              lower_bound="fp32", eps="fp32")
 out = {}
 for safe in (True, False):
     for with_q in (True, False):
-        consts = dict(W=4, BK=128, HAS_WINDOW=True, WITH_Q=with_q, SAFE_GATE=safe, HAS_ROLL=not with_q)
+        consts = dict(W=4, BK=128, HAS_WINDOW=True, WITH_Q=with_q, GATE=GATE_SAFE if safe else GATE_DEFAULT,
+                      HAS_ROLL=not with_q)
         sig = {n: "constexpr" if n in consts else TYPES.get(n, "i64" if n.startswith("s") else "*bf16")
                for n in fn.arg_names}
         src = ASTSource(fn, sig, {(i,): consts[n] for i, n in enumerate(fn.arg_names) if n in consts})
