@@ -89,8 +89,8 @@ def _step_inputs_kernel(xq, xk, xv, sx_b, sx_t, f, sf_b, sf_t, b, sb_b, sb_t, wi
         W1: tl.constexpr = W - 1
         so_b = 3 * C * W1
         n = T
-        if HAS_ROLL:   # a speculative commit: the row keeps its first roll[b] tokens
-            n = tl.load(roll + bi).to(tl.int64)
+        if HAS_ROLL:   # a speculative commit: the row keeps its first roll[b] tokens (clamped to [0, T]: a bad
+            n = tl.minimum(tl.maximum(tl.load(roll + bi).to(tl.int64), 0), T)   # value cannot read outside the row)
         _roll_window(xq, sx_b, sx_t, win, sw_b, sw_c, sw_j, win_out, so_b, W1, bi, n, c, cm, W, HAS_WINDOW)
         _roll_window(xk, sx_b, sx_t, win + sw_s, sw_b, sw_c, sw_j, win_out + C * W1, so_b, W1, bi, n, c, cm, W,
                      HAS_WINDOW)
@@ -119,6 +119,18 @@ def fused_kda_step_inputs(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, 
         raise ValueError(f"KDA step inputs: windows {tuple(windows.shape)} must be {(B, 3, C, W - 1)}")
     if W < 2:
         raise ValueError(f"KDA step inputs: conv kernel size {W} must be >= 2")
+    for name, w in zip(("q", "k", "v"), conv_weights):   # the kernel reads taps c * W + j of each
+        if w.numel() != C * W or w.shape[0] != C:
+            raise ValueError(f"KDA step inputs: conv_weights[{name}] {tuple(w.shape)} must be [{C}, 1, {W}]")
+    if A_log.numel() != H or dt_bias.numel() != C:
+        raise ValueError(f"KDA step inputs: A_log ({A_log.numel()} elements) must have H={H} and dt_bias "
+                         f"({dt_bias.numel()}) H*K={C}")
+    tensors = dict(xq=xq, xk=xk, xv=xv, f=f, b=b, A_log=A_log, dt_bias=dt_bias, **dict(zip(
+        ("conv_weights[q]", "conv_weights[k]", "conv_weights[v]"), conv_weights)),
+        **({"windows": windows} if windows is not None else {}))
+    off = [name for name, x in tensors.items() if x.device != xk.device]
+    if off:
+        raise ValueError(f"KDA step inputs: {off} not on xk's device {xk.device}")
     if roll is not None and (tuple(roll.shape) != (B,) or roll.dtype not in (torch.int32, torch.int64)
                              or roll.device != xk.device):
         raise ValueError(f"KDA step inputs: roll must be integer [B={B}] on {xk.device}, got {roll.dtype} "

@@ -85,6 +85,26 @@ def test_bad_shapes_raise_before_any_launch():
         fused_kda_step_inputs(**{**case, "windows": case["windows"][..., :2]}, lower_bound=-5.0)
     with pytest.raises(ValueError, match="f "):
         fused_kda_step_inputs(**{**case, "f": case["f"][..., :8]}, lower_bound=-5.0)
+    # parameters the kernel indexes by channel or head: a short one would be read past its end
+    with pytest.raises(ValueError, match=r"conv_weights\[k\]"):
+        fused_kda_step_inputs(**{**case, "conv_weights": (case["conv_weights"][0], case["conv_weights"][1][:16],
+                                                          case["conv_weights"][2])}, lower_bound=-5.0)
+    with pytest.raises(ValueError, match="A_log"):
+        fused_kda_step_inputs(**{**case, "A_log": case["A_log"][:1]}, lower_bound=-5.0)
+    with pytest.raises(ValueError, match="dt_bias"):
+        fused_kda_step_inputs(**{**case, "dt_bias": case["dt_bias"][:16]}, lower_bound=-5.0)
+    with pytest.raises(ValueError, match=r"\['A_log'\] not on"):   # a tensor on another device is named
+        fused_kda_step_inputs(**{**case, "A_log": case["A_log"].to("meta")}, lower_bound=-5.0)
+
+
+def test_out_of_range_roll_stays_inside_the_row(bounds_guard):
+    """`roll` is not read back on the host (a CUDA graph may capture the call): values outside [0, T] are clamped
+    in the kernel, so they act as 0 or T and read nothing outside the row (the bounds guard checks)."""
+    case = _case(3, 3, 2, 16, torch.float32, True)
+    got = fused_kda_step_inputs(**case, lower_bound=-5.0, with_q=False, roll=torch.tensor([-7, 9, 2], device=DEV))
+    want = fused_kda_step_inputs(**case, lower_bound=-5.0, with_q=False, roll=torch.tensor([0, 3, 2], device=DEV))
+    assert torch.equal(got[5], want[5])
+    assert bounds_guard is None or bounds_guard.checked > 0
 
 
 def test_no_tokens_keeps_the_windows():
