@@ -273,19 +273,24 @@ def main() -> None:
         save()
     if "--decode" in sys.argv:
         res["fused_recurrent_kda"] = decode_rows(fla_recurrent)
+        res["fused_recurrent_kda_device"] = res["device"]
         save()
     elif "fused_recurrent_kda" in old:
         res["fused_recurrent_kda"] = old["fused_recurrent_kda"]
     names = _arg("--rows", ",".join(ROWS)).split(",") if _arg("--rows") != "none" else []
     # the merged file's named rows stay until this run replaces them (a call killed mid-row keeps them all); each
-    # row names the commit it was measured at (rows from before that field: the merged file's header commit)
-    rows = res["chunk_kda"] = [{**r, "commit": r.get("commit", old.get("commit"))}
+    # row names the commit and the card it was measured on (rows from before those fields: the merged file's header)
+    rows = res["chunk_kda"] = [{**r, "commit": r.get("commit", old.get("commit")),
+                                "device": r.get("device", old.get("device"))}
                                for r in old.get("chunk_kda", []) if "row" in r]
     for key, value in old.items():  # the merged file's other entries (earlier sessions' figures) stay as they were
         if key not in res and key != "chunk_kda":
             res[key] = value
+    if "fused_recurrent_kda" in old and "--decode" not in sys.argv:
+        res["fused_recurrent_kda_device"] = old.get("fused_recurrent_kda_device", old.get("device"))
     if any("row" not in r for r in old.get("chunk_kda", [])):  # rows of the format before named rows
         res.setdefault("chunk_kda_unnamed_rows", [r for r in old["chunk_kda"] if "row" not in r])
+    save()   # the merged entries too, even when no row runs (`--rows none`)
     for name in names:
         if time.time() - start > budget:
             print("budget: not started", name, flush=True)
@@ -299,7 +304,7 @@ def main() -> None:
             row = dict(row=name, T=T, heads=heads, error=str(e)[:200])
         if cu is not None:
             row["varlen"] = cu.tolist()
-        row["commit"] = res["commit"]
+        row["commit"], row["device"] = res["commit"], res["device"]
         print("kda", row, flush=True)
         rows[:] = [r for r in rows if r["row"] != name] + [row]
         save()
