@@ -361,10 +361,11 @@ PASS_SETTINGS = [(16, 4, 64, 8), (32, 4, 128, 8), (64, 8, 32, 4), (32, 8, 64, 4)
 GLUON_BF16_TILES: list[tuple[int, int]] = []  # (block_n, stages); session 31 swept 4 (moe_gluon.json)
 
 
-def gluon_gemms(E, N, L, I, k, device, reps_ms):
+def gluon_gemms(E, N, L, I, k, device, reps_ms, only: set[str] | None = None):
     """Each grouped GEMM of the layer, bf16 and FP8 (and the quantisation passes around the FP8 backward), Triton vs
     Gluon in one process at one point: medians, TFLOP/s, whether the two give the same bits; then the Gluon
-    kernels' settings swept."""
+    kernels' settings swept, each setting's outputs compared bit for bit with the default tile's. `only`: these
+    GEMMs (names of `gemms` below; "passes" for the quantisation passes), None: all."""
     from k3_kernels.moe import fp8_grad, gluon_bf16, gluon_gemm
     from k3_kernels.moe import grouped_gemm as gg
     from k3_kernels.moe.layer import fp8_weight, fp8_weight_t, fp8_weight_t13
@@ -416,7 +417,8 @@ def gluon_gemms(E, N, L, I, k, device, reps_ms):
     pass_bytes = {"quantize_rows_dgu": dgu.numel() * 3 + dgu.numel() // 32,
                   "quantize_token_blocks_dgu": dgu.numel() * 3 + dgu.numel() // 32,
                   "situ_backward_rows": dh.numel() * 2 + gu.numel() * 2 + gu.numel() * 3 + gu.numel() // 32}
-    for setting in PASS_SETTINGS:
+    wanted = (lambda name: only is None or name in only)  # noqa: E731
+    for setting in PASS_SETTINGS if wanted("passes") else ():
         key = "rows{}x{}w_cols{}x{}w".format(*setting)
         names = ("ROW_PASS_ROWS", "ROW_PASS_WARPS", "TOKEN_BLOCK_COLUMNS", "TOKEN_BLOCK_WARPS")
         try:
@@ -427,18 +429,23 @@ def gluon_gemms(E, N, L, I, k, device, reps_ms):
             out["pass_sweep"][key] = {"error": f"{type(err).__name__}: {str(err)[:160]}"}
         print("passes", key, out["pass_sweep"][key], flush=True)
     flat = lambda r: [t for t in (r if isinstance(r, tuple) else (r,)) if t is not None]  # noqa: E731
+    flat_bits = lambda r: [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in flat(r)]  # noqa: E731
+    default_bits = {}  # the Gluon default tile's outputs, what each swept setting must reproduce
     for name, (flops, fn) in gemms.items():
+        if not wanted(name):
+            continue
         row = {}
         results = {}
         for impl in (gg.GemmKernels.TRITON, gg.GemmKernels.GLUON):
             try:  # one GEMM that does not compile or launch is recorded; the others still run
                 with gg.gemm_kernels(impl):
                     ms = timing(fn)
-                    results[impl] = [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
-                                     for t in flat(fn())]
+                    results[impl] = flat_bits(fn())
                 row[impl.value] = {"ms": ms, "tflops": flops / ms / 1e9}
             except Exception as err:
                 row[impl.value] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+        if gg.GemmKernels.GLUON in results:
+            default_bits[name] = results[gg.GemmKernels.GLUON]
         if len(results) == 2:
             row["same_bits"] = all(torch.equal(a, b) for a, b in zip(results[gg.GemmKernels.TRITON],
                                                                      results[gg.GemmKernels.GLUON]))
@@ -448,7 +455,7 @@ def gluon_gemms(E, N, L, I, k, device, reps_ms):
             row["gluon_speedup"] = row["triton"]["ms"] / row["gluon"]["ms"]
         out["gemms"][name] = row
         print(f"{name}: {row}", flush=True)
-    for name, fn in passes.items():
+    for name, fn in passes.items() if wanted("passes") else ():
         out["passes_ms"][name] = timing(fn)
     sweeps = [(gluon_gemm, "fp8_" + ("_".join(f"{k}={v}" for k, v in change.items()) or "default"),
                dataclasses.replace(gluon_gemm.DEFAULT_TILE, **change),
@@ -456,11 +463,17 @@ def gluon_gemms(E, N, L, I, k, device, reps_ms):
     sweeps += [(gluon_bf16, f"bf16_n{bn}_stages{st}", gluon_bf16.Bf16Tile(block_n=bn, stages=st),
                 ("bf16_down", "bf16_gate_up_dgrad", "bf16_wgrad_w2")) for bn, st in GLUON_BF16_TILES]
     for module, key, tile, names in sweeps:
+        names = [n for n in names if wanted(n)]
+        if not names:
+            continue
         base = module.DEFAULT_TILE
         module.DEFAULT_TILE = tile
         try:
             with gg.gemm_kernels(gg.GemmKernels.GLUON):
                 out["gluon_sweep"][key] = {n: gemms[n][0] / timing(gemms[n][1]) / 1e9 for n in names}
+                out["gluon_sweep"][key]["same_bits_as_default"] = {
+                    n: all(torch.equal(a, b) for a, b in zip(flat_bits(gemms[n][1]()), default_bits[n]))
+                    for n in names if n in default_bits}
         except Exception as err:  # a setting that does not compile or launch is recorded
             out["gluon_sweep"][key] = {"error": f"{type(err).__name__}: {str(err)[:160]}"}
         finally:
@@ -523,6 +536,8 @@ def main() -> None:
     ap.add_argument("--sweep", default=None, help="E,N: per-kernel tile sweep at that point first")
     ap.add_argument("--gluon-gemms", default=None, help="E,N: each grouped GEMM (bf16 and FP8), Triton vs Gluon "
                     "(bits and time), and the Gluon kernels' settings swept, at that point first")
+    ap.add_argument("--gemms", default=None, help="with --gluon-gemms: only these GEMMs (comma-separated names of "
+                    "gluon_gemms' table, 'passes' for the quantisation passes), in the A/B and the sweep")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.smoke:  # fp32: the interpreter's bf16 dots are not the GPU's (tests/kernels/conftest.py)
@@ -539,7 +554,8 @@ def main() -> None:
     path = args.out or (os.path.join(os.environ["OUT"], "moe.json") if os.environ.get("OUT") else "moe")
     if args.gluon_gemms:
         E_s, N_s = (int(v) for v in args.gluon_gemms.split(","))
-        result["gluon_gemms"] = gluon_gemms(E_s, N_s, L, I, k, device, args.rep_ms)
+        result["gluon_gemms"] = gluon_gemms(E_s, N_s, L, I, k, device, args.rep_ms,
+                                            set(args.gemms.split(",")) if args.gemms else None)
         write_results(path, result)
     if args.profile:
         E_s, N_s = (int(v) for v in args.profile.split(","))
