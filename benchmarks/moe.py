@@ -545,7 +545,8 @@ def main() -> None:
         experts, tokens = [4], [16]
     else:
         L, I, k, n_shared = 3584, 3072, 16, 2
-        experts, tokens = [int(v) for v in args.experts.split(",")], [int(v) for v in args.tokens.split(",")]
+        # (--experts "": no layer rows, e.g. with --gluon-gemms alone)
+        experts, tokens = [int(v) for v in args.experts.split(",") if v], [int(v) for v in args.tokens.split(",")]
     impl_names = args.impls.split(",")
     dtype = torch.float32 if args.smoke else torch.bfloat16
     result = {**run_header("moe", device=str(device), packages=("triton", "torchtitan")),
