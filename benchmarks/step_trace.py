@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks._results import run_header, write_results
 from benchmarks.decode_profile import _prompts
 from benchmarks.k3_width import k3_width_model
 from benchmarks.spec_decode import PHASES, bench_engine, patched_phases
@@ -192,9 +193,13 @@ def main() -> None:
     spec = SpecConfig(method="drafter", draft_len=3, verify="batched", drafter_path=str(head), lookup=0,
                       drafter_dtype=a.drafter_dtype)
     if a.launch:
+        rows = []
         for b in [int(x) for x in a.batches.split(",")]:
             for row in launch_costs(model, b, a.tokens, spec):
                 print(f"== batch {b} {row}", flush=True)
+                rows.append({"batch": b, **row})
+        write_results(out / "launch.json", {**run_header("step_trace_launch", torch.cuda.get_device_name()),
+                                            "drafter_dtype": a.drafter_dtype, "rows": rows})
         return
     for b in [int(x) for x in a.batches.split(",")]:
         for tag, sp, overlap in (("plain", None, False), ("drafter", spec, False), ("drafter_overlap", spec, True)):
