@@ -200,9 +200,13 @@ def gate_ab() -> dict:
     return {k: sorted(v)[0] for k, v in out.items()} | {"runs": out}
 
 
+DECODE_STAGES_AB = (1, 2, 3)
+
+
 def decode_rows(fla_recurrent) -> list:
     """fused_recurrent_kda, ours vs fla-core, K3's safe gate in the kernel (k3init parameters), bf16 q/k/v/beta, fp32
     raw gate and state [B, HV, K, V] in, final state out."""
+    from k3_kernels.kda import fused_recurrent as recurrent_mod
     from k3_kernels.kda import fused_recurrent_kda
     rows = []
     for heads in (16, 96):
@@ -224,6 +228,17 @@ def decode_rows(fla_recurrent) -> list:
                     outs[name] = fn(q, k, v, f, beta, **kw)
                     row[name + "_ms"] = med(lambda: fn(q, k, v, f, beta, **kw), rep=50)
                 row["speedup"] = row["fla_ms"] / row["ours_ms"]
+                default_stages = recurrent_mod.DECODE_STAGES
+                for stages in DECODE_STAGES_AB:   # the token loop's pipelining depth, same process, same bits?
+                    recurrent_mod.DECODE_STAGES = stages
+                    try:
+                        o_s, ht_s = fused_recurrent_kda(q, k, v, f, beta, **kw)
+                        row[f"ours_stages{stages}_ms"] = med(lambda: fused_recurrent_kda(q, k, v, f, beta, **kw),
+                                                             rep=50)
+                        row[f"ours_stages{stages}_same_bits"] = bool(torch.equal(o_s, outs["ours"][0])
+                                                                     and torch.equal(ht_s, outs["ours"][1]))
+                    finally:
+                        recurrent_mod.DECODE_STAGES = default_stages
                 row["rel_rms_ours_vs_fla"] = dict(o=rel(outs["ours"][0], outs["fla"][0]),
                                                   ht=rel(outs["ours"][1], outs["fla"][1]))
                 print("decode", row, flush=True)

@@ -20,12 +20,16 @@ from .gate import GATE_NONE, gate_activation, gate_mode
 from .plan import pow2_tile
 
 
+DECODE_STAGES = 1   # the token loop's software-pipelining depth (1: not pipelined; fla-core uses 2); kda.py --decode A/Bs it
+
+
 @triton.jit
 def _recurrent_fwd(q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu, idx, scale, lower_bound, T, P,
                    H, HV, K, V, BK: tl.constexpr,
                    BV: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
                    L2NORM: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, VARLEN: tl.constexpr,
-                   HAS_IDX: tl.constexpr, BETA_SIGMOID: tl.constexpr, STATE_V_FIRST: tl.constexpr):
+                   HAS_IDX: tl.constexpr, BETA_SIGMOID: tl.constexpr, STATE_V_FIRST: tl.constexpr,
+                   STAGES: tl.constexpr):
     # one axis, V blocks fastest: the programs that read and write the columns of one state's rows run side by
     # side (a state's [K, V] rows are V * 4 bytes; one V block alone reads a quarter of each row)
     pid = tl.program_id(0).to(tl.int64)
@@ -63,7 +67,9 @@ def _recurrent_fwd(q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu, idx, scale, 
         a_exp = 1.
         if HAS_A:
             a_exp = tl.exp(tl.load(A_log + hv).to(tl.float32))
-    for t in range(bos, eos):
+    # STAGES > 1: the loop software-pipelined (token t + 1's loads issued while token t's update runs); the
+    # arithmetic is the same, so are the bits
+    for t in tl.range(bos, eos, num_stages=STAGES):
         qt = tl.load(q + (t * H + h) * K + ok, mask=km, other=0.).to(tl.float32)
         kt = tl.load(k + (t * H + h) * K + ok, mask=km, other=0.).to(tl.float32)
         if L2NORM:
@@ -173,5 +179,5 @@ def fused_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
         L2NORM=use_qk_l2norm_in_kernel, HAS_H0=h0 is not None, STORE_HT=ht is not None,
         VARLEN=cu_seqlens is not None, HAS_IDX=idx is not None,
         BETA_SIGMOID=(2 if allow_neg_eigval else 1) if use_beta_sigmoid_in_kernel else 0,
-        STATE_V_FIRST=state_v_first, num_warps=4)
+        STATE_V_FIRST=state_v_first, STAGES=DECODE_STAGES, num_warps=4)
     return o, ht

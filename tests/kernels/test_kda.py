@@ -463,3 +463,24 @@ def test_gpu_recurrent_pool_against_reference():
         assert_close(f"slot{s}", ref_h[n], pool[s], 5e-3)
     for s in (1, 3, 4, 6, 7):
         assert torch.equal(pool[s], before[s]), s
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [2, 3])
+def test_gpu_pipelined_decode_loop_gives_the_same_bits(monkeypatch, stages):
+    """The decode kernel's token loop software-pipelined (`DECODE_STAGES`, the loads of token t + 1 issued during
+    token t's update) gives the unpipelined loop's bits: outputs and the pool's states, 4 tokens a sequence, a
+    packed batch with an empty sequence."""
+    from k3_kernels.kda import fused_recurrent as recurrent_mod
+    N, HV, K, V, P = 3, 4, 128, 128, 6
+    pool = torch.randn(P, HV, K, V, device=DEV)
+    idx = torch.tensor([4, 1, 2], device=DEV)
+    inp = make_inputs(1, 8, 2, HV, K, V, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 4, 4, 8], device=DEV)
+    runs = []
+    for depth in (1, stages):
+        monkeypatch.setattr(recurrent_mod, "DECODE_STAGES", depth)
+        states = pool.clone()
+        o, _ = fused_recurrent_kda(**inp, initial_state=states, ssm_state_indices=idx, cu_seqlens=cu)
+        runs.append((o, states))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
