@@ -549,7 +549,8 @@ def main() -> None:
         experts, tokens = [int(v) for v in args.experts.split(",") if v], [int(v) for v in args.tokens.split(",")]
     impl_names = args.impls.split(",")
     dtype = torch.float32 if args.smoke else torch.bfloat16
-    result = {**run_header("moe", device=str(device), packages=("triton", "torchtitan")),
+    result = {**run_header("moe", device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                            packages=("triton", "torchtitan")),
               "shapes": {"latent": L, "intermediate": I, "top_k": k, "shared_experts": n_shared},
               "rates": rates(device), "points": []}
     path = args.out or (os.path.join(os.environ["OUT"], "moe.json") if os.environ.get("OUT") else "moe")

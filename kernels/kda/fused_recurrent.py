@@ -20,7 +20,7 @@ from .gate import GATE_NONE, gate_activation, gate_mode
 from .plan import pow2_tile
 
 
-DECODE_STAGES = 1   # the token loop's software-pipelining depth (1: not pipelined; fla-core uses 2); kda.py --decode A/Bs it
+DECODE_STAGES = 2   # the token loop's software-pipelining depth (1: not pipelined); benchmarks/kda.py --decode A/Bs it
 
 
 @triton.jit

@@ -55,8 +55,8 @@ class GluonTile:
     consumer_regs: int = 232
     group_m: int = 8
     persistent: bool = True  # the H200 A/B's choice (the same sweep)
-    prefetch_scales: bool = False  # off until the sweep has measured it
-    tma_store_wgrad: bool = False  # the wgrad's tiles out by TMA from shared memory; off until measured
+    prefetch_scales: bool = False  # measured no faster (the same sweep on an H100; NOTES.md, session 35)
+    tma_store_wgrad: bool = True  # the wgrad's tiles out by TMA from shared memory (that sweep's choice)
     block_n: int = QUANT_BLOCK
     block_k: int = QUANT_BLOCK
 
