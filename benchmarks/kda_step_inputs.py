@@ -60,7 +60,8 @@ def main() -> None:
             row["x_eager"] = row["torch_eager_ms"] / row["ours_eager_ms"]
             print(row, flush=True)
             rows.append(row)
-    path = write_results(a.out, {**run_header("kda_step_inputs", device=torch.cuda.get_device_name(), packages=("triton",)),
+    header = run_header("kda_step_inputs", device=torch.cuda.get_device_name(), packages=("triton",))
+    path = write_results(a.out, {**header,
                                  "dims": {"heads": H, "head_dim": K, "conv": W, "lower_bound": LOWER_BOUND},
                                  "rows": rows})
     print("wrote", path)
