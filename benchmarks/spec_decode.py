@@ -394,6 +394,7 @@ class GpuSettings:
     sft_steps: int = 300
     sft_lr: float = 1e-4
     sft_budget_s: float = 150.0
+    sft_freeze_routed_experts: bool = False   # the SFT target with its routed experts left at random init (an H100)
     drafter_steps: int = 400
     drafter_tasks: int = 1024           # training tasks rolled out for the drafter (sft target)
     batches: tuple[int, ...] = (1, 8, 32)
@@ -419,7 +420,8 @@ def gpu_section(cfg: GpuSettings, sink=None) -> dict:
     env = CalculatorEnv()
     sft_fig = None
     if cfg.target == "sft":
-        model, sft_fig = sft_k3_width_model(cfg.sft_steps, cfg.sft_lr, cfg.sft_budget_s)
+        model, sft_fig = sft_k3_width_model(cfg.sft_steps, cfg.sft_lr, cfg.sft_budget_s,
+                                            freeze_routed_experts=cfg.sft_freeze_routed_experts)
         print("sft", json.dumps(sft_fig), flush=True)
         sp = SamplingParams(temperature=0.0, max_tokens=32, stop_token_ids=tuple(env.stop_ids))
     else:
@@ -579,6 +581,8 @@ def main() -> None:
     ap.add_argument("--sft-steps", type=int, default=gpu.sft_steps)
     ap.add_argument("--sft-lr", type=float, default=gpu.sft_lr)
     ap.add_argument("--sft-budget", type=float, default=gpu.sft_budget_s, help="GPU SFT seconds at most")
+    ap.add_argument("--sft-freeze-routed-experts", action="store_true",
+                    help="GPU SFT target: routed experts left at random init (fits an 80 GB H100; another target)")
     ap.add_argument("--batches", default=",".join(map(str, gpu.batches)))
     ap.add_argument("--out", default=str(RESULTS / "spec_decode.json"))
     ap.add_argument("--step-tokens", type=int, default=None,
@@ -607,7 +611,8 @@ def main() -> None:
                                sft_lr=a.sft_lr, sft_budget_s=a.sft_budget, drafter_steps=a.drafter_steps,
                                drafter_tasks=a.drafter_tasks, batches=tuple(int(b) for b in a.batches.split(",")),
                                step_tokens=a.step_tokens, only=tuple(a.only.split(",")) if a.only else None,
-                               profile=a.profile, episodes_tasks=a.episodes)
+                               profile=a.profile, episodes_tasks=a.episodes,
+                               sft_freeze_routed_experts=a.sft_freeze_routed_experts)
         res["gpu"] = gpu_section(settings, sink)
         res.get("sections_from", {}).pop("gpu", None)
     print(json.dumps(res["memory_table_k3_dims_per_sequence_per_kda_layer"], indent=1))

@@ -81,3 +81,24 @@ def test_step_trace_union_counts_overlaps_once():
     # two streams: [2, 5) shared by two kernels, [4, 5) by three (still counted once); clipped to the window
     assert trace._concurrent([(0, 5), (2, 8), (4, 5), (9, 10)], 0, 10) == 3
     assert trace._concurrent([(0, 5), (2, 8)], 3, 4) == 1 and trace._concurrent([(0, 1), (1, 2)], 0, 2) == 0
+
+
+def test_sft_target_with_frozen_routed_experts_trains_the_rest_only():
+    """`--sft-freeze-routed-experts` (the GPU target that fits an 80 GB H100): the routed experts keep their random
+    init through the SFT steps, the shared experts and the rest train, and the figures say how many were trained."""
+    from benchmarks.k3_width import sft_k3_width_model
+    config = K3Config.preset("tiny")
+    torch.manual_seed(0)
+    init = dict(K3ForCausalLM(config).named_parameters())   # the function's own init (seed 0)
+    model, fig = sft_k3_width_model(2, 1e-3, 60.0, batch=2, config=config, device="cpu",
+                                    freeze_routed_experts=True)
+    routed = [n for n in init if ".experts." in n and ".shared_experts." not in n]
+    assert routed and fig["routed_experts_frozen"] and fig["steps"] == 2
+    trained = dict(model.named_parameters())
+    for name in routed:
+        assert torch.equal(trained[name], init[name].detach().bfloat16()), name
+    moved = [n for n in init if n not in routed and "embed_tokens" not in n and "lm_head" not in n
+             and not torch.equal(trained[n], init[n].detach().bfloat16())]
+    assert any(".shared_experts." in n for n in moved) and any("self_attn" in n for n in moved)
+    assert fig["trained_parameters"] == sum(p.numel() for n, p in init.items() if n not in routed and p.requires_grad
+                                            and "embed_tokens" not in n and "lm_head" not in n)
