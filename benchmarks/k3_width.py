@@ -43,9 +43,9 @@ def sft_k3_width_model(steps: int, lr: float, budget_s: float, batch: int = 32, 
     token embedding and the lm_head frozen at their random init (their 163,840 rows would be 2.3 B more trained
     parameters; the other 4.4 B learn to use them), linear warm-up over 10 steps, until `steps` or `budget_s`.
     Then bf16 and frozen, as the benchmark serves it. `freeze_routed_experts`: the routed experts' weights stay at
-    their random init too (1.58 B parameters fewer to train: weights, gradients and AdamW's two moments of the rest
-    fit an 80 GB H100, where training everything peaks at 86 GiB); a different target, so its figures are a series
-    of their own. Returns (model, training figures)."""
+    their random init too: 1.58 B parameters fewer to train, ~18 GiB fewer gradients and AdamW moments, meant
+    to let the training fit an 80 GB H100 (training everything does not); a different target, so its figures are
+    a series of their own. Returns (model, training figures)."""
     import random
     from k3.envs import CalculatorEnv, train_tasks
     from k3.jobs.config import SFTSection

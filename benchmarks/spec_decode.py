@@ -582,7 +582,7 @@ def main() -> None:
     ap.add_argument("--sft-lr", type=float, default=gpu.sft_lr)
     ap.add_argument("--sft-budget", type=float, default=gpu.sft_budget_s, help="GPU SFT seconds at most")
     ap.add_argument("--sft-freeze-routed-experts", action="store_true",
-                    help="GPU SFT target: routed experts left at random init (fits an 80 GB H100; another target)")
+                    help="GPU SFT target: routed experts left at random init (meant for an 80 GB H100; another target)")
     ap.add_argument("--batches", default=",".join(map(str, gpu.batches)))
     ap.add_argument("--out", default=str(RESULTS / "spec_decode.json"))
     ap.add_argument("--step-tokens", type=int, default=None,
