@@ -239,6 +239,16 @@ def decode_rows(fla_recurrent) -> list:
                                                                      and torch.equal(ht_s, outs["ours"][1]))
                     finally:
                         recurrent_mod.DECODE_STAGES = default_stages
+                default_prefetch = recurrent_mod.DECODE_PREFETCH_QK
+                recurrent_mod.DECODE_PREFETCH_QK = not default_prefetch   # q / k prefetched by hand: on vs off
+                try:
+                    o_s, ht_s = fused_recurrent_kda(q, k, v, f, beta, **kw)
+                    row["ours_other_prefetch_ms"] = med(lambda: fused_recurrent_kda(q, k, v, f, beta, **kw), rep=50)
+                    row["ours_other_prefetch"] = recurrent_mod.DECODE_PREFETCH_QK
+                    row["ours_other_prefetch_same_bits"] = bool(torch.equal(o_s, outs["ours"][0])
+                                                                and torch.equal(ht_s, outs["ours"][1]))
+                finally:
+                    recurrent_mod.DECODE_PREFETCH_QK = default_prefetch
                 row["rel_rms_ours_vs_fla"] = dict(o=rel(outs["ours"][0], outs["fla"][0]),
                                                   ht=rel(outs["ours"][1], outs["fla"][1]))
                 print("decode", row, flush=True)

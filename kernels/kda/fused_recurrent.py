@@ -21,6 +21,9 @@ from .plan import pow2_tile
 
 
 DECODE_STAGES = 2   # the token loop's software-pipelining depth (1: not pipelined); benchmarks/kda.py --decode A/Bs it
+# q, k and beta of token t + 1 loaded by hand during token t (the pipeliner leaves them: 2 bytes a thread, under
+# cp.async's 4); off until benchmarks/kda.py --decode measures it
+DECODE_PREFETCH_QK = False
 
 
 @triton.jit
@@ -29,7 +32,7 @@ def _recurrent_fwd(q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu, idx, scale, 
                    BV: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
                    L2NORM: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, VARLEN: tl.constexpr,
                    HAS_IDX: tl.constexpr, BETA_SIGMOID: tl.constexpr, STATE_V_FIRST: tl.constexpr,
-                   STAGES: tl.constexpr):
+                   STAGES: tl.constexpr, PREFETCH_QK: tl.constexpr):
     # one axis, V blocks fastest: the programs that read and write the columns of one state's rows run side by
     # side (a state's [K, V] rows are V * 4 bytes; one V block alone reads a quarter of each row)
     pid = tl.program_id(0).to(tl.int64)
@@ -69,9 +72,19 @@ def _recurrent_fwd(q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu, idx, scale, 
             a_exp = tl.exp(tl.load(A_log + hv).to(tl.float32))
     # STAGES > 1: the loop software-pipelined (token t + 1's loads issued while token t's update runs); the
     # arithmetic is the same, so are the bits
+    if PREFETCH_QK:  # the first token's q, k and beta loaded before the loop, token t + 1's during token t
+        q_next = tl.load(q + (bos * H + h) * K + ok, mask=km & (bos < eos), other=0.)
+        k_next = tl.load(k + (bos * H + h) * K + ok, mask=km & (bos < eos), other=0.)
+        b_next = tl.load(beta + bos * HV + hv, mask=bos < eos, other=0.)
     for t in tl.range(bos, eos, num_stages=STAGES):
-        qt = tl.load(q + (t * H + h) * K + ok, mask=km, other=0.).to(tl.float32)
-        kt = tl.load(k + (t * H + h) * K + ok, mask=km, other=0.).to(tl.float32)
+        if PREFETCH_QK:
+            qt, kt, bt = q_next.to(tl.float32), k_next.to(tl.float32), b_next.to(tl.float32)
+            q_next = tl.load(q + ((t + 1) * H + h) * K + ok, mask=km & (t + 1 < eos), other=0.)
+            k_next = tl.load(k + ((t + 1) * H + h) * K + ok, mask=km & (t + 1 < eos), other=0.)
+            b_next = tl.load(beta + (t + 1) * HV + hv, mask=t + 1 < eos, other=0.)
+        else:
+            qt = tl.load(q + (t * H + h) * K + ok, mask=km, other=0.).to(tl.float32)
+            kt = tl.load(k + (t * H + h) * K + ok, mask=km, other=0.).to(tl.float32)
         if L2NORM:
             qt = qt / tl.sqrt(tl.sum(qt * qt, 0) + 1e-6)
             kt = kt / tl.sqrt(tl.sum(kt * kt, 0) + 1e-6)
@@ -81,7 +94,8 @@ def _recurrent_fwd(q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu, idx, scale, 
             if HAS_DT:
                 gt = gt + bias
             gt = gate_activation(gt, a_exp, lower_bound, GATE, HAS_A)
-        bt = tl.load(beta + t * HV + hv).to(tl.float32)
+        if not PREFETCH_QK:
+            bt = tl.load(beta + t * HV + hv).to(tl.float32)
         if BETA_SIGMOID != 0:  # beta logits: sigmoid, or 2 sigmoid (allow_neg_eigval)
             bt = BETA_SIGMOID * tl.sigmoid(bt)
         S = S * tl.exp(gt)[:, None]
@@ -179,5 +193,5 @@ def fused_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
         L2NORM=use_qk_l2norm_in_kernel, HAS_H0=h0 is not None, STORE_HT=ht is not None,
         VARLEN=cu_seqlens is not None, HAS_IDX=idx is not None,
         BETA_SIGMOID=(2 if allow_neg_eigval else 1) if use_beta_sigmoid_in_kernel else 0,
-        STATE_V_FIRST=state_v_first, STAGES=DECODE_STAGES, num_warps=4)
+        STATE_V_FIRST=state_v_first, STAGES=DECODE_STAGES, PREFETCH_QK=DECODE_PREFETCH_QK, num_warps=4)
     return o, ht

@@ -465,22 +465,42 @@ def test_gpu_recurrent_pool_against_reference():
         assert torch.equal(pool[s], before[s]), s
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("stages", [2, 3])
-def test_gpu_pipelined_decode_loop_gives_the_same_bits(monkeypatch, stages):
-    """The decode kernel's token loop software-pipelined (`DECODE_STAGES`, the loads of token t + 1 issued during
-    token t's update) gives the unpipelined loop's bits: outputs and the pool's states, 4 tokens a sequence, a
-    packed batch with an empty sequence."""
+def _decode_runs(monkeypatch, settings: list[tuple[int, bool]], dtype=torch.bfloat16, K: int = 128):
+    """Outputs and pool states of one packed decode batch (3, 0 and 4 tokens; pool slots 4, 1, 2) under each
+    (`DECODE_STAGES`, `DECODE_PREFETCH_QK`) setting."""
     from k3_kernels.kda import fused_recurrent as recurrent_mod
-    N, HV, K, V, P = 3, 4, 128, 128, 6
+    torch.manual_seed(7)
+    HV, V, P = 4, K, 6
     pool = torch.randn(P, HV, K, V, device=DEV)
     idx = torch.tensor([4, 1, 2], device=DEV)
-    inp = make_inputs(1, 8, 2, HV, K, V, dtype=torch.bfloat16)
-    cu = torch.tensor([0, 4, 4, 8], device=DEV)
+    inp = make_inputs(1, 7, 2, HV, K, V, dtype=dtype, gate_raw=True)
+    cu = torch.tensor([0, 3, 3, 7], device=DEV)
+    A_log, dt_bias = torch.rand(HV, device=DEV), torch.randn(HV * K, device=DEV) * 0.1
     runs = []
-    for depth in (1, stages):
-        monkeypatch.setattr(recurrent_mod, "DECODE_STAGES", depth)
+    for stages, prefetch in settings:
+        monkeypatch.setattr(recurrent_mod, "DECODE_STAGES", stages)
+        monkeypatch.setattr(recurrent_mod, "DECODE_PREFETCH_QK", prefetch)
         states = pool.clone()
-        o, _ = fused_recurrent_kda(**inp, initial_state=states, ssm_state_indices=idx, cu_seqlens=cu)
+        o, _ = fused_recurrent_kda(**inp, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True, lower_bound=-5.,
+                                   initial_state=states, ssm_state_indices=idx, cu_seqlens=cu)
         runs.append((o, states))
-    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    return runs
+
+
+def test_decode_with_prefetched_q_k_gives_the_same_bits(monkeypatch):
+    """`DECODE_PREFETCH_QK` (token t + 1's q, k and beta loaded during token t, masked past the sequence's end)
+    gives the plain loop's bits on a packed batch with an empty sequence and a head dim that is not a power of two
+    (interpreter on CPU, the kernel on the GPU)."""
+    for K in (128, 60):
+        plain, prefetched = _decode_runs(monkeypatch, [(1, False), (1, True)], K=K)
+        assert torch.equal(plain[0], prefetched[0]) and torch.equal(plain[1], prefetched[1]), K
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages,prefetch", [(2, False), (3, False), (2, True)])
+def test_gpu_pipelined_decode_loop_gives_the_same_bits(monkeypatch, stages, prefetch):
+    """The decode kernel's token loop software-pipelined (`DECODE_STAGES`, the loads of token t + 1 issued during
+    token t's update), with or without q / k prefetched by hand, gives the plain loop's bits: outputs and the
+    pool's states (CPU counterpart: the interpreter ignores the pipelining; the prefetch test above)."""
+    plain, other = _decode_runs(monkeypatch, [(1, False), (stages, prefetch)])
+    assert torch.equal(plain[0], other[0]) and torch.equal(plain[1], other[1])
