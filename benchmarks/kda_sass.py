@@ -30,9 +30,9 @@ from triton.compiler import ASTSource
 from benchmarks.kda_ab import run_in_version
 
 ARG_TYPES = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*bf16", "Gc": "*fp32", "Aqk": "*bf16",
-             "Kkk": "*fp32", "Mc": "*fp32", "Wc": "*bf16", "Uc": "*bf16", "QGc": "*bf16", "KDc": "*bf16",
-             "cu": "*i64", "cidx": "*i32", "c_first": "i32", "scale": "fp32", "H": "i32", "HV": "i32", "K": "i32",
-             "V": "i32"}
+             "gated_kk": "*fp32", "Kkk": "*fp32", "Mc": "*fp32", "Wc": "*bf16", "Uc": "*bf16", "QGc": "*bf16",
+             "KDc": "*bf16", "cu": "*i64", "cidx": "*i32", "c_first": "i32", "scale": "fp32", "H": "i32", "HV": "i32",
+             "K": "i32", "V": "i32"}
 CONSTEXPRS = dict(BK=128, BKS=32, BVF=128, BVS=32, SAVE=False, PREC="tf32", FAST=True)
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
@@ -56,7 +56,9 @@ def _worker() -> dict:
     return {f"WHOLE={w}": _build(fn, dict(CONSTEXPRS, WHOLE=w), whole if w else options) for w in (True, False)}
 
 
-ALL_TYPES = {"g": "*fp32", "A_log": "*fp32", "dt_bias": "*fp32", "Gc": "*fp32", "Kkk": "*fp32", "Mc": "*fp32",
+# ("Kkk": gated_kk's name before session 35, for builds of older versions)
+ALL_TYPES = {"g": "*fp32", "A_log": "*fp32", "dt_bias": "*fp32", "Gc": "*fp32", "gated_kk": "*fp32", "Kkk": "*fp32",
+             "Mc": "*fp32",
              "Rs": "*fp32", "Ps": "*fp32", "DQs": "*fp32", "DKs": "*fp32", "DGs": "*fp32", "dg": "*fp32",
              "h0": "*fp32", "ht": "*fp32", "dht": "*fp32", "dh0": "*fp32", "cu": "*i64", "cidx": "*i32",
              "coff": "*i32", "seqs": "*i32", "idx": "*i64", "c_first": "i32", "scale": "fp32", "lower_bound": "fp32",

@@ -58,8 +58,8 @@ def _bwd_state(QGc, Wc, KDc, Aqk, Gc, do, dht, dh0, DHc, DVNc, cu, coff, seqs,
 
 
 @triton.jit
-def _bwd_prep(q, k, v, beta, do, Gc, Kkk, Mc, Hc, DHc, VNc, DVNc, dv, Rs, Ps, DQs, DKs, DGs, dbeta, cu, cidx, scale,
-              H, HV, K, V, BK: tl.constexpr, KA: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr,
+def _bwd_prep(q, k, v, beta, do, Gc, gated_kk, Mc, Hc, DHc, VNc, DVNc, dv, Rs, Ps, DQs, DKs, DGs, dbeta, cu, cidx,
+              scale, H, HV, K, V, BK: tl.constexpr, KA: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr,
               PREC: tl.constexpr):
     """Full-chunk products: dv, dbeta, R = dAqk, P = dA = -M^T dM M^T, and the direct parts of dq, dk, dG."""
     c = tl.program_id(0).to(tl.int64)
@@ -138,13 +138,13 @@ def _bwd_prep(q, k, v, beta, do, Gc, Kkk, Mc, Hc, DHc, VNc, DVNc, dv, Rs, Ps, DQ
     dA = -tl.dot(tl.dot(tl.trans(M), dM, input_precision=PREC), tl.trans(M), input_precision=PREC)
     dA = tl.where(r[:, None] > r[None, :], dA, 0.)
     tl.store(pP + r[:, None] * 64 + r[None, :], dA)
-    db += tl.sum(dA * tl.load(Kkk + base * 4096 + r[:, None] * 64 + r[None, :]), 1)  # A = beta_i Kkk
+    db += tl.sum(dA * tl.load(gated_kk + base * 4096 + r[:, None] * 64 + r[None, :]), 1)  # A = beta_i gated_kk
     tl.store(dbeta + (t0 + r) * HV + hv, db.to(dbeta.dtype.element_ty), mask=rm)
 
 
 def _bwd(q, k, v, beta, do, dht, has_h0, scale, saved, plan):
     cu, cidx, coff, classes = plan
-    Gc, Kkk, Mc, Aqk, Wc, QGc, KDc, Hc, VNc = saved
+    Gc, gated_kk, Mc, Aqk, Wc, QGc, KDc, Hc, VNc = saved
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N, NC = coff.numel(), cidx.shape[0]
@@ -172,8 +172,8 @@ def _bwd(q, k, v, beta, do, dht, has_h0, scale, saved, plan):
     Rs = torch.empty(NC, HV, BT, BT, device=dev, dtype=f32)
     Ps = torch.empty_like(Rs)
     DQs, DKs, DGs = (torch.empty(NC, HV, BT, BK, device=dev, dtype=f32) for _ in range(3))
-    _bwd_prep[(NC, HV)](q, k, v, beta, do, Gc, Kkk, Mc, Hc, DHc, VNc, DVNc, dv, Rs, Ps, DQs, DKs, DGs, dbeta, cu, cidx,
-                        scale, H, HV, K, V, BK=BK, KA=KA, BVF=BVF, BV=min(CONFIG["bwd_prep_bv"], BVF),
+    _bwd_prep[(NC, HV)](q, k, v, beta, do, Gc, gated_kk, Mc, Hc, DHc, VNc, DVNc, dv, Rs, Ps, DQs, DKs, DGs, dbeta, cu,
+                        cidx, scale, H, HV, K, V, BK=BK, KA=KA, BVF=BVF, BV=min(CONFIG["bwd_prep_bv"], BVF),
                         PREC=_prec(k.dtype, "bwd_prep"),
                         num_warps=CONFIG["bwd_prep_warps"], num_stages=CONFIG["bwd_prep_stages"])
     _bwd_intra[(NC, HV)](q, k, beta, Gc, Rs, Ps, DQs, DKs, DGs, dq, dk, dg, cu, cidx, scale, H, HV, K, BK=BK,

@@ -94,7 +94,8 @@ def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound
     KA = min(CONFIG["ka"], BK, BVF)
     dev, dt, f32, prec = q.device, k.dtype, torch.float32, _prec(k.dtype)
     Gc = torch.empty(NC, HV, BT, BK, device=dev, dtype=f32)
-    Kkk = torch.empty(NC, HV, BT, BT, device=dev, dtype=f32) if save else None
+    # the gated key-key products <k_i e^{G_i - G_j}, k_j> before beta (A = beta_i gated_kk), for dbeta
+    gated_kk = torch.empty(NC, HV, BT, BT, device=dev, dtype=f32) if save else None
     Mc = torch.empty(NC, HV, BT, BT, device=dev, dtype=f32) if save else None
     Aqk = torch.empty(NC, HV, BT, BT, device=dev, dtype=dt)
     Wc, QGc, KDc = (torch.empty(NC, HV, BT, BK, device=dev, dtype=dt) for _ in range(3))
@@ -118,8 +119,8 @@ def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound
                 launch = "intra_whole" if whole else "intra"
                 cap = CONFIG[f"{launch}_maxnreg"] if dev.type == "cuda" else None  # register cap (None: none)
                 _fwd_intra[(chunks, HV)](
-                    q, k, v, beta, Gc, Aqk, Kkk if save else dummy, Mc if save else dummy, Wc, Uc, QGc, KDc, cu, cidx,
-                    c_first, scale, H, HV, K, V, BK=BK, BKS=min(CONFIG["intra_bk"], BK),
+                    q, k, v, beta, Gc, Aqk, gated_kk if save else dummy, Mc if save else dummy, Wc, Uc, QGc, KDc, cu,
+                    cidx, c_first, scale, H, HV, K, V, BK=BK, BKS=min(CONFIG["intra_bk"], BK),
                     BVS=min(CONFIG["intra_bk"], BVF), BVF=BVF, SAVE=save, WHOLE=whole, PREC=prec,
                     FAST=dev.type == "cuda", num_warps=CONFIG[f"{launch}_warps"],
                     num_stages=CONFIG[f"{launch}_stages"], **({"maxnreg": cap} if cap else {}))
@@ -135,4 +136,4 @@ def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound
                 BV=BV, HAS_H0=h0 is not None, STORE_HT=want_ht, SAVE=save, NUM_STAGES=stages, PREC=prec,
                 num_warps=CONFIG["fwd_state_warps"])
     _join(dev, forks)
-    return o, ht, (Gc, Kkk, Mc, Aqk, Wc, QGc, KDc, Hc, VNc)
+    return o, ht, (Gc, gated_kk, Mc, Aqk, Wc, QGc, KDc, Hc, VNc)

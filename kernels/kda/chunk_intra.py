@@ -122,7 +122,7 @@ def _unit_lower_inverse(A, PREC: tl.constexpr):
 
 
 @triton.jit
-def _intra_chunk(v, beta, pG, Aqk, Kkk, Mc, Wc, Uc, QGc, KDc, scale, hv, t0, nv, base, qh, kh, H, HV, K, V,
+def _intra_chunk(v, beta, pG, Aqk, gated_kk, Mc, Wc, Uc, QGc, KDc, scale, hv, t0, nv, base, qh, kh, H, HV, K, V,
                  BK: tl.constexpr, BKS: tl.constexpr, BVF: tl.constexpr, BVS: tl.constexpr, SAVE: tl.constexpr,
                  WHOLE: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr):
     """`_fwd_intra`'s work for its chunk."""
@@ -134,7 +134,7 @@ def _intra_chunk(v, beta, pG, Aqk, Kkk, Mc, Wc, Uc, QGc, KDc, scale, hv, t0, nv,
     pA = base * 4096 + r[:, None] * 64 + r[None, :]
     tl.store(Aqk + pA, (aqk * scale).to(Aqk.dtype.element_ty))
     if SAVE:  # the un-scaled <k_i e^{G_i-G_j}, k_j>, for dbeta in the backward
-        tl.store(Kkk + pA, akk)
+        tl.store(gated_kk + pA, akk)
     b = tl.load(beta + (t0 + r) * HV + hv, mask=r < nv, other=0.).to(tl.float32)
     M = _unit_lower_inverse(akk * b[:, None], PREC)
     if SAVE:
@@ -160,17 +160,16 @@ def _intra_chunk(v, beta, pG, Aqk, Kkk, Mc, Wc, Uc, QGc, KDc, scale, hv, t0, nv,
 
 
 @triton.jit
-def _fwd_intra(q, k, v, beta, Gc, Aqk, Kkk, Mc, Wc, Uc, QGc, KDc, cu, cidx, c_first, scale, H, HV, K, V,
+def _fwd_intra(q, k, v, beta, Gc, Aqk, gated_kk, Mc, Wc, Uc, QGc, KDc, cu, cidx, c_first, scale, H, HV, K, V,
                BK: tl.constexpr, BKS: tl.constexpr, BVF: tl.constexpr, BVS: tl.constexpr, SAVE: tl.constexpr,
                WHOLE: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr):
     """Everything inside one chunk of one head with 64-row tensor-core dots: A and Aqk, M = (I + A)^-1, then
     W = M (beta k e^G), U = M (beta v), q e^G (scaled), k e^{G_C - G}. A launch does the chunks whose channels
     each span at most 80 of log-decay (`_whole_products`) when WHOLE, the others (`_block_products`) when not:
-    the host launches both, each compiled for its path alone, and a program of the other kind returns at once.
-    (H200, 16K: one kernel with both paths, 255 registers and spills, ran 0.95 ms on the benchmark's gate and
-    1.10 on K3's safe gate; two launches 0.83 / 1.00, the whole-chunk one at 250 registers without spills; capped
-    at 168 registers (`intra_whole_maxnreg`, 3 programs per multiprocessor instead of 2) 0.80.)"""
+    the host launches both, each compiled for its path alone, and a program of the other kind returns at once
+    (one kernel with both paths spills and ran slower; the whole-chunk launch's register cap is
+    `intra_whole_maxnreg`: kernels/kda/NOTES.md)."""
     hv, t0, nv, base, pG, qh, kh = _intra_program(q, k, Gc, cu, cidx, c_first, H, HV, K, BK)
     if _whole_chunk(pG, BK) == WHOLE:
-        _intra_chunk(v, beta, pG, Aqk, Kkk, Mc, Wc, Uc, QGc, KDc, scale, hv, t0, nv, base, qh, kh, H, HV, K, V, BK,
+        _intra_chunk(v, beta, pG, Aqk, gated_kk, Mc, Wc, Uc, QGc, KDc, scale, hv, t0, nv, base, qh, kh, H, HV, K, V, BK,
                      BKS, BVF, BVS, SAVE, WHOLE, PREC, FAST)

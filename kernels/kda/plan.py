@@ -75,9 +75,8 @@ def _state_split(direction: str, states: int, K: int, V: int, BK: int, BVF: int,
                  device: torch.device) -> tuple[int, int]:
     """(V block, pipeline stages) of the serial state pass, one program per (sequence, head, V block). Every
     program reloads its chunk's [64, K] operands, so wider blocks cut that traffic and narrower ones add programs:
-    the widest block that still gives half the multiprocessors a program. H200, state-pass ms by V block 16 / 32 /
-    64: B1 H16 T16K fwd 0.27 / 0.32 / 0.57, bwd 0.27 / 0.35 / 0.56; 8 packed sequences (32K tokens) fwd 1.15 /
-    0.65 / 0.65, bwd 1.52 / 0.84 / 0.69; B4 H16 T8K fwd 0.86 / 0.40 / 0.33, bwd 1.15 / 0.51 / 0.35. CONFIG's
+    the widest block that still gives half the multiprocessors a program (the H200 sweep that chose it:
+    benchmarks/results/kda.json `variants_session5.state_bv_sweep_ms`, kernels/kda/NOTES.md). CONFIG's
     `<direction>_state_bv` overrides it (the benchmark's sweep)."""
     forced = CONFIG[f"{direction}_state_bv"]
     if forced is not None:

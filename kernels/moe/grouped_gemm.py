@@ -438,8 +438,8 @@ def _situ_bwd_kernel(dh_ptr, gu_ptr, dgu_ptr, P, I, beta, linear_beta, BLOCK_M: 
 def down_dgrad_situ(dy: torch.Tensor, w2: torch.Tensor, gu: torch.Tensor, plan: RoutingPlan, beta: float,
                     linear_beta: float, fused: bool = False) -> torch.Tensor:
     """dH = dY W2_e, then SiTU's backward -> dGU [P, 2I] (dG | dU) from the saved gu [P, 2I]. `fused` does the
-    SiTU backward in the GEMM's epilogue instead; on the H200 that GEMM ran at 286 TFLOP/s against 474 for the
-    plain one (pass 1 sweep), so the default stores dH (bf16, as an unfused dgrad would) and runs an elementwise
+    SiTU backward in the GEMM's epilogue instead; that GEMM ran well below the plain one on the H200
+    (kernels/moe/NOTES.md), so the default stores dH (bf16, as an unfused dgrad would) and runs an elementwise
     pass; both give the same bits."""
     P, L = dy.shape
     I = w2.shape[2]
@@ -505,8 +505,8 @@ def wgrad(d: torch.Tensor, x: torch.Tensor, plan: RoutingPlan, out_dtype: torch.
         raise ValueError("d, x: the last dimension must be contiguous")
     tile = gluon_bf16.DEFAULT_TILE  # (its K, the expert's rows, is any length: only the output tiles must be whole)
     # Gluon only when asked for by name: at 896 experts and 4K tokens the all-Gluon bf16 layer's forward+backward
-    # ran 1.45x slower than Triton's, its forward no slower; this kernel (TMA descriptors made on the device by
-    # every program) is the suspect, not yet isolated (NOTES.md)
+    # ran slower than Triton's, its forward no slower; this kernel (TMA descriptors made on the device by every
+    # program) is the suspect, not yet isolated (kernels/moe/NOTES.md)
     if (d.dtype == x.dtype == out_dtype and Nd % tile.block_m == 0 and gemm_kernels_override() is GemmKernels.GLUON
             and gemm_kernels_for(x.device, tile.block_k, Kd, x.dtype) is GemmKernels.GLUON):
         return gluon_bf16.wgrad(d, x, plan.offsets, E, out_dtype, tile=tile)
