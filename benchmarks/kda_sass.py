@@ -58,8 +58,7 @@ def _worker() -> dict:
 
 # ("Kkk": gated_kk's name before session 35, for builds of older versions)
 ALL_TYPES = {"g": "*fp32", "A_log": "*fp32", "dt_bias": "*fp32", "Gc": "*fp32", "gated_kk": "*fp32", "Kkk": "*fp32",
-             "Mc": "*fp32",
-             "Rs": "*fp32", "Ps": "*fp32", "DQs": "*fp32", "DKs": "*fp32", "DGs": "*fp32", "dg": "*fp32",
+             "Mc": "*fp32", "Rs": "*fp32", "Ps": "*fp32", "DQs": "*fp32", "DKs": "*fp32", "DGs": "*fp32", "dg": "*fp32",
              "h0": "*fp32", "ht": "*fp32", "dht": "*fp32", "dh0": "*fp32", "cu": "*i64", "cidx": "*i32",
              "coff": "*i32", "seqs": "*i32", "idx": "*i64", "c_first": "i32", "scale": "fp32", "lower_bound": "fp32",
              "H": "i32", "HV": "i32", "K": "i32", "V": "i32", "T": "i32", "P": "i32", "dG": "*fp32",
@@ -67,6 +66,10 @@ ALL_TYPES = {"g": "*fp32", "A_log": "*fp32", "dt_bias": "*fp32", "Gc": "*fp32", 
              "beta_out": "*fp32", "roll": "*i64", **{s: "i32" for s in ("sx_b", "sx_t", "sf_b", "sf_t", "sb_b", "sb_t",
                                                                     "sw_b", "sw_s", "sw_c", "sw_j")}}  # other pointers: bf16
 _STATE = dict(HV=16, K=128, V=128, BK=128, BVF=128, PREC="tf32")
+# the decode kernel's constexprs (BETA_SIGMOID: BETA_LOGIT_SCALE's name before session 35, for older versions)
+_RECURRENT = dict(H=16, HV=16, K=128, V=128, BK=128, BV=32, GATE=2, HAS_A=True, HAS_DT=True, L2NORM=False,
+                  HAS_H0=True, STORE_HT=True, VARLEN=False, HAS_IDX=False, BETA_SIGMOID=0, BETA_LOGIT_SCALE=0,
+                  STATE_V_FIRST=False, STAGES=2, PREFETCH_QK=False)
 ALL_CASES = {  # name: (kernel, constexprs (those the version's kernel takes), options)
     "cumsum": ("_fwd_cumsum", dict(BK=128, KA=32, GATE=0, HAS_A=False, HAS_DT=False), dict(num_warps=4)),
     "cumsum_safe_gate": ("_fwd_cumsum", dict(BK=128, KA=32, GATE=2, HAS_A=True, HAS_DT=True), dict(num_warps=4)),
@@ -81,24 +84,12 @@ ALL_CASES = {  # name: (kernel, constexprs (those the version's kernel takes), o
     "intra_whole": ("_fwd_intra", dict(CONSTEXPRS, SAVE=True, WHOLE=True), dict(num_warps=4, num_stages=3,
                                                                               maxnreg=168)),
     "intra_blocks": ("_fwd_intra", dict(CONSTEXPRS, SAVE=True, WHOLE=False), dict(num_warps=4, num_stages=3)),
-    "recurrent": ("_recurrent_fwd", dict(H=16, HV=16, K=128, V=128, BK=128, BV=32, GATE=2, HAS_A=True, HAS_DT=True,
-                                         L2NORM=False, HAS_H0=True, STORE_HT=True, VARLEN=False, HAS_IDX=False,
-                                         BETA_SIGMOID=0, STATE_V_FIRST=False, STAGES=2, PREFETCH_QK=False),
-                  dict(num_warps=4)),
+    "recurrent": ("_recurrent_fwd", _RECURRENT, dict(num_warps=4)),
     # the token loop not pipelined (the decode's launch before DECODE_STAGES)
-    "recurrent_stages1": ("_recurrent_fwd", dict(H=16, HV=16, K=128, V=128, BK=128, BV=32, GATE=2, HAS_A=True,
-                                                 HAS_DT=True, L2NORM=False, HAS_H0=True, STORE_HT=True, VARLEN=False,
-                                                 HAS_IDX=False, BETA_SIGMOID=0, STATE_V_FIRST=False, STAGES=1,
-                                                 PREFETCH_QK=False),
-                          dict(num_warps=4)),
-    "recurrent_prefetch_qk": ("_recurrent_fwd", dict(H=16, HV=16, K=128, V=128, BK=128, BV=32, GATE=2, HAS_A=True,
-                                                     HAS_DT=True, L2NORM=False, HAS_H0=True, STORE_HT=True,
-                                                     VARLEN=False, HAS_IDX=False, BETA_SIGMOID=0, STATE_V_FIRST=False,
-                                                     STAGES=2, PREFETCH_QK=True), dict(num_warps=4)),
-    "recurrent_default_gate": ("_recurrent_fwd", dict(H=16, HV=16, K=128, V=128, BK=128, BV=32, GATE=1, HAS_A=True,
-                                                      HAS_DT=True, L2NORM=True, HAS_H0=True, STORE_HT=True,
-                                                      VARLEN=True, HAS_IDX=True, BETA_SIGMOID=1, STATE_V_FIRST=True,
-                                                      STAGES=2, PREFETCH_QK=False),
+    "recurrent_stages1": ("_recurrent_fwd", dict(_RECURRENT, STAGES=1), dict(num_warps=4)),
+    "recurrent_prefetch_qk": ("_recurrent_fwd", dict(_RECURRENT, PREFETCH_QK=True), dict(num_warps=4)),
+    "recurrent_default_gate": ("_recurrent_fwd", dict(_RECURRENT, GATE=1, L2NORM=True, VARLEN=True, HAS_IDX=True,
+                                                      BETA_SIGMOID=1, BETA_LOGIT_SCALE=1, STATE_V_FIRST=True),
                                dict(num_warps=4)),
     "cumsum_default_gate": ("_fwd_cumsum", dict(BK=128, KA=32, GATE=1, HAS_A=True, HAS_DT=True), dict(num_warps=4)),
     "gate_bwd_default": ("_gate_bwd", dict(BK=128, ROWS=64, STEPS=4, GATE=1, HAS_A=True, HAS_DT=True),

@@ -31,7 +31,7 @@ def _recurrent_fwd(q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu, idx, scale, 
                    H, HV, K, V, BK: tl.constexpr,
                    BV: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
                    L2NORM: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, VARLEN: tl.constexpr,
-                   HAS_IDX: tl.constexpr, BETA_SIGMOID: tl.constexpr, STATE_V_FIRST: tl.constexpr,
+                   HAS_IDX: tl.constexpr, BETA_LOGIT_SCALE: tl.constexpr, STATE_V_FIRST: tl.constexpr,
                    STAGES: tl.constexpr, PREFETCH_QK: tl.constexpr):
     # one axis, V blocks fastest: the programs that read and write the columns of one state's rows run side by
     # side (a state's [K, V] rows are V * 4 bytes; one V block alone reads a quarter of each row)
@@ -96,8 +96,8 @@ def _recurrent_fwd(q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu, idx, scale, 
             gt = gate_activation(gt, a_exp, lower_bound, GATE, HAS_A)
         if not PREFETCH_QK:
             bt = tl.load(beta + t * HV + hv).to(tl.float32)
-        if BETA_SIGMOID != 0:  # beta logits: sigmoid, or 2 sigmoid (allow_neg_eigval)
-            bt = BETA_SIGMOID * tl.sigmoid(bt)
+        if BETA_LOGIT_SCALE != 0:  # beta given as logits: beta = scale * sigmoid (2 with allow_neg_eigval)
+            bt = BETA_LOGIT_SCALE * tl.sigmoid(bt)
         S = S * tl.exp(gt)[:, None]
         u = vt - tl.sum(kt[:, None] * S, 0)
         S += (bt * kt)[:, None] * u[None, :]
@@ -192,6 +192,6 @@ def fused_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, GATE=gate, HAS_A=A_log is not None, HAS_DT=dt_bias is not None,
         L2NORM=use_qk_l2norm_in_kernel, HAS_H0=h0 is not None, STORE_HT=ht is not None,
         VARLEN=cu_seqlens is not None, HAS_IDX=idx is not None,
-        BETA_SIGMOID=(2 if allow_neg_eigval else 1) if use_beta_sigmoid_in_kernel else 0,
+        BETA_LOGIT_SCALE=(2 if allow_neg_eigval else 1) if use_beta_sigmoid_in_kernel else 0,   # 0: beta as given
         STATE_V_FIRST=state_v_first, STAGES=DECODE_STAGES, PREFETCH_QK=DECODE_PREFETCH_QK, num_warps=4)
     return o, ht
