@@ -416,7 +416,7 @@ class _AttnResFn(torch.autograd.Function):
         do = do.reshape(N, D).contiguous()
         needs = ctx.needs_input_grad[4:]
         grads: list[torch.Tensor | None] = [None] * L      # returned to autograd
-        dests: list[torch.Tensor] = []                     # where the kernel writes (mode 0 lanes: unused)
+        dests: list[torch.Tensor] = []                     # where the kernel writes (lanes in neither mask: unused)
         later: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer already targeted, separate partial)
         write_mask = acc_mask = 0
         seen: set[tuple[int, tuple]] = set()
@@ -426,30 +426,27 @@ class _AttnResFn(torch.autograd.Function):
                 continue
             sink = getattr(s, "_k3_attnres_sink", None)
             if sink is not None:
-                if sink.grad is None:
+                fresh = sink.grad is None   # fresh: the kernel writes the gradient; else adds to what is there
+                if fresh:
                     sink.grad = torch.empty(s.shape, device=dev, dtype=s.dtype)
-                    mode = 1
-                else:
-                    mode = 2
                 dest = sink.grad
             else:
                 dest = _leaf_grad_view(s)
-                mode = 2
-                if dest is None:
+                fresh = dest is None
+                if fresh:
                     dest = grads[i] = torch.empty(s.shape, device=dev, dtype=s.dtype)
-                    mode = 1
             key = (dest.data_ptr(), tuple(dest.stride()))
             if key in seen:  # the same buffer twice (a source passed twice): own buffer, added after the kernel
                 tmp = torch.empty(s.shape, device=dev, dtype=s.dtype)
                 later.append((dest, tmp))
-                dest, mode = tmp, 1
+                dest, fresh = tmp, True
             seen.add(key)
-            if mode == 1:
+            if fresh:
                 write_mask |= 1 << i
             else:
                 acc_mask |= 1 << i
             dests.append(_flat(dest, D, f"grad of sources[{i}]"))
-        dests = [flat[i] if d is None else d for i, d in enumerate(dests)]  # mode 0: never written
+        dests = [flat[i] if d is None else d for i, d in enumerate(dests)]  # (no gradient asked: never written)
         cfg = _config(D)
         P = num_programs(N, dev, cfg.per_sm_bwd)
         da_part = torch.empty(P, D, device=dev, dtype=torch.float32)
