@@ -22,8 +22,8 @@ def sample_generator(seed: int, index: int) -> torch.Generator:
 def draw(weights: torch.Tensor, gen: torch.Generator | None) -> int:
     """An index drawn with probability proportional to `weights` [n] (>= 0, positive finite sum; they need not be
     normalised) by inverting the float64 cumulative sum at one uniform from `gen`: one random number a draw, and
-    zero-weight entries are never drawn. (torch.multinomial's CPU path draws an exponential for every entry:
-    ~2.6 ms for a 32K vocabulary on one thread, the engine's host time per sampled token.)"""
+    zero-weight entries are never drawn. (torch.multinomial's CPU path draws an exponential for every entry of
+    the vocabulary, which dominated the engine's host time per sampled token.)"""
     cdf = torch.cumsum(weights.detach().to(torch.float64), 0)
     total = float(cdf[-1])
     if not (total > 0 and math.isfinite(total)):

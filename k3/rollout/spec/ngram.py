@@ -60,9 +60,9 @@ class NgramDrafter:
 class SuffixIndex:
     """NgramDrafter's scans as look-ups over one growing sequence (a running row's context): every token -> the
     positions just past its occurrences, ascending. A suffix's earlier occurrences are found among the positions
-    after its last token (checked back to ngram_max tokens), so `extend` costs O(new tokens) (a prompt's few
-    hundred tokens index in tens of microseconds, where indexing every n-gram cost ~0.4 ms a row) and a look-up
-    O(occurrences of the last token x ngram_max) instead of NgramDrafter's O(context) scan; `match` and `paths`
+    after its last token (checked back to ngram_max tokens), so `extend` costs O(new tokens) (not O(n-grams), as
+    indexing every n-gram would) and a look-up O(occurrences of the last token x ngram_max) instead of
+    NgramDrafter's O(context) scan; `match` and `paths`
     return exactly what NgramDrafter.match / propose_tree's paths return for the same sequence
     (tests/rollout/test_spec_drafter.py checks them against the scans)."""
 
