@@ -25,6 +25,7 @@ import math
 import os
 import sys
 import time
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -228,27 +229,17 @@ def decode_rows(fla_recurrent) -> list:
                     outs[name] = fn(q, k, v, f, beta, **kw)
                     row[name + "_ms"] = med(lambda: fn(q, k, v, f, beta, **kw), rep=50)
                 row["speedup"] = row["fla_ms"] / row["ours_ms"]
-                default_stages = recurrent_mod.DECODE_STAGES
-                for stages in DECODE_STAGES_AB:   # the token loop's pipelining depth, same process, same bits?
-                    recurrent_mod.DECODE_STAGES = stages
-                    try:
+                # our launch settings A/B'd in the same process: each variant's time and whether it gives the
+                # default's bits (the token loop's pipelining depth; q / k prefetched by hand, flipped)
+                variants = [(f"ours_stages{n}", "DECODE_STAGES", n) for n in DECODE_STAGES_AB]
+                variants.append(("ours_other_prefetch", "DECODE_PREFETCH_QK", not recurrent_mod.DECODE_PREFETCH_QK))
+                for label, setting, value in variants:
+                    with mock.patch.object(recurrent_mod, setting, value):
                         o_s, ht_s = fused_recurrent_kda(q, k, v, f, beta, **kw)
-                        row[f"ours_stages{stages}_ms"] = med(lambda: fused_recurrent_kda(q, k, v, f, beta, **kw),
-                                                             rep=50)
-                        row[f"ours_stages{stages}_same_bits"] = bool(torch.equal(o_s, outs["ours"][0])
-                                                                     and torch.equal(ht_s, outs["ours"][1]))
-                    finally:
-                        recurrent_mod.DECODE_STAGES = default_stages
-                default_prefetch = recurrent_mod.DECODE_PREFETCH_QK
-                recurrent_mod.DECODE_PREFETCH_QK = not default_prefetch   # q / k prefetched by hand: on vs off
-                try:
-                    o_s, ht_s = fused_recurrent_kda(q, k, v, f, beta, **kw)
-                    row["ours_other_prefetch_ms"] = med(lambda: fused_recurrent_kda(q, k, v, f, beta, **kw), rep=50)
-                    row["ours_other_prefetch"] = recurrent_mod.DECODE_PREFETCH_QK
-                    row["ours_other_prefetch_same_bits"] = bool(torch.equal(o_s, outs["ours"][0])
-                                                                and torch.equal(ht_s, outs["ours"][1]))
-                finally:
-                    recurrent_mod.DECODE_PREFETCH_QK = default_prefetch
+                        row[f"{label}_ms"] = med(lambda: fused_recurrent_kda(q, k, v, f, beta, **kw), rep=50)
+                    row[f"{label}_setting"] = value
+                    row[f"{label}_same_bits"] = bool(torch.equal(o_s, outs["ours"][0])
+                                                     and torch.equal(ht_s, outs["ours"][1]))
                 row["rel_rms_ours_vs_fla"] = dict(o=rel(outs["ours"][0], outs["fla"][0]),
                                                   ht=rel(outs["ours"][1], outs["fla"][1]))
                 print("decode", row, flush=True)
@@ -302,6 +293,7 @@ def main() -> None:
         save()
     elif "fused_recurrent_kda" in old:
         res["fused_recurrent_kda"] = old["fused_recurrent_kda"]
+        res["fused_recurrent_kda_device"] = old.get("fused_recurrent_kda_device", old.get("device"))
     names = _arg("--rows", ",".join(ROWS)).split(",") if _arg("--rows") != "none" else []
     # the merged file's named rows stay until this run replaces them (a call killed mid-row keeps them all); each
     # row names the commit and the card it was measured on (rows from before those fields: the merged file's header)
@@ -311,8 +303,6 @@ def main() -> None:
     for key, value in old.items():  # the merged file's other entries (earlier sessions' figures) stay as they were
         if key not in res and key != "chunk_kda":
             res[key] = value
-    if "fused_recurrent_kda" in old and "--decode" not in sys.argv:
-        res["fused_recurrent_kda_device"] = old.get("fused_recurrent_kda_device", old.get("device"))
     if any("row" not in r for r in old.get("chunk_kda", [])):  # rows of the format before named rows
         res.setdefault("chunk_kda_unnamed_rows", [r for r in old["chunk_kda"] if "row" not in r])
     save()   # the merged entries too, even when no row runs (`--rows none`)

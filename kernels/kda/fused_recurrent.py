@@ -70,12 +70,12 @@ def _recurrent_fwd(q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu, idx, scale, 
         a_exp = 1.
         if HAS_A:
             a_exp = tl.exp(tl.load(A_log + hv).to(tl.float32))
-    # STAGES > 1: the loop software-pipelined (token t + 1's loads issued while token t's update runs); the
-    # arithmetic is the same, so are the bits
     if PREFETCH_QK:  # the first token's q, k and beta loaded before the loop, token t + 1's during token t
         q_next = tl.load(q + (bos * H + h) * K + ok, mask=km & (bos < eos), other=0.)
         k_next = tl.load(k + (bos * H + h) * K + ok, mask=km & (bos < eos), other=0.)
         b_next = tl.load(beta + bos * HV + hv, mask=bos < eos, other=0.)
+    # STAGES > 1: the loop software-pipelined (token t + 1's loads issued while token t's update runs); the
+    # arithmetic is the same, so are the bits
     for t in tl.range(bos, eos, num_stages=STAGES):
         if PREFETCH_QK:
             qt, kt, bt = q_next.to(tl.float32), k_next.to(tl.float32), b_next.to(tl.float32)

@@ -84,7 +84,7 @@ def test_step_trace_union_counts_overlaps_once():
 
 
 def test_sft_target_with_frozen_routed_experts_trains_the_rest_only():
-    """`--sft-freeze-routed-experts` (the GPU target that fits an 80 GB H100): the routed experts keep their random
+    """`--sft-freeze-routed-experts` (the GPU target meant for an 80 GB H100): the routed experts keep their random
     init through the SFT steps, the shared experts and the rest train, and the figures say how many were trained."""
     from benchmarks.k3_width import sft_k3_width_model
     config = K3Config.preset("tiny")
