@@ -43,6 +43,7 @@ import torch
 
 from benchmarks._results import RESULTS, run_header, write_results
 from benchmarks.k3_width import gpu_drafter, k3_width_model, sft_k3_width_model
+from benchmarks.spec_kernels import replay_kernel_rows
 from k3.rollout import Engine, SamplingParams
 from k3.rollout.spec import SpecConfig
 from k3.rollout.spec.scratch import scratch_bytes_per_sequence_layer, snapshot_bytes_per_draft
@@ -412,10 +413,8 @@ def gpu_section(cfg: GpuSettings, sink=None) -> dict:
     steps, so a decode step holds min(batch, live rows) rows; the default 256 interleaves one prompt's chunks a
     step with decoding, and short answers leave batch-8 steps half empty)."""
     import tempfile
-    import triton.testing
     from k3.envs import CalculatorEnv
     from k3.envs.calc_task import heldout_tasks
-    from k3_kernels.replay_ssm import naive_replay_commit, replay_commit, replay_commit_into
     t_start = time.perf_counter()
     env = CalculatorEnv()
     sft_fig = None
@@ -519,34 +518,6 @@ def gpu_section(cfg: GpuSettings, sink=None) -> dict:
         section["job_rollouts"] = gpu_job_rollouts(model, env, drafter_dir, cfg)
         if sink is not None:
             sink(section)
-    B, T, H, K = 8, 4, 96, 128
-    dev = "cuda"
-    args = (torch.randn(B, H, K, K, device=dev), torch.randn(T, B, H, K, device=dev).bfloat16(),
-            torch.randn(T, B, H, K, device=dev).bfloat16(), -torch.rand(T, B, H, K, device=dev),
-            torch.rand(T, B, H, device=dev), torch.full((B,), 3, device=dev))
-    tri = triton.testing.do_bench(lambda: replay_commit(*args), return_mode="median")
-    ref = triton.testing.do_bench(lambda: naive_replay_commit(*args), return_mode="median")
-    # the engine's commit of 3 KDA layers: pool rows gathered, folded, scattered back vs folded in place
-    pool = torch.randn(4 * B * 3, H, K, K, device=dev)
-    rows = torch.arange(0, 4 * B * 3, 4, device=dev)[:B * 3]
-    fold_args = tuple(x.repeat_interleave(3, dim=1) for x in args[1:5]) + (args[5].repeat_interleave(3),)
-
-    def gathered():
-        pool[rows] = replay_commit(pool[rows], *fold_args)
-    gathered_ms = triton.testing.do_bench(gathered, return_mode="median")
-    in_place_ms = triton.testing.do_bench(lambda: replay_commit_into(pool, rows, *fold_args, checked=True),
-                                          return_mode="median")
-    from k3.rollout.spec.tree import build_tree
-    from k3_kernels.replay_ssm import naive_tree_verify, tree_verify
-    tree = build_tree([[1, 2, 3], [1, 2, 4], [1, 5, 6], [1, 5, 7], [8, 9, 10], [8, 9, 11], [8, 12, 13],
-                       [8, 12, 14]], branching=2, depth=3, max_nodes=14)
-    N = len(tree) + 1   # the pending token and 14 nodes
-    parents = torch.tensor([tree.verify_parents()] * B, device=dev)
-    targs = (torch.randn(B, H, K, K, device=dev), torch.randn(N, B, H, K, device=dev).bfloat16(),
-             torch.randn(N, B, H, K, device=dev).bfloat16(), torch.randn(N, B, H, K, device=dev).bfloat16(),
-             -torch.rand(N, B, H, K, device=dev), torch.rand(N, B, H, device=dev), parents)
-    tri_tree = triton.testing.do_bench(lambda: tree_verify(*targs), return_mode="median")
-    ref_tree = triton.testing.do_bench(lambda: naive_tree_verify(*targs), return_mode="median")
     weights = ("random weights" if cfg.target == "random" else
                "trained here on the calculator demonstrations (sft: embedding and lm_head frozen at random init)")
     stop = "no stop" if cfg.target == "random" else "stopping at the task's stop tokens"
@@ -555,14 +526,7 @@ def gpu_section(cfg: GpuSettings, sink=None) -> dict:
                         f"tokens, {stop}",
             "drafter": {"trained_on": "the model's own greedy rollouts of calculator training tasks (sft: whole "
                                       "episodes; random: turn 0 as the workload)", **drafter_fig},
-            "replay_commit": {"shape": f"B={B} T={T} H={H} K=V={K}, 3 accepted, bf16 k/v", "triton_ms_median": tri,
-                              "torch_fold_ms_median": ref, "speedup": ref / tri,
-                              "pool_3_layers": {"gather_fold_scatter_ms_median": gathered_ms,
-                                                "in_place_ms_median": in_place_ms,
-                                                "speedup": gathered_ms / in_place_ms}},
-            "tree_verify": {"shape": f"B={B}, 2x3 tree (pending + 14 nodes), H={H} K=V={K}, bf16 q/k/v",
-                            "triton_ms_median": tri_tree, "torch_reference_ms_median": ref_tree,
-                            "speedup": ref_tree / tri_tree}}
+            **replay_kernel_rows()}
 
 
 def main() -> None:

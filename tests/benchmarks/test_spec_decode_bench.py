@@ -102,3 +102,24 @@ def test_sft_target_with_frozen_routed_experts_trains_the_rest_only():
     assert any(".shared_experts." in n for n in moved) and any("self_attn" in n for n in moved)
     assert fig["trained_parameters"] == sum(p.numel() for n, p in init.items() if n not in routed and p.requires_grad
                                             and "embed_tokens" not in n and "lm_head" not in n)
+
+
+def test_replay_kernel_rows_time_every_kernel_and_its_reference(monkeypatch):
+    """benchmarks.spec_kernels (the GPU section's kernel rows) on CPU at small dims, the kernels in the interpreter:
+    every kernel and reference it times runs on inputs they accept, and each row's speed-up is reference / kernel."""
+    import triton.testing
+
+    from benchmarks.spec_kernels import replay_kernel_rows
+    ran = []
+
+    def once(fn, return_mode):   # do_bench needs CUDA: run each timed callable once, a distinct time per call
+        fn()
+        ran.append(fn)
+        return float(len(ran))
+    monkeypatch.setattr(triton.testing, "do_bench", once)
+    rows = replay_kernel_rows(B=2, H=2, K=16, device="cpu")
+    assert len(ran) == 6
+    commit, tree = rows["replay_commit"], rows["tree_verify"]
+    assert commit["speedup"] == commit["torch_fold_ms_median"] / commit["triton_ms_median"] == 2.0
+    assert commit["pool_3_layers"]["speedup"] == 3.0 / 4.0 and tree["speedup"] == 6.0 / 5.0
+    assert "H=2 K=V=16" in commit["shape"] and "14 nodes" in tree["shape"]
