@@ -37,7 +37,8 @@ def k3_width_model():
 
 
 def sft_k3_width_model(steps: int, lr: float, budget_s: float, batch: int = 32, config=None,
-                       device: str = "cuda", freeze_routed_experts: bool = False) -> tuple[object, dict]:
+                       device: str = "cuda", freeze_routed_experts: bool = False, micro_batch: int | None = None,
+                       bf16_frozen_tables: bool = False) -> tuple[object, dict]:
     """The K3-width model trained on the main job's calculator demonstrations (k3.jobs.sft's rows and loss, the
     system prompt's state computed once per step without gradient), on the device: fp32 weights and AdamW, the
     token embedding and the lm_head frozen at their random init (their 163,840 rows would be 2.3 B more trained
@@ -45,7 +46,11 @@ def sft_k3_width_model(steps: int, lr: float, budget_s: float, batch: int = 32, 
     Then bf16 and frozen, as the benchmark serves it. `freeze_routed_experts`: the routed experts' weights stay at
     their random init too: 1.58 B parameters fewer to train, ~18 GiB fewer gradients and AdamW moments, meant
     to let the training fit an 80 GB H100 (training everything does not); a different target, so its figures are
-    a series of their own. Returns (model, training figures)."""
+    a series of their own. Training everything within an 80 GB H100 instead: `micro_batch` forwards and
+    backpropagates each step's rows that many at a time (`_accumulated_sft_step`: the same rows, the gradient of
+    the same masked mean up to summation order) and `bf16_frozen_tables` holds the frozen embedding and lm_head in
+    bf16 while training (`_bf16_tables`; the served target is bf16 anyway), which changes the trained weights in
+    the last bits: close to the full-batch target, not its bits. Returns (model, training figures)."""
     import random
     from k3.envs import CalculatorEnv, train_tasks
     from k3.jobs.config import SFTSection
@@ -61,6 +66,9 @@ def sft_k3_width_model(steps: int, lr: float, budget_s: float, batch: int = 32, 
         for name, p in model.named_parameters():
             if ".experts." in name and ".shared_experts." not in name:
                 p.requires_grad_(False)
+    if micro_batch is not None and micro_batch < 1:
+        raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
+    hooks = _bf16_tables(model) if bf16_frozen_tables else []
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=device == "cuda")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 10))
@@ -71,23 +79,75 @@ def sft_k3_width_model(steps: int, lr: float, budget_s: float, batch: int = 32, 
     for i in range(steps):
         if time.perf_counter() - t0 > budget_s:
             break
-        losses.append(sft_step(model, env, tasks, rng, sft, batch, params, opt).item())
+        if micro_batch is None or micro_batch >= batch:
+            losses.append(sft_step(model, env, tasks, rng, sft, batch, params, opt).item())
+        else:
+            losses.append(_accumulated_sft_step(model, env, tasks, rng, sft, batch, micro_batch, params, opt))
         sched.step()
         done = i + 1
         if i % 20 == 0:
             print(f"sft step {i}: loss {losses[-1]:.3f}, {time.perf_counter() - t0:.0f} s, peak {peak():.1f} GiB",
                   flush=True)
     trained = sum(p.numel() for p in params)
+    for hook in hooks:
+        hook.remove()
     del opt, params
     model.zero_grad(set_to_none=True)
     fig = {"steps": done, "batch": batch, "lr": lr, "trained_parameters": trained,
-           "routed_experts_frozen": freeze_routed_experts, "loss_first": losses[0] if losses else None,
+           "routed_experts_frozen": freeze_routed_experts, "micro_batch": micro_batch or batch,
+           "bf16_frozen_tables": bf16_frozen_tables, "loss_first": losses[0] if losses else None,
            "loss_last20": sum(losses[-20:]) / max(1, len(losses[-20:])), "seconds": round(time.perf_counter() - t0, 1),
            "peak_gib": round(peak(), 1)}
     model = _frozen_bf16(model)
     if device == "cuda":
         torch.cuda.empty_cache()
     return model, fig
+
+
+def _bf16_tables(model) -> list:
+    """The frozen token embedding and lm_head in bf16 for training (half their fp32 bytes: 4.4 GiB at K3 width),
+    the fp32 model around them: hooks cast the embedding's output to fp32, the lm_head's input to bf16 and its
+    logits to fp32. Returns the hooks' handles (removed once trained)."""
+    embed, head = model.model.embed_tokens, model.lm_head
+    if embed.weight.requires_grad or head.weight.requires_grad:
+        raise ValueError("bf16_frozen_tables: the embedding and lm_head must be frozen")
+    embed.to(torch.bfloat16)
+    head.to(torch.bfloat16)
+    return [embed.register_forward_hook(lambda module, args, out: out.float()),
+            head.register_forward_pre_hook(lambda module, args: (args[0].to(torch.bfloat16), *args[1:])),
+            head.register_forward_hook(lambda module, args, out: out.float())]
+
+
+def _accumulated_sft_step(model, env, tasks, rng, sft, batch: int, micro_batch: int, params, opt) -> float:
+    """`k3.jobs.sft.sft_step` with its `batch` rows (drawn as it draws them) forwarded and backpropagated
+    `micro_batch` rows at a time: each part's masked mean weighted by its share of the step's masked tokens, so the
+    summed gradient is the gradient of the whole step's masked mean; clipped to norm 1, one optimizer step.
+    Returns the step's loss."""
+    from k3.jobs.sft import demonstration_row, masked_next_token_loss, pack
+    from k3.model import K3State
+    device = next(model.parameters()).device
+    eps = [demonstration_row(env, tasks, rng, sft) for _ in range(batch)]
+    S = len(env.system)
+    with torch.no_grad():
+        _, prefix = model.extend(torch.tensor([env.system], device=device))
+    # the loss counts a row's masked tokens after its first (masked_next_token_loss predicts positions 1..L-1)
+    counted = [sum(e.model_mask[S + 1:]) for e in eps]
+    total = max(sum(counted), 1)
+    opt.zero_grad(set_to_none=True)
+    loss = 0.0
+    for lo in range(0, batch, micro_batch):
+        part = eps[lo:lo + micro_batch]
+        share = sum(counted[lo:lo + micro_batch]) / total
+        if share == 0:
+            continue
+        ids, mask = pack([e.tokens[S:] for e in part], [e.model_mask[S:] for e in part])
+        part_loss = masked_next_token_loss(model, ids.to(device), mask.to(device),
+                                           K3State.concat([prefix] * len(part))) * share
+        part_loss.backward()
+        loss += part_loss.item()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    return loss
 
 
 def gpu_drafter(model, out_dir: Path, tasks: int, steps: int, sp: SamplingParams, episodes: bool

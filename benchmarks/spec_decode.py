@@ -396,6 +396,8 @@ class GpuSettings:
     sft_lr: float = 1e-4
     sft_budget_s: float = 150.0
     sft_freeze_routed_experts: bool = False   # the SFT target with its routed experts left at random init (an H100)
+    sft_micro_batch: int | None = None  # SFT rows forwarded at once (None: the whole step's batch)
+    sft_bf16_frozen_tables: bool = False  # the frozen embedding and lm_head in bf16 while training
     drafter_steps: int = 400
     drafter_tasks: int = 1024           # training tasks rolled out for the drafter (sft target)
     batches: tuple[int, ...] = (1, 8, 32)
@@ -420,7 +422,9 @@ def gpu_section(cfg: GpuSettings, sink=None) -> dict:
     sft_fig = None
     if cfg.target == "sft":
         model, sft_fig = sft_k3_width_model(cfg.sft_steps, cfg.sft_lr, cfg.sft_budget_s,
-                                            freeze_routed_experts=cfg.sft_freeze_routed_experts)
+                                            freeze_routed_experts=cfg.sft_freeze_routed_experts,
+                                            micro_batch=cfg.sft_micro_batch,
+                                            bf16_frozen_tables=cfg.sft_bf16_frozen_tables)
         print("sft", json.dumps(sft_fig), flush=True)
         sp = SamplingParams(temperature=0.0, max_tokens=32, stop_token_ids=tuple(env.stop_ids))
     else:
@@ -547,6 +551,11 @@ def main() -> None:
     ap.add_argument("--sft-budget", type=float, default=gpu.sft_budget_s, help="GPU SFT seconds at most")
     ap.add_argument("--sft-freeze-routed-experts", action="store_true",
                     help="GPU SFT target: routed experts left at random init (meant for an 80 GB H100; another target)")
+    ap.add_argument("--sft-micro-batch", type=int, default=gpu.sft_micro_batch,
+                    help="GPU SFT: each step's rows forwarded this many at a time (with --sft-bf16-frozen-tables: "
+                         "training every parameter within an 80 GB H100, 8)")
+    ap.add_argument("--sft-bf16-frozen-tables", action="store_true",
+                    help="GPU SFT: the frozen embedding and lm_head held in bf16 while training")
     ap.add_argument("--batches", default=",".join(map(str, gpu.batches)))
     ap.add_argument("--out", default=str(RESULTS / "spec_decode.json"))
     ap.add_argument("--step-tokens", type=int, default=None,
@@ -576,7 +585,8 @@ def main() -> None:
                                drafter_tasks=a.drafter_tasks, batches=tuple(int(b) for b in a.batches.split(",")),
                                step_tokens=a.step_tokens, only=tuple(a.only.split(",")) if a.only else None,
                                profile=a.profile, episodes_tasks=a.episodes,
-                               sft_freeze_routed_experts=a.sft_freeze_routed_experts)
+                               sft_freeze_routed_experts=a.sft_freeze_routed_experts,
+                               sft_micro_batch=a.sft_micro_batch, sft_bf16_frozen_tables=a.sft_bf16_frozen_tables)
         res["gpu"] = gpu_section(settings, sink)
         res.get("sections_from", {}).pop("gpu", None)
     print(json.dumps(res["memory_table_k3_dims_per_sequence_per_kda_layer"], indent=1))

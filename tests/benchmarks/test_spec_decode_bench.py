@@ -123,3 +123,64 @@ def test_replay_kernel_rows_time_every_kernel_and_its_reference(monkeypatch):
     assert commit["speedup"] == commit["torch_fold_ms_median"] / commit["triton_ms_median"] == 2.0
     assert commit["pool_3_layers"]["speedup"] == 3.0 / 4.0 and tree["speedup"] == 6.0 / 5.0
     assert "H=2 K=V=16" in commit["shape"] and "14 nodes" in tree["shape"]
+
+
+def test_sft_micro_batches_give_the_whole_batch_gradient():
+    """`--sft-micro-batch` (training every parameter within an 80 GB H100): a step forwarded in parts of
+    `micro_batch` rows draws the same rows and leaves the gradient of the whole step's masked mean (each part
+    weighted by its share of the masked tokens) and the same loss; uneven parts too."""
+    import random
+
+    from benchmarks.k3_width import _accumulated_sft_step
+    from k3.envs import CalculatorEnv, train_tasks
+    from k3.jobs.config import SFTSection
+    from k3.jobs.sft import sft_step
+    config = K3Config.preset("tiny")
+    env, sft, tasks = CalculatorEnv(), SFTSection(), train_tasks(1, 64)
+
+    def step(micro):
+        torch.manual_seed(0)
+        model = K3ForCausalLM(config)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.SGD(params, lr=0.0)   # the step leaves the clipped gradients in place
+        rng = random.Random(3)
+        loss = (sft_step(model, env, tasks, rng, sft, 5, params, opt).item() if micro is None else
+                _accumulated_sft_step(model, env, tasks, rng, sft, 5, micro, params, opt))
+        return loss, [None if p.grad is None else p.grad.clone() for p in params], rng.random()
+
+    whole_loss, whole, whole_rng = step(None)
+    assert sum(g is not None for g in whole) > len(whole) // 2
+    for micro in (2, 1):
+        loss, grads, rng_after = step(micro)
+        assert rng_after == whole_rng   # the same rows drawn
+        assert abs(loss - whole_loss) <= 1e-5 * abs(whole_loss)
+        assert [a is None for a in grads] == [b is None for b in whole]   # the same parameters reached
+        for a, b in zip(grads, whole):
+            if b is not None:
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_sft_target_within_an_h100_trains_everything_with_bf16_tables():
+    """`--sft-micro-batch` with `--sft-bf16-frozen-tables`: every parameter but the frozen embedding and lm_head
+    trains, those keep their (bf16-rounded) init, the step's loss stays close to the fp32 tables' (only the tables'
+    rounding differs), the hooks are gone from the served bf16 model, and a bad micro batch is refused first."""
+    from benchmarks.k3_width import sft_k3_width_model
+    config = K3Config.preset("tiny")
+    torch.manual_seed(0)
+    init = dict(K3ForCausalLM(config).named_parameters())   # the function's own init (seed 0)
+    model, fig = sft_k3_width_model(2, 1e-3, 60.0, batch=4, config=config, device="cpu", micro_batch=3,
+                                    bf16_frozen_tables=True)
+    ref, ref_fig = sft_k3_width_model(2, 1e-3, 60.0, batch=4, config=config, device="cpu")
+    assert fig["micro_batch"] == 3 and fig["bf16_frozen_tables"] and fig["steps"] == 2
+    assert fig["trained_parameters"] == ref_fig["trained_parameters"]
+    assert abs(fig["loss_first"] - ref_fig["loss_first"]) <= 1e-2 * ref_fig["loss_first"]
+    trained = dict(model.named_parameters())
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert torch.equal(trained[name], init[name].detach().bfloat16()), name
+    assert any(not torch.equal(trained[n], init[n].detach().bfloat16()) for n in init if "self_attn" in n)
+    for module in (model.model.embed_tokens, model.lm_head):
+        assert not module._forward_hooks and not module._forward_pre_hooks
+    ids = torch.tensor([[1, 2, 3]])
+    assert model(ids).logits.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="micro_batch"):
+        sft_k3_width_model(1, 1e-3, 60.0, batch=2, config=config, device="cpu", micro_batch=0)
