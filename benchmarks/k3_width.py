@@ -56,6 +56,8 @@ def sft_k3_width_model(steps: int, lr: float, budget_s: float, batch: int = 32, 
     from k3.jobs.config import SFTSection
     from k3.jobs.sft import sft_step
     from k3.model import K3ForCausalLM
+    if micro_batch is not None and micro_batch < 1:   # before any work
+        raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
     t0 = time.perf_counter()
     torch.manual_seed(0)
     with torch.device(device):
@@ -66,8 +68,6 @@ def sft_k3_width_model(steps: int, lr: float, budget_s: float, batch: int = 32, 
         for name, p in model.named_parameters():
             if ".experts." in name and ".shared_experts." not in name:
                 p.requires_grad_(False)
-    if micro_batch is not None and micro_batch < 1:
-        raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
     hooks = _bf16_tables(model) if bf16_frozen_tables else []
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=device == "cuda")
@@ -94,7 +94,7 @@ def sft_k3_width_model(steps: int, lr: float, budget_s: float, batch: int = 32, 
     del opt, params
     model.zero_grad(set_to_none=True)
     fig = {"steps": done, "batch": batch, "lr": lr, "trained_parameters": trained,
-           "routed_experts_frozen": freeze_routed_experts, "micro_batch": micro_batch or batch,
+           "routed_experts_frozen": freeze_routed_experts, "micro_batch": min(micro_batch or batch, batch),
            "bf16_frozen_tables": bf16_frozen_tables, "loss_first": losses[0] if losses else None,
            "loss_last20": sum(losses[-20:]) / max(1, len(losses[-20:])), "seconds": round(time.perf_counter() - t0, 1),
            "peak_gib": round(peak(), 1)}
