@@ -47,10 +47,10 @@ def sft_k3_width_model(steps: int, lr: float, budget_s: float, batch: int = 32, 
     their random init too: 1.58 B parameters fewer to train, ~18 GiB fewer gradients and AdamW moments, meant
     to let the training fit an 80 GB H100 (training everything does not); a different target, so its figures are
     a series of their own. Training everything within an 80 GB H100 instead: `micro_batch` forwards and
-    backpropagates each step's rows that many at a time (`_accumulated_sft_step`: the same rows, the gradient of
-    the same masked mean up to summation order) and `bf16_frozen_tables` holds the frozen embedding and lm_head in
-    bf16 while training (`_bf16_tables`; the served target is bf16 anyway), which changes the trained weights in
-    the last bits: close to the full-batch target, not its bits. Returns (model, training figures)."""
+    backpropagates each step's rows that many at a time (`k3.jobs.sft.sft_step`'s `micro_batch`) and
+    `bf16_frozen_tables` holds the frozen embedding and lm_head in bf16 while training (`_bf16_tables`; the served
+    target is bf16 anyway), which changes the trained weights in the last bits: close to the full-batch target,
+    not its bits. Returns (model, training figures)."""
     import random
     from k3.envs import CalculatorEnv, train_tasks
     from k3.jobs.config import SFTSection
@@ -79,10 +79,7 @@ def sft_k3_width_model(steps: int, lr: float, budget_s: float, batch: int = 32, 
     for i in range(steps):
         if time.perf_counter() - t0 > budget_s:
             break
-        if micro_batch is None or micro_batch >= batch:
-            losses.append(sft_step(model, env, tasks, rng, sft, batch, params, opt).item())
-        else:
-            losses.append(_accumulated_sft_step(model, env, tasks, rng, sft, batch, micro_batch, params, opt))
+        losses.append(sft_step(model, env, tasks, rng, sft, batch, params, opt, micro_batch).item())
         sched.step()
         done = i + 1
         if i % 20 == 0:
@@ -116,38 +113,6 @@ def _bf16_tables(model) -> list:
     return [embed.register_forward_hook(lambda module, args, out: out.float()),
             head.register_forward_pre_hook(lambda module, args: (args[0].to(torch.bfloat16), *args[1:])),
             head.register_forward_hook(lambda module, args, out: out.float())]
-
-
-def _accumulated_sft_step(model, env, tasks, rng, sft, batch: int, micro_batch: int, params, opt) -> float:
-    """`k3.jobs.sft.sft_step` with its `batch` rows (drawn as it draws them) forwarded and backpropagated
-    `micro_batch` rows at a time: each part's masked mean weighted by its share of the step's masked tokens, so the
-    summed gradient is the gradient of the whole step's masked mean; clipped to norm 1, one optimizer step.
-    Returns the step's loss."""
-    from k3.jobs.sft import demonstration_row, masked_next_token_loss, pack
-    from k3.model import K3State
-    device = next(model.parameters()).device
-    eps = [demonstration_row(env, tasks, rng, sft) for _ in range(batch)]
-    S = len(env.system)
-    with torch.no_grad():
-        _, prefix = model.extend(torch.tensor([env.system], device=device))
-    # the loss counts a row's masked tokens after its first (masked_next_token_loss predicts positions 1..L-1)
-    counted = [sum(e.model_mask[S + 1:]) for e in eps]
-    total = max(sum(counted), 1)
-    opt.zero_grad(set_to_none=True)
-    loss = 0.0
-    for lo in range(0, batch, micro_batch):
-        part = eps[lo:lo + micro_batch]
-        share = sum(counted[lo:lo + micro_batch]) / total
-        if share == 0:
-            continue
-        ids, mask = pack([e.tokens[S:] for e in part], [e.model_mask[S:] for e in part])
-        part_loss = masked_next_token_loss(model, ids.to(device), mask.to(device),
-                                           K3State.concat([prefix] * len(part))) * share
-        part_loss.backward()
-        loss += part_loss.item()
-    torch.nn.utils.clip_grad_norm_(params, 1.0)
-    opt.step()
-    return loss
 
 
 def gpu_drafter(model, out_dir: Path, tasks: int, steps: int, sp: SamplingParams, episodes: bool

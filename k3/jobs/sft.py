@@ -105,9 +105,15 @@ def train_sft(cfg: JobConfig, progress: bool = True) -> K3ForCausalLM:
 
 
 def sft_step(model: K3ForCausalLM, env: CalculatorEnv, tasks: list[Task], rng: random.Random, sft: SFTSection,
-             batch_size: int, params: list[torch.nn.Parameter], opt: torch.optim.Optimizer) -> torch.Tensor:
+             batch_size: int, params: list[torch.nn.Parameter], opt: torch.optim.Optimizer,
+             micro_batch: int | None = None) -> torch.Tensor:
     """One SFT step on `batch_size` demonstration rows (on the model's device): masked next-token loss, gradients
-    clipped to norm 1 over `params` (the trained ones), one optimizer step. Returns the loss."""
+    clipped to norm 1 over `params` (the trained ones), one optimizer step. Returns the loss. `micro_batch`: the
+    rows forwarded and backpropagated that many at a time (the activations of that many rows at once), each part's
+    masked mean weighted by its share of the step's masked tokens: the whole step's loss and gradient up to
+    summation order (None: all rows at once)."""
+    if micro_batch is not None and micro_batch < 1:
+        raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
     device = next(model.parameters()).device
     eps = [demonstration_row(env, tasks, rng, sft) for _ in range(batch_size)]
     S = len(env.system)
@@ -115,10 +121,19 @@ def sft_step(model: K3ForCausalLM, env: CalculatorEnv, tasks: list[Task], rng: r
     # through it) and train on the rest of each episode from there
     with torch.no_grad():
         _, prefix = model.extend(torch.tensor([env.system], device=device))
-    ids, mask = pack([e.tokens[S:] for e in eps], [e.model_mask[S:] for e in eps])
-    loss = masked_next_token_loss(model, ids.to(device), mask.to(device), K3State.concat([prefix] * len(eps)))
+    part_rows = min(micro_batch or batch_size, batch_size)
+    # each row's tokens in the loss (masked_next_token_loss predicts positions 1..L-1 of the rows it packs)
+    counted = [sum(e.model_mask[S + 1:]) for e in eps]
     opt.zero_grad(set_to_none=True)
-    loss.backward()
+    loss = None
+    for lo in range(0, batch_size, part_rows):
+        part = eps[lo:lo + part_rows]
+        ids, mask = pack([e.tokens[S:] for e in part], [e.model_mask[S:] for e in part])
+        part_loss = masked_next_token_loss(model, ids.to(device), mask.to(device), K3State.concat([prefix] * len(part)))
+        if part_rows < batch_size:
+            part_loss = part_loss * (sum(counted[lo:lo + part_rows]) / max(sum(counted), 1))
+        part_loss.backward()
+        loss = part_loss.detach() if loss is None else loss + part_loss.detach()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     opt.step()
     return loss
