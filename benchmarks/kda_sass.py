@@ -69,7 +69,7 @@ _STATE = dict(HV=16, K=128, V=128, BK=128, BVF=128, PREC="tf32")
 # the decode kernel's constexprs (BETA_SIGMOID: BETA_LOGIT_SCALE's name before session 35, for older versions)
 _RECURRENT = dict(H=16, HV=16, K=128, V=128, BK=128, BV=32, GATE=2, HAS_A=True, HAS_DT=True, L2NORM=False,
                   HAS_H0=True, STORE_HT=True, VARLEN=False, HAS_IDX=False, BETA_SIGMOID=0, BETA_LOGIT_SCALE=0,
-                  STATE_V_FIRST=False, STAGES=2, PREFETCH_QK=False)
+                  STATE_V_FIRST=False, STAGES=2, PREFETCH_QK=True)
 ALL_CASES = {  # name: (kernel, constexprs (those the version's kernel takes), options)
     "cumsum": ("_fwd_cumsum", dict(BK=128, KA=32, GATE=0, HAS_A=False, HAS_DT=False), dict(num_warps=4)),
     "cumsum_safe_gate": ("_fwd_cumsum", dict(BK=128, KA=32, GATE=2, HAS_A=True, HAS_DT=True), dict(num_warps=4)),
@@ -87,7 +87,8 @@ ALL_CASES = {  # name: (kernel, constexprs (those the version's kernel takes), o
     "recurrent": ("_recurrent_fwd", _RECURRENT, dict(num_warps=4)),
     # the token loop not pipelined (the decode's launch before DECODE_STAGES)
     "recurrent_stages1": ("_recurrent_fwd", dict(_RECURRENT, STAGES=1), dict(num_warps=4)),
-    "recurrent_prefetch_qk": ("_recurrent_fwd", dict(_RECURRENT, PREFETCH_QK=True), dict(num_warps=4)),
+    # q / k / beta not prefetched by hand (the decode's launch before session 37)
+    "recurrent_no_prefetch_qk": ("_recurrent_fwd", dict(_RECURRENT, PREFETCH_QK=False), dict(num_warps=4)),
     "recurrent_default_gate": ("_recurrent_fwd", dict(_RECURRENT, GATE=1, L2NORM=True, VARLEN=True, HAS_IDX=True,
                                                       BETA_SIGMOID=1, BETA_LOGIT_SCALE=1, STATE_V_FIRST=True),
                                dict(num_warps=4)),

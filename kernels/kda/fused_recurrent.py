@@ -22,8 +22,8 @@ from .plan import pow2_tile
 
 DECODE_STAGES = 2   # the token loop's software-pipelining depth (1: not pipelined); benchmarks/kda.py --decode A/Bs it
 # q, k and beta of token t + 1 loaded by hand during token t (the pipeliner leaves them: 2 bytes a thread, under
-# cp.async's 4); off until benchmarks/kda.py --decode measures it
-DECODE_PREFETCH_QK = False
+# cp.async's 4); same bits either way; benchmarks/kda.py --decode A/Bs it (kernels/kda/NOTES.md, session 37)
+DECODE_PREFETCH_QK = True
 
 
 @triton.jit
