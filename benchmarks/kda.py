@@ -13,7 +13,8 @@ o and every gradient (dA_log and ddt_bias included) of ours vs fla-core up to 32
 `--gate-ab`: our forward+backward at 16K (k3init, H16) with the gate's backward as gate.py's Triton pass vs torch
 autograd over the reference gate (CONFIG gate_bwd), same process. `--decode`: fused_recurrent_kda with K3's safe
 gate in the kernel, initial state in and final state out, at batch 1 / 32 / 256 and 1 / 4 tokens (verification),
-H = 16 and 96. `--breakdown`: device time per kernel in one 16K k3init forward+backward, ours and fla-core's.
+H = 16 and 96. `--breakdown [ROW,...]`: device time per kernel in one forward+backward of each named row (default
+16K_k3init_H16), ours and fla-core's (`breakdown_<row>_fwdbwd_ms`, `fla_breakdown_<row>_fwdbwd_ms`).
 `--rows a,b,...` picks rows (default: all, in `ROWS` order); `--budget S`: start no row after S seconds;
 `--merge FILE`: keep FILE's rows that this run does not measure and its other entries. Writes
 benchmarks/results/kda.json (or $OUT/kda.json) with benchmarks/_results.py's header after every row.
@@ -256,6 +257,20 @@ def device_rates() -> tuple[float, float]:
     return copy_Bps, 2 * 8192 ** 3 / (med(lambda: a @ a, rep=100) * 1e-3)
 
 
+def breakdown_rows(argv: list[str]) -> list[str]:
+    """The rows `--breakdown` names (its optional value: comma-separated ROWS; none given: 16K_k3init_H16), checked
+    before any GPU work."""
+    if "--breakdown" not in argv:
+        return []
+    i = argv.index("--breakdown")
+    value = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else "16K_k3init_H16"
+    rows = value.split(",")
+    bad = [r for r in rows if r not in ROWS or r.startswith("varlen") or "_precomputed_" in r]
+    if bad:
+        raise SystemExit(f"--breakdown: {bad} not among the fixed-length gated rows (k3init, sharp) of {ROWS}")
+    return rows
+
+
 def _arg(flag: str, default=None):
     return sys.argv[sys.argv.index(flag) + 1] if flag in sys.argv else default
 
@@ -264,6 +279,7 @@ def main() -> None:
     from fla.ops.kda import chunk_kda as fla_kda
     from fla.ops.kda import fused_recurrent_kda as fla_recurrent
     start = time.time()
+    breakdowns = breakdown_rows(sys.argv)
     budget = float(_arg("--budget", "inf"))
     res = {**run_header("kda", torch.cuda.get_device_name(), ("triton", "fla-core")),
            "kernels_commit": os.environ.get("K3_KERNELS_COMMIT"),
@@ -281,11 +297,10 @@ def main() -> None:
         res["gate_bwd_ab_16K_k3init_H16"] = gate_ab()
         print("gate_ab", res["gate_bwd_ab_16K_k3init_H16"], flush=True)
         save()
-    if "--breakdown" in sys.argv:
-        res["breakdown_16K_k3init_H16_fwdbwd_ms"] = breakdown()
-        res["fla_breakdown_16K_k3init_H16_fwdbwd_ms"] = breakdown(fla_kda)
-        print("breakdown", res["breakdown_16K_k3init_H16_fwdbwd_ms"], res["fla_breakdown_16K_k3init_H16_fwdbwd_ms"],
-              flush=True)
+    for row in breakdowns:
+        res[f"breakdown_{row}_fwdbwd_ms"] = breakdown(row=row)
+        res[f"fla_breakdown_{row}_fwdbwd_ms"] = breakdown(fla_kda, row=row)
+        print("breakdown", row, res[f"breakdown_{row}_fwdbwd_ms"], res[f"fla_breakdown_{row}_fwdbwd_ms"], flush=True)
         save()
     if "--decode" in sys.argv:
         res["fused_recurrent_kda"] = decode_rows(fla_recurrent)

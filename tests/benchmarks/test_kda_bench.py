@@ -35,3 +35,18 @@ def test_k3_init_gate_is_k3s_init():
     assert bool((dt > 0.99e-3).all() and (dt < 1.01e-1).all()) and dt.unique().numel() == 4 * D
     g = -5 * torch.sigmoid(A_log.detach().exp()[:, None] * (f.detach() + dt_bias.detach().view(4, D)))
     assert -5 <= g.min() and g.max() <= 0 and g.mean() > -0.5
+
+
+def test_breakdown_rows_are_checked_before_any_gpu_work():
+    """`--breakdown` with no value keeps the 16K K3-init H16 row; named rows must be fixed-length gated rows (the
+    breakdown passes the safe gate's keywords and no cu_seqlens), refused with the offending names otherwise."""
+    import pytest
+    from benchmarks.kda import breakdown_rows
+    assert breakdown_rows(["kda.py", "--decode"]) == []
+    assert breakdown_rows(["kda.py", "--breakdown"]) == ["16K_k3init_H16"]
+    assert breakdown_rows(["kda.py", "--breakdown", "--decode"]) == ["16K_k3init_H16"]
+    assert breakdown_rows(["kda.py", "--breakdown", "16K_k3init_H96,16K_sharp_H16"]) == ["16K_k3init_H96",
+                                                                                         "16K_sharp_H16"]
+    for bad in ("16K_precomputed_H16", "varlen_k3init_H16", "16K_k3init_H32"):
+        with pytest.raises(SystemExit, match=bad):
+            breakdown_rows(["kda.py", "--breakdown", f"16K_k3init_H16,{bad}"])
