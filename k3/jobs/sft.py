@@ -122,8 +122,10 @@ def sft_step(model: K3ForCausalLM, env: CalculatorEnv, tasks: list[Task], rng: r
     with torch.no_grad():
         _, prefix = model.extend(torch.tensor([env.system], device=device))
     part_rows = min(micro_batch or batch_size, batch_size)
-    # each row's tokens in the loss (masked_next_token_loss predicts positions 1..L-1 of the rows it packs)
-    counted = [sum(e.model_mask[S + 1:]) for e in eps]
+    if part_rows < batch_size:
+        # each row's tokens in the loss (masked_next_token_loss predicts positions 1..L-1 of the rows it packs)
+        counted = [sum(e.model_mask[S + 1:]) for e in eps]
+        total = max(sum(counted), 1)
     opt.zero_grad(set_to_none=True)
     loss = None
     for lo in range(0, batch_size, part_rows):
@@ -131,7 +133,7 @@ def sft_step(model: K3ForCausalLM, env: CalculatorEnv, tasks: list[Task], rng: r
         ids, mask = pack([e.tokens[S:] for e in part], [e.model_mask[S:] for e in part])
         part_loss = masked_next_token_loss(model, ids.to(device), mask.to(device), K3State.concat([prefix] * len(part)))
         if part_rows < batch_size:
-            part_loss = part_loss * (sum(counted[lo:lo + part_rows]) / max(sum(counted), 1))
+            part_loss = part_loss * (sum(counted[lo:lo + part_rows]) / total)
         part_loss.backward()
         loss = part_loss.detach() if loss is None else loss + part_loss.detach()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
