@@ -10,7 +10,10 @@ benchmarks.kda.sharp_safe_gate: the gate's backward included), and on the packed
 sequences (`varlen_many`), 64K and 128K; device time per kernel in one 16K forward+backward
 (benchmarks.kda.breakdown); and the relative RMS error of o and every gradient against the fp64 recurrent
 reference at T=512. `--rows varlen,16K` times those rows
-only (a shorter run per version: more versions fit in one device call). `NAME=DIR+key=value+...` runs DIR's code
+only (a shorter run per version: more versions fit in one device call); a row may also be one of benchmarks/kda.py's
+named rows (`16K_k3init_H96`, `64K_sharp_H16`, `varlen_k3init_H16`, ...: its inputs, gate and head count).
+`--breakdown ROW` profiles that row instead of the 16K k3init one, `--breakdown none` skips the profile.
+`NAME=DIR+key=value+...` runs DIR's code
 with those entries of its `k3_kernels.kda.chunk.CONFIG` set (Python literals:
 `p64=.ab/x+fwd_state_piece_chunks=64+fwd_state_rest_bv=None`), so launch settings need no copy of the tree.
 Versions differ in code or settings only, so the numbers are comparable within one call; the fla-core comparison
@@ -27,6 +30,9 @@ import tempfile
 
 import torch
 
+from benchmarks.kda import ROWS as BENCH_ROWS
+from benchmarks.kda import breakdown_rows
+
 ROWS = {"16K": 16384, "16K_safe_gate": 16384, "16K_gate_in_kernel": 16384, "varlen": 32768, "varlen_many": 65536,
         "64K": 65536, "128K": 131072}  # row -> tokens
 
@@ -41,9 +47,24 @@ def many_cu_seqlens() -> torch.Tensor:
     return torch.cat([torch.tensor([0]), cuts[:-1], torch.tensor([65536])])
 
 
-def _time_version(rows: list[str], config: dict) -> dict:
+def known_row(row: str) -> bool:
+    """A row of ROWS or one of benchmarks/kda.py's named rows."""
+    return row in ROWS or row in BENCH_ROWS
+
+
+def _named_row(row: str) -> tuple[list, list, dict, int, torch.Tensor]:
+    """(inputs, gradient leaves, chunk_kda keywords, T, upstream gradient) of a benchmarks/kda.py named row."""
+    from benchmarks.kda import row_inputs, safe_gate_kwargs
+    xs, do, cu, params, T, _ = row_inputs(row)
+    kw = {} if cu is None else dict(cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
+    if params is not None:
+        kw.update(safe_gate_kwargs(*params))
+    return xs, xs + list(params or ()), kw, T, do
+
+
+def _time_version(rows: list[str], config: dict, profile: str | None = "16K_k3init_H16") -> dict:
     """Worker: timings and errors of the `k3_kernels` first on the path with `config` set in its CONFIG, for the
-    named rows of ROWS."""
+    named rows (ROWS, or benchmarks/kda.py's), and the device time per kernel of row `profile` (None: none)."""
     from benchmarks.kda import (D, H, breakdown, dev, inputs, med, packed_cu_seqlens, rel, safe_gate_kwargs,
                                 sharp_safe_gate)
     from k3_kernels.kda import chunk as chunk_mod
@@ -56,6 +77,12 @@ def _time_version(rows: list[str], config: dict) -> dict:
 
     out = {}
     for row in rows:
+        if row not in ROWS:  # one of benchmarks/kda.py's named rows
+            xs, leaves, kw, T, do = _named_row(row)
+            _time_row(out, row, xs, leaves, kw, T, med, do)
+            del xs, leaves, do
+            torch.cuda.empty_cache()
+            continue
         T = ROWS[row]
         xs = inputs(T)
         kw, leaves = {}, xs
@@ -69,19 +96,12 @@ def _time_version(rows: list[str], config: dict) -> dict:
         if row.startswith("varlen"):  # with the host copy of cu_seqlens: no device sync per call
             cu = (packed_cu_seqlens() if row == "varlen" else many_cu_seqlens()).to(dev)
             kw = dict(cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
-        with torch.no_grad():
-            chunk_kda(*xs, **kw)
-            out[f"{row}_fwd_ms"] = med(lambda: chunk_kda(*xs, **kw), rep=100 if T <= 32768 else 30)
-        if T <= 32768:
-            do = torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16)
-
-            def fwd_bwd():
-                chunk_kda(*xs, **kw)[0].backward(do)
-            fwd_bwd()
-            out[f"{row}_fwdbwd_ms"] = med(fwd_bwd, rep=50, grad_to_none=leaves)
-        del xs, leaves
+        do = torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16) if T <= 32768 else None
+        _time_row(out, row, xs, leaves, kw, T, med, do)
+        del xs, leaves, do
         torch.cuda.empty_cache()
-    out["breakdown_16K_fwdbwd_ms"] = breakdown()  # the 16K k3init row
+    if profile is not None:
+        out[f"breakdown_{profile}_fwdbwd_ms"] = breakdown(row=profile)
     xs = inputs(512, seed=1)
     do = torch.randn(1, 512, H, D, device=dev, dtype=torch.bfloat16)
     o = chunk_kda(*xs)[0]
@@ -91,6 +111,20 @@ def _time_version(rows: list[str], config: dict) -> dict:
     refs = [o_ref] + list(torch.autograd.grad(o_ref, ref_in, do.double()))
     out["rel_rms_vs_fp64_T512"] = {n: rel(a, b) for n, a, b in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), ours, refs)}
     return out
+
+
+def _time_row(out: dict, row: str, xs: list, leaves: list, kw: dict, T: int, med, do: torch.Tensor | None) -> None:
+    """`row`'s forward (no_grad) median into out, and with an upstream gradient `do` (rows up to 32K) its
+    forward+backward."""
+    from k3_kernels.kda import chunk_kda
+    with torch.no_grad():
+        chunk_kda(*xs, **kw)
+        out[f"{row}_fwd_ms"] = med(lambda: chunk_kda(*xs, **kw), rep=100 if T <= 32768 else 30)
+    if do is not None and T <= 32768:
+        def fwd_bwd():
+            chunk_kda(*xs, **kw)[0].backward(do)
+        fwd_bwd()
+        out[f"{row}_fwdbwd_ms"] = med(fwd_bwd, rep=50, grad_to_none=leaves)
 
 
 def _kernels_of(version_dir: str) -> str:
@@ -139,11 +173,13 @@ def _version(arg: str) -> tuple[str, str, dict]:
 
 def main() -> None:
     rows = _option("--rows", ",".join(ROWS)).split(",")
-    unknown = [r for r in rows if r not in ROWS]
+    unknown = [r for r in rows if not known_row(r)]
     if unknown:
-        raise SystemExit(f"--rows: unknown row(s) {unknown}; rows are {list(ROWS)}")
+        raise SystemExit(f"--rows: unknown row(s) {unknown}; rows are {list(ROWS)} or benchmarks/kda.py's named rows")
+    profile = _option("--breakdown", "16K_k3init_H16")
+    profile = None if profile == "none" else breakdown_rows(["--breakdown", profile])[0]
     if "--worker" in sys.argv:
-        print(json.dumps(_time_version(rows, json.loads(_option("--config", "{}")))))
+        print(json.dumps(_time_version(rows, json.loads(_option("--config", "{}")), profile)))
         return
     repeat = int(_option("--repeat", "1"))
     versions = [_version(a) for a in sys.argv[1:] if "=" in a]
@@ -158,7 +194,7 @@ def main() -> None:
     for rep in range(repeat):
         for name, path, config in versions:
             timed = run_in_version(path, "benchmarks.kda_ab", ("--rows", ",".join(rows), "--config",
-                                                                json.dumps(config)))
+                                                                json.dumps(config), "--breakdown", profile or "none"))
             res["runs"].append(dict(version=name, repeat=rep, config=config, **timed))
             print(json.dumps(res["runs"][-1]), flush=True)
             with open(os.path.join(out_dir, "kda_ab.json"), "w") as f:  # after every run: a cut call keeps them

@@ -34,3 +34,23 @@ def test_many_sequences_row_is_a_long_tailed_packed_batch():
     assert cu[0] == 0 and cu[-1] == 65536 and len(lengths) == 32 and bool((lengths > 0).all())
     assert lengths.max() > 8 * lengths.median()  # a few long sequences among many short ones
     assert torch.equal(cu, many_cu_seqlens())  # the same batch every run
+
+
+def test_named_rows_of_the_kda_benchmark_are_accepted():
+    """The H96 and sharp-gate rows (benchmarks/kda.py's names) are where the forward is furthest from the goal: an
+    A/B of launch settings must be able to time them, and a typo must not pass as a row."""
+    from benchmarks.kda_ab import known_row
+    assert known_row("16K") and known_row("16K_k3init_H96") and known_row("varlen_sharp_H16")
+    assert not known_row("16K_k3init_H48") and not known_row("16k")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--rows", "16K_k3init_H48"], "unknown row"),
+    (["--rows", "16K_k3init_H96", "--breakdown", "16K_precomputed_H16"], "fixed-length gated rows"),
+])
+def test_bad_rows_are_refused_before_any_gpu_work(args, message):
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-m", "benchmarks.kda_ab", "m=.", *args], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode != 0 and message in run.stderr, run.stderr[-2000:]
