@@ -6,11 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
-from k3_kernels.launch import cdiv
-
 from .chunk_bwd_intra import _bwd_intra
-from .plan import BT, CONFIG, _forked, _join, _prec, _state_split, tile_dims
-from .utils import _chunk_rows
+from .plan import BT, CONFIG, _forked, _join, _prec, _state_split, state_grid, tile_dims
+from .utils import _chunk_rows, _state_program
 
 
 @triton.jit
@@ -18,9 +16,7 @@ def _bwd_state(QGc, Wc, KDc, Aqk, Gc, do, dht, dh0, DHc, DVNc, cu, coff, seqs,
                HV, K, V, BK: tl.constexpr, BVF: tl.constexpr,
                BV: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, NUM_STAGES: tl.constexpr,
                PREC: tl.constexpr):
-    n = tl.load(seqs + tl.program_id(0)).to(tl.int64)  # this launch's sequences (`_state_classes`)
-    hv = tl.program_id(1).to(tl.int64)
-    iv = tl.program_id(2)
+    n, hv, iv = _state_program(seqs, V, BV)
     bos = tl.load(cu + n).to(tl.int64)
     eos = tl.load(cu + n + 1).to(tl.int64)
     c0 = tl.load(coff + n).to(tl.int64)
@@ -159,7 +155,7 @@ def _bwd(q, k, v, beta, do, dht, has_h0, scale, saved, plan):
     for i, (seqs, count, _, _) in enumerate(classes):
         BV, stages = _state_split("bwd", count * HV, K, V, BK, BVF, k.element_size(), dev)
         with _forked(i < forks, dev, i):
-            _bwd_state[(count, HV, cdiv(V, BV))](
+            _bwd_state[state_grid(count, HV, V, BV)](
                 QGc, Wc, KDc, Aqk, Gc, do, dht if dht is not None else Gc, dh0 if has_h0 else Gc, DHc, DVNc, cu,
                 coff, seqs, HV=HV, K=K, V=V, BK=BK, BVF=BVF, BV=BV, HAS_DHT=dht is not None, HAS_H0=has_h0,
                 NUM_STAGES=stages, PREC=prec, num_warps=CONFIG["bwd_state_warps"])

@@ -6,12 +6,10 @@ import torch
 import triton
 import triton.language as tl
 
-from k3_kernels.launch import cdiv
-
 from .chunk_intra import _fwd_intra
 from .gate import GATE_NONE, gate_activation
-from .plan import BT, CONFIG, _forked, _join, _prec, _state_split, state_stages, tile_dims
-from .utils import _chunk_rows
+from .plan import BT, CONFIG, _forked, _join, _prec, _state_split, state_grid, state_stages, tile_dims
+from .utils import _chunk_rows, _state_program
 
 
 @triton.jit
@@ -42,9 +40,7 @@ def _fwd_state(Wc, Uc, QGc, KDc, Aqk, Gc, o, h0, ht, Hc, VNc, cu, coff, seqs,
                HV, K, V, BK: tl.constexpr, BVF: tl.constexpr,
                BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, SAVE: tl.constexpr,
                NUM_STAGES: tl.constexpr, PREC: tl.constexpr):
-    n = tl.load(seqs + tl.program_id(0)).to(tl.int64)  # this launch's sequences (`_state_classes`)
-    hv = tl.program_id(1).to(tl.int64)
-    iv = tl.program_id(2)
+    n, hv, iv = _state_program(seqs, V, BV)
     bos = tl.load(cu + n).to(tl.int64)
     eos = tl.load(cu + n + 1).to(tl.int64)
     c0 = tl.load(coff + n).to(tl.int64)
@@ -130,7 +126,7 @@ def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound
             BV = min(CONFIG[f"fwd_state_{which}_bv"] or BV, BVF)
             stages = state_stages(CONFIG[f"fwd_state_{which}_stages"] or stages, BK, BV, k.element_size())
         with _forked(i < forks, dev, i):
-            _fwd_state[(count, HV, cdiv(V, BV))](
+            _fwd_state[state_grid(count, HV, V, BV)](
                 Wc, Uc, QGc, KDc, Aqk, Gc, o, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
                 Hc if save else dummy, VNc if save else dummy, cu, coff, seqs, HV=HV, K=K, V=V, BK=BK, BVF=BVF,
                 BV=BV, HAS_H0=h0 is not None, STORE_HT=want_ht, SAVE=save, NUM_STAGES=stages, PREC=prec,

@@ -88,6 +88,14 @@ def _state_split(direction: str, states: int, K: int, V: int, BK: int, BVF: int,
     return bv, state_stages(2 if bv == 64 else CONFIG[f"{direction}_state_stages"], BK, bv, elsize)
 
 
+def state_grid(count: int, HV: int, V: int, BV: int) -> tuple[int, int]:
+    """The state passes' grid: axis 0 runs over (sequence, V block) with the V blocks fastest, axis 1 over value
+    heads (`utils._state_program` reads it back). A head's V blocks read the same [64, K] chunk operands; as
+    adjacent programs they start together, so all but the first find those operands in L2 (with the V blocks the
+    slowest axis a block of the same head could start a whole wave later)."""
+    return count * cdiv(V, BV), HV
+
+
 @functools.lru_cache(maxsize=32)
 def _chunk_plan(cu: tuple[int, ...] | None, B: int, T: int, device: torch.device) -> tuple:
     """(cu_seqlens int64 [N+1], chunk -> (sequence, chunk in sequence) int32 [NC, 2], each sequence's first chunk

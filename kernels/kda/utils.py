@@ -1,5 +1,5 @@
-"""Triton helpers shared by the chunked KDA kernels: chunk rows of the plan, token tiles, fast exp2, and the
-whole-chunk test of the intra kernels."""
+"""Triton helpers shared by the chunked KDA kernels: chunk rows of the plan, the state passes' program ids, token
+tiles, fast exp2, and the whole-chunk test of the intra kernels."""
 from __future__ import annotations
 
 import triton
@@ -12,6 +12,17 @@ def _chunk_rows(cu, cidx, c):
     n = tl.load(cidx + 2 * c).to(tl.int64)
     t0 = tl.load(cu + n).to(tl.int64) + tl.load(cidx + 2 * c + 1).to(tl.int64) * 64
     return n, t0, tl.load(cu + n + 1).to(tl.int64) - t0
+
+
+@triton.jit
+def _state_program(seqs, V, BV: tl.constexpr):
+    """(sequence, value head, V block) of a state-pass program on the `plan.state_grid` grid: the V blocks of one
+    (sequence, head) are adjacent programs, so the blocks that read the same chunk operands run side by side and
+    the later ones find them in L2."""
+    blocks = tl.cdiv(V, BV)
+    pid = tl.program_id(0)
+    n = tl.load(seqs + pid // blocks).to(tl.int64)  # this launch's sequences (`_state_classes`)
+    return n, tl.program_id(1).to(tl.int64), pid % blocks
 
 
 @triton.jit
