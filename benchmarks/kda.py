@@ -105,15 +105,21 @@ def floors(T: int, copy_Bps: float, mm_flops: float, heads: int = H) -> dict:
                 bwd_floor_ms=max(bwd_bytes / copy_Bps, 2 * fwd_flops / mm_flops) * 1e3)
 
 
+def row_kwargs(cu: torch.Tensor | None, gate: tuple | None) -> dict:
+    """chunk_kda keywords of a row: a packed batch's cu_seqlens with its host copy (so neither side syncs the
+    device per call) and, with gate = (A_log, dt_bias), K3's safe gate applied in the kernels."""
+    kw = {} if cu is None else dict(cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
+    return kw if gate is None else dict(kw, **safe_gate_kwargs(*gate))
+
+
 def run_pair(fla_kda, xs, do, cu=None, check=False, rep=100, gate=None):
     """(fla fwd, ours fwd, fla fwd+bwd, ours fwd+bwd) medians in ms, plus errors of ours vs fla if check. `gate`:
     (A_log, dt_bias), the safe gate with lower bound -5 applied in the kernels to g (`sharp_safe_gate`); their gradients
     join the check."""
     q, k, v, g, beta = xs
-    kw = {} if cu is None else dict(cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())  # both sides skip the host sync
+    kw = row_kwargs(cu, gate)
     fla_kw = kw
     if gate is not None:
-        kw = dict(kw, **safe_gate_kwargs(*gate))
         fla_kw = dict(kw, safe_gate=True)
         xs = list(xs) + list(gate)
     res, errs = {}, {}

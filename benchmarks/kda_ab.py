@@ -54,18 +54,15 @@ def known_row(row: str) -> bool:
 
 def _named_row(row: str) -> tuple[list, list, dict, int, torch.Tensor]:
     """(inputs, gradient leaves, chunk_kda keywords, T, upstream gradient) of a benchmarks/kda.py named row."""
-    from benchmarks.kda import row_inputs, safe_gate_kwargs
+    from benchmarks.kda import row_inputs, row_kwargs
     xs, do, cu, params, T, _ = row_inputs(row)
-    kw = {} if cu is None else dict(cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
-    if params is not None:
-        kw.update(safe_gate_kwargs(*params))
-    return xs, xs + list(params or ()), kw, T, do
+    return xs, xs + list(params or ()), row_kwargs(cu, params), T, do
 
 
 def _time_version(rows: list[str], config: dict, profile: str | None = "16K_k3init_H16") -> dict:
     """Worker: timings and errors of the `k3_kernels` first on the path with `config` set in its CONFIG, for the
     named rows (ROWS, or benchmarks/kda.py's), and the device time per kernel of row `profile` (None: none)."""
-    from benchmarks.kda import (D, H, breakdown, dev, inputs, med, packed_cu_seqlens, rel, safe_gate_kwargs,
+    from benchmarks.kda import (D, H, breakdown, dev, inputs, packed_cu_seqlens, rel, safe_gate_kwargs,
                                 sharp_safe_gate)
     from k3_kernels.kda import chunk as chunk_mod
     from k3_kernels.kda import chunk_kda, naive_recurrent_kda
@@ -79,7 +76,7 @@ def _time_version(rows: list[str], config: dict, profile: str | None = "16K_k3in
     for row in rows:
         if row not in ROWS:  # one of benchmarks/kda.py's named rows
             xs, leaves, kw, T, do = _named_row(row)
-            _time_row(out, row, xs, leaves, kw, T, med, do)
+            _time_row(out, row, xs, leaves, kw, T, do)
             del xs, leaves, do
             torch.cuda.empty_cache()
             continue
@@ -97,7 +94,7 @@ def _time_version(rows: list[str], config: dict, profile: str | None = "16K_k3in
             cu = (packed_cu_seqlens() if row == "varlen" else many_cu_seqlens()).to(dev)
             kw = dict(cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
         do = torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16) if T <= 32768 else None
-        _time_row(out, row, xs, leaves, kw, T, med, do)
+        _time_row(out, row, xs, leaves, kw, T, do)
         del xs, leaves, do
         torch.cuda.empty_cache()
     if profile is not None:
@@ -113,9 +110,10 @@ def _time_version(rows: list[str], config: dict, profile: str | None = "16K_k3in
     return out
 
 
-def _time_row(out: dict, row: str, xs: list, leaves: list, kw: dict, T: int, med, do: torch.Tensor | None) -> None:
+def _time_row(out: dict, row: str, xs: list, leaves: list, kw: dict, T: int, do: torch.Tensor | None) -> None:
     """`row`'s forward (no_grad) median into out, and with an upstream gradient `do` (rows up to 32K) its
     forward+backward."""
+    from benchmarks.kda import med
     from k3_kernels.kda import chunk_kda
     with torch.no_grad():
         chunk_kda(*xs, **kw)
