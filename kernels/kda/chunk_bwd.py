@@ -7,15 +7,19 @@ import triton
 import triton.language as tl
 
 from .chunk_bwd_intra import _bwd_intra
-from .plan import BT, CONFIG, _forked, _join, _prec, _state_split, state_grid, tile_dims
+from .plan import (BT, CONFIG, _forked, _join, _prec, _record, _state_split, _wait, segment_bounds, state_grid,
+                   state_stages, tile_dims)
 from .utils import _chunk_rows, _state_program
 
 
 @triton.jit
-def _bwd_state(QGc, Wc, KDc, Aqk, Gc, do, dht, dh0, DHc, DVNc, cu, coff, seqs,
+def _bwd_state(QGc, Wc, KDc, Aqk, Gc, do, dht, dh0, DHc, DVNc, cu, coff, seqs, t_lo, t_hi, dht_row, dh0_row,
                HV, K, V, BK: tl.constexpr, BVF: tl.constexpr,
                BV: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, NUM_STAGES: tl.constexpr,
                PREC: tl.constexpr):
+    """The reverse pass over chunks t_hi - 1 .. t_lo of each sequence (a time segment, `plan.segment_bounds`; the
+    whole sequence: its chunk count .. 0): dS starts from row dht_row of dht and ends in row dh0_row of dh0 (-1:
+    the sequence's own row)."""
     n, hv, iv = _state_program(seqs, V, BV)
     bos = tl.load(cu + n).to(tl.int64)
     eos = tl.load(cu + n + 1).to(tl.int64)
@@ -29,10 +33,11 @@ def _bwd_state(QGc, Wc, KDc, Aqk, Gc, do, dht, dh0, DHc, DVNc, cu, coff, seqs,
     dt = Wc.dtype.element_ty
     dS = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_DHT:
-        dS += tl.load(dht + ((n * HV + hv) * K + ok[:, None]) * V + ov[None, :], mask=km[:, None] & vm[None, :],
-                      other=0.)
-    for i in tl.range(0, nt, num_stages=NUM_STAGES):
-        t = nt - 1 - i
+        dS += tl.load(dht + ((tl.where(dht_row < 0, n, dht_row) * HV + hv) * K + ok[:, None]) * V + ov[None, :],
+                      mask=km[:, None] & vm[None, :], other=0.)
+    t_end = tl.minimum(nt, t_hi)
+    for i in tl.range(0, t_end - t_lo, num_stages=NUM_STAGES):
+        t = t_end - 1 - i
         base = (c0 + t) * HV + hv
         pK = base * 64 * BK + r[:, None] * BK + ok[None, :]
         tl.store(DHc + base * BK * BVF + ok[:, None] * BVF + ov[None, :], dS.to(DHc.dtype.element_ty))
@@ -50,15 +55,17 @@ def _bwd_state(QGc, Wc, KDc, Aqk, Gc, do, dht, dh0, DHc, DVNc, cu, coff, seqs,
         dS = dS * tl.exp(gC)[:, None] + tl.dot(tl.trans(qg), dO, input_precision=PREC) - \
             tl.dot(tl.trans(w), dvn.to(dt), input_precision=PREC)
     if HAS_H0:
-        tl.store(dh0 + ((n * HV + hv) * K + ok[:, None]) * V + ov[None, :], dS, mask=km[:, None] & vm[None, :])
+        tl.store(dh0 + ((tl.where(dh0_row < 0, n, dh0_row) * HV + hv) * K + ok[:, None]) * V + ov[None, :], dS,
+                 mask=km[:, None] & vm[None, :])
 
 
 @triton.jit
 def _bwd_prep(q, k, v, beta, do, Gc, gated_kk, Mc, Hc, DHc, VNc, DVNc, dv, Rs, Ps, DQs, DKs, DGs, dbeta, cu, cidx,
-              scale, H, HV, K, V, BK: tl.constexpr, KA: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr,
+              c_first, scale, H, HV, K, V, BK: tl.constexpr, KA: tl.constexpr, BVF: tl.constexpr, BV: tl.constexpr,
               PREC: tl.constexpr):
-    """Full-chunk products: dv, dbeta, R = dAqk, P = dA = -M^T dM M^T, and the direct parts of dq, dk, dG."""
-    c = tl.program_id(0).to(tl.int64)
+    """Full-chunk products of chunk c_first + program: dv, dbeta, R = dAqk, P = dA = -M^T dM M^T, and the direct
+    parts of dq, dk, dG."""
+    c = tl.program_id(0).to(tl.int64) + c_first
     hv = tl.program_id(1).to(tl.int64)
     h = hv // (HV // H)
     _, t0, nv = _chunk_rows(cu, cidx, c)
@@ -151,15 +158,6 @@ def _bwd(q, k, v, beta, do, dht, has_h0, scale, saved, plan):
     DHc = alloc(NC, HV, BK, BVF, device=dev, dtype=dt)
     DVNc = alloc(NC, HV, BT, BVF, device=dev, dtype=dt)
     dh0 = torch.empty(N, HV, K, V, device=dev, dtype=f32) if has_h0 else None
-    forks = len(classes) - 1 if dev.type == "cuda" else 0  # all classes' passes at once, the longest first
-    for i, (seqs, count, _, _) in enumerate(classes):
-        BV, stages = _state_split("bwd", count * HV, K, V, BK, BVF, k.element_size(), dev)
-        with _forked(i < forks, dev, i):
-            _bwd_state[state_grid(count, HV, V, BV)](
-                QGc, Wc, KDc, Aqk, Gc, do, dht if dht is not None else Gc, dh0 if has_h0 else Gc, DHc, DVNc, cu,
-                coff, seqs, HV=HV, K=K, V=V, BK=BK, BVF=BVF, BV=BV, HAS_DHT=dht is not None, HAS_H0=has_h0,
-                NUM_STAGES=stages, PREC=prec, num_warps=CONFIG["bwd_state_warps"])
-    _join(dev, forks)
     dq = torch.empty(B, T, HV, K, device=dev, dtype=f32 if HV != H else q.dtype)
     dk = torch.empty(B, T, HV, K, device=dev, dtype=f32 if HV != H else k.dtype)
     dv = torch.empty_like(v)
@@ -168,14 +166,48 @@ def _bwd(q, k, v, beta, do, dht, has_h0, scale, saved, plan):
     Rs = torch.empty(NC, HV, BT, BT, device=dev, dtype=f32)
     Ps = torch.empty_like(Rs)
     DQs, DKs, DGs = (torch.empty(NC, HV, BT, BK, device=dev, dtype=f32) for _ in range(3))
-    _bwd_prep[(NC, HV)](q, k, v, beta, do, Gc, gated_kk, Mc, Hc, DHc, VNc, DVNc, dv, Rs, Ps, DQs, DKs, DGs, dbeta, cu,
-                        cidx, scale, H, HV, K, V, BK=BK, KA=KA, BVF=BVF, BV=min(CONFIG["bwd_prep_bv"], BVF),
-                        PREC=_prec(k.dtype, "bwd_prep"),
-                        num_warps=CONFIG["bwd_prep_warps"], num_stages=CONFIG["bwd_prep_stages"])
-    _bwd_intra[(NC, HV)](q, k, beta, Gc, Rs, Ps, DQs, DKs, DGs, dq, dk, dg, cu, cidx, scale, H, HV, K, BK=BK,
-                         BKS=min(CONFIG["bwd_intra_bk"], BK), PREC=_prec(k.dtype, "bwd_intra"),
-                         num_warps=CONFIG["bwd_intra_warps"],
-                         num_stages=CONFIG["bwd_intra_stages"])
+
+    def state_pass(cls, lo, hi, dht_in, dh0_out, BV, stages, carried_in, carried_out):
+        _bwd_state[state_grid(cls.count, HV, V, BV)](
+            QGc, Wc, KDc, Aqk, Gc, do, dht_in if dht_in is not None else Gc, dh0_out if dh0_out is not None else Gc,
+            DHc, DVNc, cu, coff, cls.seqs, lo, hi, 0 if carried_in else -1, 0 if carried_out else -1, HV=HV, K=K,
+            V=V, BK=BK, BVF=BVF, BV=BV, HAS_DHT=dht_in is not None, HAS_H0=dh0_out is not None, NUM_STAGES=stages,
+            PREC=prec, num_warps=CONFIG["bwd_state_warps"])
+
+    def chunk_work(c_first, chunks):
+        _bwd_prep[(chunks, HV)](q, k, v, beta, do, Gc, gated_kk, Mc, Hc, DHc, VNc, DVNc, dv, Rs, Ps, DQs, DKs, DGs,
+                                dbeta, cu, cidx, c_first, scale, H, HV, K, V, BK=BK, KA=KA, BVF=BVF,
+                                BV=min(CONFIG["bwd_prep_bv"], BVF), PREC=_prec(k.dtype, "bwd_prep"),
+                                num_warps=CONFIG["bwd_prep_warps"], num_stages=CONFIG["bwd_prep_stages"])
+        _bwd_intra[(chunks, HV)](q, k, beta, Gc, Rs, Ps, DQs, DKs, DGs, dq, dk, dg, cu, cidx, c_first, scale, H, HV,
+                                 K, BK=BK, BKS=min(CONFIG["bwd_intra_bk"], BK), PREC=_prec(k.dtype, "bwd_intra"),
+                                 num_warps=CONFIG["bwd_intra_warps"], num_stages=CONFIG["bwd_intra_stages"])
+
+    segments = segment_bounds(classes[0], CONFIG["bwd_segments"], CONFIG["bwd_segment_chunks"]) \
+        if len(classes) == 1 else [None]
+    if len(segments) > 1:  # one sequence, cut in time: segment s's chunk work beside segment s - 1's reverse pass
+        cls = classes[0]
+        BV, stages = _state_split("bwd", HV, K, V, BK, BVF, k.element_size(), dev)
+        BV = min(CONFIG["bwd_state_segmented_bv"] or BV, BVF)
+        stages = state_stages(CONFIG["bwd_state_segmented_stages"] or stages, BK, BV, k.element_size())
+        carries = [torch.empty(1, HV, K, V, device=dev, dtype=f32) for _ in segments[1:]]  # dS between segments
+        for s in reversed(range(len(segments))):
+            lo, hi = segments[s]
+            first, last = s == 0, s == len(segments) - 1
+            with _forked(True, dev, 0):
+                state_pass(cls, lo, hi, dht if last else carries[s], (dh0 if has_h0 else None) if first else
+                           carries[s - 1], BV, stages, not last, not first)
+                done = _record(dev)
+            _wait(dev, done)
+            chunk_work(cls.first_chunk + lo, hi - lo)
+    else:
+        forks = len(classes) - 1 if dev.type == "cuda" else 0  # all classes' passes at once, the longest first
+        for i, cls in enumerate(classes):
+            BV, stages = _state_split("bwd", cls.count * HV, K, V, BK, BVF, k.element_size(), dev)
+            with _forked(i < forks, dev, i):
+                state_pass(cls, 0, cls.chunks, dht, dh0, BV, stages, False, False)
+        _join(dev, range(forks))
+        chunk_work(0, NC)
     if HV != H:  # grouped value heads: sum the group's contributions in a fixed order
         dq = dq.view(B, T, H, HV // H, K).sum(3).to(q.dtype)
         dk = dk.view(B, T, H, HV // H, K).sum(3).to(k.dtype)

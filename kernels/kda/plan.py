@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -19,6 +20,14 @@ CONFIG = {"fwd_state_bv": None, "fwd_state_warps": 4, "fwd_state_stages": 3,  # 
           # (None: by parallelism, as above)
           "state_classes": 3, "fwd_state_forked_bv": 64, "fwd_state_forked_stages": 2, "fwd_state_rest_bv": None,
           "fwd_state_rest_stages": None,
+          # a class of one sequence split into `fwd_segments` time segments of at least `fwd_segment_chunks` chunks
+          # (1: not split): segment s's state pass runs on a side stream while segment s + 1's intra work runs on
+          # the current one (`_fwd`, `segment_bounds`); its V block and stages (None: by parallelism, as above)
+          "fwd_segments": 1, "fwd_segment_chunks": 16, "fwd_state_segmented_bv": None,
+          "fwd_state_segmented_stages": None,
+          # the backward's: a batch of one sequence cut so, segment s's chunk work beside segment s - 1's reverse pass
+          "bwd_segments": 1, "bwd_segment_chunks": 16, "bwd_state_segmented_bv": None,
+          "bwd_state_segmented_stages": None,
           "bwd_state_bv": None, "bwd_state_warps": 4, "bwd_state_stages": 3,  # (`_state_split`)
           "intra_bk": 32, "intra_warps": 4, "intra_stages": 3, "intra_maxnreg": None,  # the 16-row-block launch
           "intra_whole_warps": 4, "intra_whole_stages": 3, "intra_whole_maxnreg": 168,  # its whole-chunk launch
@@ -96,12 +105,32 @@ def state_grid(count: int, HV: int, V: int, BV: int) -> tuple[int, int]:
     return count * cdiv(V, BV), HV
 
 
+class SeqClass(NamedTuple):
+    """One class of `_state_classes`: its sequences (int32, on the device), how many, its first chunk and chunk
+    count (its chunks are one range of the plan's numbering), and its sequence's index when it has just one (None
+    otherwise; such a class can be cut into time segments, `segment_bounds`)."""
+    seqs: torch.Tensor
+    count: int
+    first_chunk: int
+    chunks: int
+    single: int | None
+
+
+def segment_bounds(cls: SeqClass, segments: int, least: int) -> list[tuple[int, int]]:
+    """[(first, end)) chunk ranges, within the class's sequence, of its time segments: `segments` near-equal ones
+    of at least `least` chunks when the class has a single sequence, else the whole class as one range."""
+    parts = min(segments, cls.chunks // max(least, 1)) if cls.single is not None else 1
+    if parts <= 1:
+        return [(0, cls.chunks)]
+    cuts = [cls.chunks * s // parts for s in range(parts + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
 @functools.lru_cache(maxsize=32)
 def _chunk_plan(cu: tuple[int, ...] | None, B: int, T: int, device: torch.device) -> tuple:
     """(cu_seqlens int64 [N+1], chunk -> (sequence, chunk in sequence) int32 [NC, 2], each sequence's first chunk
-    int32 [N], the sequence classes of `_state_classes` as (sequences int32, count, first chunk, chunks)), cached by
-    content: every KDA layer of a model step sees the same batch, and building a packed plan of 8 sequences / 512
-    chunks costs ~0.1 ms of host time. Chunks are numbered class by class, so that a class's chunks are one range
+    int32 [N], the `SeqClass`es of `_state_classes`), cached by content: every KDA layer of a model step sees the
+    same batch, and building a packed plan of 8 sequences / 512 chunks costs ~0.1 ms of host time. Chunks are numbered class by class, so that a class's chunks are one range
     for the forward's per-class launches (`_fwd`). Fixed-length batches are built on the device (no host sync),
     packed ones from the host tuple. The kernels only read it."""
     if cu is None:
@@ -110,7 +139,7 @@ def _chunk_plan(cu: tuple[int, ...] | None, B: int, T: int, device: torch.device
         return (torch.arange(B + 1, device=device, dtype=torch.int64) * T,
                 torch.stack([c // nt, c % nt], 1).contiguous(),
                 torch.arange(B, device=device, dtype=torch.int32) * nt,
-                ((torch.arange(B, device=device, dtype=torch.int32), B, 0, B * nt),))
+                (SeqClass(torch.arange(B, device=device, dtype=torch.int32), B, 0, B * nt, 0 if B == 1 else None),))
     counts = [cdiv(cu[i + 1] - cu[i], BT) for i in range(len(cu) - 1)]
     pairs, first, classes = [], [0] * len(counts), []
     for group in _state_classes(counts, CONFIG["state_classes"]):
@@ -118,8 +147,8 @@ def _chunk_plan(cu: tuple[int, ...] | None, B: int, T: int, device: torch.device
         for i in group:
             first[i] = len(pairs)
             pairs.extend((i, t) for t in range(counts[i]))
-        classes.append((torch.tensor(group, dtype=torch.int32).to(device, non_blocking=True), len(group), start,
-                        len(pairs) - start))
+        classes.append(SeqClass(torch.tensor(group, dtype=torch.int32).to(device, non_blocking=True), len(group),
+                                start, len(pairs) - start, group[0] if len(group) == 1 else None))
     cidx = torch.tensor(pairs, dtype=torch.int32).view(-1, 2)
     return tuple(x.to(device, non_blocking=True) for x in (torch.tensor(cu, dtype=torch.int64), cidx,
                                                            torch.tensor(first, dtype=torch.int32))) + (tuple(classes),)
@@ -171,7 +200,22 @@ def _forked(fork: bool, device: torch.device, index: int):
         yield
 
 
-def _join(device: torch.device, forks: int) -> None:
-    """The current stream waits for side streams 0 .. forks-1 (`_forked`)."""
-    for i in range(forks):
+def _join(device: torch.device, streams) -> None:
+    """The current stream waits for the side streams numbered in `streams` (`_forked`)."""
+    for i in streams:
         torch.cuda.current_stream(device).wait_stream(_side_stream(device, i))
+
+
+def _record(device: torch.device) -> torch.cuda.Event | None:
+    """An event recorded on the current stream (inside `_forked`: the side stream's work so far); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def _wait(device: torch.device, event: torch.cuda.Event | None) -> None:
+    """The current stream waits for `event` (`_record`; None: nothing to wait for)."""
+    if event is not None:
+        torch.cuda.current_stream(device).wait_event(event)

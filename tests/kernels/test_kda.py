@@ -241,9 +241,10 @@ def test_packed_plan_shared_by_equal_batches():
     c = _chunk_plan((0, 10, 150), 1, 150, dev)
     assert a is b and c is not a
     assert a[1].tolist() == [[0, 0], [0, 1], [1, 0], [1, 1]] and a[2].tolist() == [0, 2]
-    assert [(s.tolist(), n, first, chunks) for s, n, first, chunks in a[3]] == [([0, 1], 2, 0, 4)]
+    assert [(s.tolist(), n, first, chunks, one) for s, n, first, chunks, one in a[3]] == [([0, 1], 2, 0, 4, None)]
     assert c[1].tolist() == [[1, 0], [1, 1], [1, 2], [0, 0]] and c[2].tolist() == [3, 0]
-    assert [(s.tolist(), n, first, chunks) for s, n, first, chunks in c[3]] == [([1], 1, 0, 3), ([0], 1, 3, 1)]
+    assert [(s.tolist(), n, first, chunks, one) for s, n, first, chunks, one in c[3]] == [([1], 1, 0, 3, 1),
+                                                                                         ([0], 1, 3, 1, 0)]
 
 
 def _case_with_states(B: int, T: int, N: int, K: int, V: int) -> tuple[dict, dict]:
@@ -305,6 +306,42 @@ def test_chunk_state_classes_keep_bits(monkeypatch):
         runs.append(_run(chunk_kda, inp, grads, output_final_state=True, cu_seqlens=torch.tensor(cu, device=DEV)))
     chunk_mod._chunk_plan.cache_clear()
     _assert_same_bits(runs)
+
+
+def test_chunk_time_segments_keep_bits(monkeypatch):
+    """A one-sequence class may be cut into time segments: in the forward (`CONFIG["fwd_segments"]`) each segment's
+    state pass runs beside the next one's intra work, in the backward (`bwd_segments`, a batch of one sequence)
+    each segment's chunk work beside the previous one's reverse pass, the state / dS handed over in fp32. Outputs,
+    final states and gradients are bitwise those of the uncut passes, for a lone sequence with an initial state
+    (both directions cut) and for a packed batch whose longest sequence is a class of its own (the forward cut;
+    458 tokens: 8 chunks, cut 2 / 3 / 3)."""
+    from k3_kernels.kda import chunk as chunk_mod
+    from k3_kernels.kda.plan import segment_bounds
+    for key in ("fwd_segment_chunks", "bwd_segment_chunks"):
+        monkeypatch.setitem(chunk_mod.CONFIG, key, 2)
+    for cu in ([0, 458], [0, 458, 600, 640, 650]):
+        inp, grads = _case_with_states(1, cu[-1], len(cu) - 1, 32, 32)
+        runs = []
+        for segments in (1, 3):
+            monkeypatch.setitem(chunk_mod.CONFIG, "fwd_segments", segments)
+            monkeypatch.setitem(chunk_mod.CONFIG, "bwd_segments", segments)
+            chunk_mod._chunk_plan.cache_clear()
+            first = chunk_mod._chunk_plan(tuple(cu), 1, cu[-1], torch.device(DEV))[3][0]
+            assert len(segment_bounds(first, segments, 2)) == segments
+            runs.append(_run(chunk_kda, inp, grads, output_final_state=True,
+                             cu_seqlens=torch.tensor(cu, device=DEV)))
+        _assert_same_bits(runs)
+    chunk_mod._chunk_plan.cache_clear()
+
+
+def test_segment_bounds_cover_the_sequence_in_near_equal_parts():
+    from k3_kernels.kda.plan import SeqClass, segment_bounds
+    one = SeqClass(torch.zeros(1, dtype=torch.int32), 1, 0, 256, 0)
+    assert segment_bounds(one, 4, 16) == [(0, 64), (64, 128), (128, 192), (192, 256)]
+    assert segment_bounds(one, 1, 16) == [(0, 256)]
+    assert segment_bounds(one._replace(chunks=40), 4, 16) == [(0, 20), (20, 40)]  # at least 16 chunks a segment
+    assert segment_bounds(one._replace(chunks=10), 4, 16) == [(0, 10)]
+    assert segment_bounds(one._replace(count=2, single=None), 4, 16) == [(0, 256)]  # several sequences: not cut
 
 
 def test_chunk_bad_input_names_the_tensor():
