@@ -484,6 +484,23 @@ def test_gpu_bf16_against_fla():
 
 
 @pytest.mark.gpu
+def test_gpu_time_segments_keep_bits(monkeypatch):
+    """On the GPU the segments' state passes run on a side stream beside the chunk work (CPU counterpart:
+    `test_chunk_time_segments_keep_bits`, one stream): bf16 at K = V = 128, 4K tokens in 4 / 8 segments, outputs,
+    final state and gradients bitwise the uncut passes'."""
+    from k3_kernels.kda import chunk as chunk_mod
+    inp, grads, _ = _bf16_case(False, B=1, T=4096, K=128, V=128)
+    runs = []
+    for segments in (1, 4, 8):
+        monkeypatch.setitem(chunk_mod.CONFIG, "fwd_segments", segments)
+        monkeypatch.setitem(chunk_mod.CONFIG, "bwd_segments", segments)
+        monkeypatch.setitem(chunk_mod.CONFIG, "fwd_segment_chunks", 8)
+        monkeypatch.setitem(chunk_mod.CONFIG, "bwd_segment_chunks", 8)
+        runs.append(_run(chunk_kda, inp, grads, output_final_state=True))
+    _assert_same_bits(runs)
+
+
+@pytest.mark.gpu
 def test_gpu_recurrent_pool_against_reference():
     """Decode on the GPU: pool slots read and written in place, K = V = 128, bf16 inputs."""
     N, HV, K, V, P = 4, 4, 128, 128, 8
