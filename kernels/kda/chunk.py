@@ -22,9 +22,12 @@ Kernels (layout and staging ideas from fla-core 0.6.0 `fla/ops/kda/chunk_intra.p
      cumsum and intra of a class, then its state pass on a high-priority side stream of its own (`_forked`) while
      the later classes' work runs on the current stream (the last class's pass too); a forked pass takes wide V
      blocks (few programs: most multiprocessors stay with the later classes' intra work; CONFIG
-     `fwd_state_forked_*`).
+     `fwd_state_forked_*`). A class of one sequence may also be cut into time segments (CONFIG `fwd_segments`,
+     `plan.segment_bounds`): segment s's pass on the side stream (its state handed to segment s + 1's in fp32,
+     the same bits) while segment s + 1's cumsum and intra work run on the current stream.
 Backward: `_bwd_state` (reverse pass for dS and dv', same V split; a packed batch's classes at once, each but the
-last on a side stream), `_bwd_prep` (chunk, head: dv, dbeta, dAqk,
+last on a side stream; a batch of one sequence optionally in time segments, `bwd_segments`: segment s's prep and
+intra work beside segment s - 1's pass), `_bwd_prep` (chunk, head: dv, dbeta, dAqk,
 dA = -M^T dM M^T and the direct parts of dq, dk, dG), `_bwd_intra` (chunk, head: the gradients through the
 gated products, K slice by K slice, and the reverse in-chunk cumsum for dg; writes dq, dk, dg): a chunk whose
 log-decay spans at most 80 per channel as 64-row dots around each channel's midpoint (`_bwd_whole`), any other as
