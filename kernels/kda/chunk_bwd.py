@@ -191,15 +191,18 @@ def _bwd(q, k, v, beta, do, dht, has_h0, scale, saved, plan):
         BV = min(CONFIG["bwd_state_segmented_bv"] or BV, BVF)
         stages = state_stages(CONFIG["bwd_state_segmented_stages"] or stages, BK, BV, k.element_size())
         carries = [torch.empty(1, HV, K, V, device=dev, dtype=f32) for _ in segments[1:]]  # dS between segments
-        for s in reversed(range(len(segments))):
-            lo, hi = segments[s]
-            first, last = s == 0, s == len(segments) - 1
-            with _forked(True, dev, 0):
-                state_pass(cls, lo, hi, dht if last else carries[s], (dh0 if has_h0 else None) if first else
-                           carries[s - 1], BV, stages, not last, not first)
-                done = _record(dev)
-            _wait(dev, done)
-            chunk_work(cls.first_chunk + lo, hi - lo)
+        order = list(reversed(range(len(segments))))
+        done = []
+        with _forked(True, dev, 0):  # all passes queued on the side stream at once (a later fork would wait for
+            for s in order:          # the chunk work queued meanwhile), an event after each
+                first, last = s == 0, s == len(segments) - 1
+                state_pass(cls, *segments[s], dht if last else carries[s], dh0 if first else carries[s - 1], BV,
+                           stages, not last, not first)
+                done.append(_record(dev))
+        for s, event in zip(order, done):
+            _wait(dev, event)
+            chunk_work(cls.first_chunk + segments[s][0], segments[s][1] - segments[s][0])
+        _join(dev, [0])
     else:
         forks = len(classes) - 1 if dev.type == "cuda" else 0  # all classes' passes at once, the longest first
         for i, cls in enumerate(classes):

@@ -201,7 +201,9 @@ def _forked(fork: bool, device: torch.device, index: int):
 
 
 def _join(device: torch.device, streams) -> None:
-    """The current stream waits for the side streams numbered in `streams` (`_forked`)."""
+    """The current stream waits for the side streams numbered in `streams` (`_forked`; nothing off CUDA)."""
+    if device.type != "cuda":
+        return
     for i in streams:
         torch.cuda.current_stream(device).wait_stream(_side_stream(device, i))
 
