@@ -30,6 +30,7 @@ import tempfile
 
 import torch
 
+from benchmarks._results import run_header
 from benchmarks.kda import ROWS as BENCH_ROWS
 from benchmarks.kda import breakdown_rows
 
@@ -186,7 +187,7 @@ def main() -> None:
                          "[--rows a,b]")
     for _, path, _ in versions:  # all checked before the first (long) run
         _kernels_of(path)
-    res = {"device": torch.cuda.get_device_name(), "runs": []}
+    res = {**run_header("kda_ab", torch.cuda.get_device_name(), ("torch", "triton")), "runs": []}
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
     os.makedirs(out_dir, exist_ok=True)
     for rep in range(repeat):

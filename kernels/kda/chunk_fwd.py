@@ -8,7 +8,7 @@ import triton.language as tl
 
 from .chunk_intra import _fwd_intra
 from .gate import GATE_NONE, gate_activation
-from .plan import (BT, CONFIG, _forked, _join, _prec, _state_split, segment_bounds, state_grid, state_stages,
+from .plan import (BT, CONFIG, _forked, _join, _prec, _state_split, forward_segments, state_grid, state_stages,
                    tile_dims)
 from .utils import _chunk_rows, _state_program
 
@@ -130,7 +130,7 @@ def _fwd(q, k, v, g, beta, scale, h0, want_ht, gate, A_log, dt_bias, lower_bound
     forks = len(classes) - 1 if dev.type == "cuda" else 0  # every class's pass but the last one's is forked
     side = []  # the side streams used
     for i, cls in enumerate(classes):
-        segments = segment_bounds(cls, CONFIG["fwd_segments"], CONFIG["fwd_segment_chunks"])
+        segments = forward_segments(cls, HV)
         BV, stages = _state_split("fwd", cls.count * HV, K, V, BK, BVF, k.element_size(), dev)
         which = "segmented" if len(segments) > 1 else "forked" if i < forks else "rest" if forks else None
         if which:

@@ -20,12 +20,15 @@ CONFIG = {"fwd_state_bv": None, "fwd_state_warps": 4, "fwd_state_stages": 3,  # 
           # (None: by parallelism, as above)
           "state_classes": 3, "fwd_state_forked_bv": 64, "fwd_state_forked_stages": 2, "fwd_state_rest_bv": None,
           "fwd_state_rest_stages": None,
-          # a class of one sequence split into `fwd_segments` time segments of at least `fwd_segment_chunks` chunks
-          # (1: not split): segment s's state pass runs on a side stream while segment s + 1's intra work runs on
-          # the current one (`_fwd`, `segment_bounds`); its V block and stages (None: by parallelism, as above)
-          "fwd_segments": 1, "fwd_segment_chunks": 16, "fwd_state_segmented_bv": None,
+          # a class of one sequence split into `fwd_segments` time segments (1: not split) of at least
+          # `fwd_segment_chunks` chunks and `fwd_segment_programs` (chunk, head) programs (fewer left the intra
+          # launches part-filled: 16K at H16 slower; kernels/kda/NOTES.md, session 39): segment s's state pass runs
+          # on a side stream while segment s + 1's intra work runs on the current one (`_fwd`, `segment_bounds`);
+          # the segmented pass's V block and stages (None: by parallelism, as above)
+          "fwd_segments": 4, "fwd_segment_chunks": 16, "fwd_segment_programs": 6144, "fwd_state_segmented_bv": None,
           "fwd_state_segmented_stages": None,
           # the backward's: a batch of one sequence cut so, segment s's chunk work beside segment s - 1's reverse pass
+          # (off: measured no faster, session 39)
           "bwd_segments": 1, "bwd_segment_chunks": 16, "bwd_state_segmented_bv": None,
           "bwd_state_segmented_stages": None,
           "bwd_state_bv": None, "bwd_state_warps": 4, "bwd_state_stages": 3,  # (`_state_split`)
@@ -75,9 +78,12 @@ def state_stages(stages: int, BK: int, BV: int, elsize: int) -> int:
     a chunk's three [64, BK] operands, its [64, 64] Aqk, a [64, BV] tile and G's last row (offline sm_90a builds,
     K = V = 256, bf16, V block 32: 354,304 bytes at 3 stages, 242,688 at 2, 126,976 at 1, i.e. 111,616 per stage as
     counted here plus ~20 KB; fp32 at K = 128 with 2 stages asked for 259,072 on the H200). 32 KB is kept for the
-    rest."""
+    rest. 16-bit inputs with V blocks under 64 get at least 2: Triton 3.6's one-stage sm_90 build of the forward
+    pass gave NaN (V block 16) or an illegal address (32) on an H100 (kernels/kda/NOTES.md, session 39; V block
+    64 and fp32 inputs were right at one stage), so an override asking for one is raised to two."""
     per_stage = (3 * 64 * BK + 64 * 64 + 64 * BV) * elsize + 4 * BK
-    return max(1, min(stages, (SHARED_LIMIT - 32768) // per_stage))
+    least = 2 if elsize == 2 and BV < 64 else 1
+    return max(least, min(stages, (SHARED_LIMIT - 32768) // per_stage))
 
 
 def _state_split(direction: str, states: int, K: int, V: int, BK: int, BVF: int, elsize: int,
@@ -124,6 +130,13 @@ def segment_bounds(cls: SeqClass, segments: int, least: int) -> list[tuple[int, 
         return [(0, cls.chunks)]
     cuts = [cls.chunks * s // parts for s in range(parts + 1)]
     return list(zip(cuts[:-1], cuts[1:]))
+
+
+def forward_segments(cls: SeqClass, heads: int) -> list[tuple[int, int]]:
+    """The forward's time segments of a class (CONFIG `fwd_segments`): each at least `fwd_segment_chunks` chunks
+    and `fwd_segment_programs` intra programs (chunks x value heads)."""
+    least = max(CONFIG["fwd_segment_chunks"], cdiv(CONFIG["fwd_segment_programs"], heads))
+    return segment_bounds(cls, CONFIG["fwd_segments"], least)
 
 
 @functools.lru_cache(maxsize=32)

@@ -316,8 +316,8 @@ def test_chunk_time_segments_keep_bits(monkeypatch):
     (both directions cut) and for a packed batch whose longest sequence is a class of its own (the forward cut;
     458 tokens: 8 chunks, cut 2 / 3 / 3)."""
     from k3_kernels.kda import chunk as chunk_mod
-    from k3_kernels.kda.plan import segment_bounds
-    for key in ("fwd_segment_chunks", "bwd_segment_chunks"):
+    from k3_kernels.kda.plan import forward_segments, segment_bounds
+    for key in ("fwd_segment_chunks", "bwd_segment_chunks", "fwd_segment_programs"):
         monkeypatch.setitem(chunk_mod.CONFIG, key, 2)
     for cu in ([0, 458], [0, 458, 600, 640, 650]):
         inp, grads = _case_with_states(1, cu[-1], len(cu) - 1, 32, 32)
@@ -327,7 +327,7 @@ def test_chunk_time_segments_keep_bits(monkeypatch):
             monkeypatch.setitem(chunk_mod.CONFIG, "bwd_segments", segments)
             chunk_mod._chunk_plan.cache_clear()
             first = chunk_mod._chunk_plan(tuple(cu), 1, cu[-1], torch.device(DEV))[3][0]
-            assert len(segment_bounds(first, segments, 2)) == segments
+            assert len(forward_segments(first, 1)) == len(segment_bounds(first, segments, 2)) == segments
             runs.append(_run(chunk_kda, inp, grads, output_final_state=True,
                              cu_seqlens=torch.tensor(cu, device=DEV)))
         _assert_same_bits(runs)
@@ -342,6 +342,26 @@ def test_segment_bounds_cover_the_sequence_in_near_equal_parts():
     assert segment_bounds(one._replace(chunks=40), 4, 16) == [(0, 20), (20, 40)]  # at least 16 chunks a segment
     assert segment_bounds(one._replace(chunks=10), 4, 16) == [(0, 10)]
     assert segment_bounds(one._replace(count=2, single=None), 4, 16) == [(0, 256)]  # several sequences: not cut
+
+
+def test_state_stages_keep_two_for_narrow_16bit_blocks():
+    """A one-stage sm_90 build of the 16-bit forward state pass with V blocks of 16 / 32 gave NaN / an illegal
+    address on an H100 (session 39): such a request gets two stages; fp32 and V block 64 may still take one."""
+    from k3_kernels.kda.plan import state_stages
+    assert [state_stages(1, 128, bv, 2) for bv in (16, 32, 64)] == [2, 2, 1]
+    assert state_stages(3, 128, 16, 4) == 1  # fp32 at K = 128: one stage is all that fits (and was right)
+
+
+def test_forward_segments_only_where_each_intra_launch_stays_full():
+    """The default cut (measured on an H100, kernels/kda/NOTES.md session 39): 16K tokens at K3's 96 heads in 4
+    segments (6144 intra programs each: forward 3.8% faster), at 16 heads not at all (1024 programs a segment left
+    the launches part-filled), longer sequences at 16 heads in as many as keep 6144 programs."""
+    from k3_kernels.kda.plan import CONFIG, SeqClass, forward_segments
+    assert (CONFIG["fwd_segments"], CONFIG["fwd_segment_programs"], CONFIG["bwd_segments"]) == (4, 6144, 1)
+    chunks = {"16K": 256, "64K": 1024, "128K": 2048}
+    one = SeqClass(torch.zeros(1, dtype=torch.int32), 1, 0, 0, 0)
+    assert [len(forward_segments(one._replace(chunks=chunks[t]), 96)) for t in chunks] == [4, 4, 4]
+    assert [len(forward_segments(one._replace(chunks=chunks[t]), 16)) for t in chunks] == [1, 2, 4]
 
 
 def test_chunk_bad_input_names_the_tensor():
@@ -495,9 +515,28 @@ def test_gpu_time_segments_keep_bits(monkeypatch):
         monkeypatch.setitem(chunk_mod.CONFIG, "fwd_segments", segments)
         monkeypatch.setitem(chunk_mod.CONFIG, "bwd_segments", segments)
         monkeypatch.setitem(chunk_mod.CONFIG, "fwd_segment_chunks", 8)
+        monkeypatch.setitem(chunk_mod.CONFIG, "fwd_segment_programs", 1)
         monkeypatch.setitem(chunk_mod.CONFIG, "bwd_segment_chunks", 8)
         runs.append(_run(chunk_kda, inp, grads, output_final_state=True))
     _assert_same_bits(runs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bv", [16, 32, 64])
+def test_gpu_fp32_one_stage_state_passes_against_reference(monkeypatch, bv):
+    """fp32 inputs at K = V = 128 leave shared memory for one state-pass stage (`plan.state_stages`): that build
+    (unlike the 16-bit one at V blocks 16 / 32, which `state_stages` no longer gives one stage) must be right, forward
+    and backward, against the fp64 reference (CPU counterpart: the interpreter runs every stage count alike)."""
+    from k3_kernels.kda import chunk as chunk_mod
+    monkeypatch.setitem(chunk_mod.CONFIG, "fwd_state_bv", bv)
+    monkeypatch.setitem(chunk_mod.CONFIG, "bwd_state_bv", bv)
+    inp = make_inputs(1, 1024, 2, 2, 128, 128)
+    grads = {"o": torch.randn(1, 1024, 2, 128, device=DEV), "ht": None}
+    ours, dours = _run(chunk_kda, inp, {"o": grads["o"]})
+    ref, dref = _run(_reference(inp), {n: x.double() for n, x in inp.items()}, {"o": grads["o"].double()})
+    assert_close("o", ref["o"], ours["o"], 1e-4)
+    for n in ("q", "k", "v", "g", "beta"):
+        assert_close("d" + n, dref[n], dours[n], 1e-3)
 
 
 @pytest.mark.gpu
