@@ -217,10 +217,10 @@ def _bwd_blocks(beta, Rs, Ps, DQs, DKs, DGs, dq, dk, dg, scale, HV, K, hv, t0, n
 @triton.jit
 def _bwd_intra(q, k, beta, Gc, Rs, Ps, DQs, DKs, DGs, dq, dk, dg, cu, cidx, c_first, scale, H, HV, K,
                BK: tl.constexpr, BKS: tl.constexpr, PREC: tl.constexpr):
-    """Gradients through A (P = dA) and Aqk (R = dAqk) for one chunk (c_first + program) of one head, one K slice at a time, added to
-    the direct parts from `_bwd_prep`; writes dq, dk, dg (reverse in-chunk cumsum). A chunk whose log-decay spans
-    at most 80 in every channel (the span's test is the chunk's own data: batch invariant) takes 64-row dots
-    (`_bwd_whole`), any other the 16-row blocks (`_bwd_blocks`)."""
+    """Gradients through A (P = dA) and Aqk (R = dAqk) for one chunk (c_first + program) of one head, one K slice
+    at a time, added to the direct parts from `_bwd_prep`; writes dq, dk, dg (reverse in-chunk cumsum). A chunk
+    whose log-decay spans at most 80 in every channel (the span's test is the chunk's own data: batch invariant)
+    takes 64-row dots (`_bwd_whole`), any other the 16-row blocks (`_bwd_blocks`)."""
     hv, t0, nv, base, pG, qh, kh = _intra_program(q, k, Gc, cu, cidx, c_first, H, HV, K, BK)
     if _whole_chunk(pG, BK):
         _bwd_whole(beta, Rs, Ps, DQs, DKs, DGs, dq, dk, dg, scale, HV, K, hv, t0, nv, base, pG, qh, kh, H, BK, BKS,

@@ -143,9 +143,10 @@ def forward_segments(cls: SeqClass, heads: int) -> list[tuple[int, int]]:
 def _chunk_plan(cu: tuple[int, ...] | None, B: int, T: int, device: torch.device) -> tuple:
     """(cu_seqlens int64 [N+1], chunk -> (sequence, chunk in sequence) int32 [NC, 2], each sequence's first chunk
     int32 [N], the `SeqClass`es of `_state_classes`), cached by content: every KDA layer of a model step sees the
-    same batch, and building a packed plan of 8 sequences / 512 chunks costs ~0.1 ms of host time. Chunks are numbered class by class, so that a class's chunks are one range
-    for the forward's per-class launches (`_fwd`). Fixed-length batches are built on the device (no host sync),
-    packed ones from the host tuple. The kernels only read it."""
+    same batch, and building a packed plan of 8 sequences / 512 chunks costs ~0.1 ms of host time. Chunks are
+    numbered class by class, so that a class's chunks are one range for the forward's per-class launches (`_fwd`).
+    Fixed-length batches are built on the device (no host sync), packed ones from the host tuple. The kernels only
+    read it."""
     if cu is None:
         nt = cdiv(T, BT)
         c = torch.arange(B * nt, device=device, dtype=torch.int32)
