@@ -80,10 +80,14 @@ def state_stages(stages: int, BK: int, BV: int, elsize: int) -> int:
     counted here plus ~20 KB; fp32 at K = 128 with 2 stages asked for 259,072 on the H200). 32 KB is kept for the
     rest. 16-bit inputs with V blocks under 64 get at least 2: Triton 3.6's one-stage sm_90 build of the forward
     pass gave NaN (V block 16) or an illegal address (32) on an H100 (kernels/kda/NOTES.md, session 39; V block
-    64 and fp32 inputs were right at one stage), so an override asking for one is raised to two."""
+    64 and fp32 inputs were right at one stage), so an override asking for one is raised to two where two fit (at
+    K <= 128, CUDA's limit, they always do)."""
     per_stage = (3 * 64 * BK + 64 * 64 + 64 * BV) * elsize + 4 * BK
-    least = 2 if elsize == 2 and BV < 64 else 1
-    return max(least, min(stages, (SHARED_LIMIT - 32768) // per_stage))
+    fit = (SHARED_LIMIT - 32768) // per_stage
+    count = min(stages, fit)
+    if elsize == 2 and BV < 64:
+        count = max(count, min(2, fit))
+    return max(1, count)
 
 
 def _state_split(direction: str, states: int, K: int, V: int, BK: int, BVF: int, elsize: int,
