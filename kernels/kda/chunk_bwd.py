@@ -184,7 +184,7 @@ def _bwd(q, k, v, beta, do, dht, has_h0, scale, saved, plan):
                                  num_warps=CONFIG["bwd_intra_warps"], num_stages=CONFIG["bwd_intra_stages"])
 
     segments = segment_bounds(classes[0], CONFIG["bwd_segments"], CONFIG["bwd_segment_chunks"]) \
-        if len(classes) == 1 else [None]
+        if len(classes) == 1 else []
     if len(segments) > 1:  # one sequence, cut in time: segment s's chunk work beside segment s - 1's reverse pass
         cls = classes[0]
         BV, stages = _state_split("bwd", HV, K, V, BK, BVF, k.element_size(), dev)

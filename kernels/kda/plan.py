@@ -116,20 +116,19 @@ def state_grid(count: int, HV: int, V: int, BV: int) -> tuple[int, int]:
 
 
 class SeqClass(NamedTuple):
-    """One class of `_state_classes`: its sequences (int32, on the device), how many, its first chunk and chunk
-    count (its chunks are one range of the plan's numbering), and its sequence's index when it has just one (None
-    otherwise; such a class can be cut into time segments, `segment_bounds`)."""
+    """One class of `_state_classes`: its sequences (int32, on the device), how many (a class of one can be cut
+    into time segments, `segment_bounds`), its first chunk and chunk count (its chunks are one range of the plan's
+    numbering)."""
     seqs: torch.Tensor
     count: int
     first_chunk: int
     chunks: int
-    single: int | None
 
 
 def segment_bounds(cls: SeqClass, segments: int, least: int) -> list[tuple[int, int]]:
     """[(first, end)) chunk ranges, within the class's sequence, of its time segments: `segments` near-equal ones
     of at least `least` chunks when the class has a single sequence, else the whole class as one range."""
-    parts = min(segments, cls.chunks // max(least, 1)) if cls.single is not None else 1
+    parts = min(segments, cls.chunks // max(least, 1)) if cls.count == 1 else 1
     if parts <= 1:
         return [(0, cls.chunks)]
     cuts = [cls.chunks * s // parts for s in range(parts + 1)]
@@ -157,7 +156,7 @@ def _chunk_plan(cu: tuple[int, ...] | None, B: int, T: int, device: torch.device
         return (torch.arange(B + 1, device=device, dtype=torch.int64) * T,
                 torch.stack([c // nt, c % nt], 1).contiguous(),
                 torch.arange(B, device=device, dtype=torch.int32) * nt,
-                (SeqClass(torch.arange(B, device=device, dtype=torch.int32), B, 0, B * nt, 0 if B == 1 else None),))
+                (SeqClass(torch.arange(B, device=device, dtype=torch.int32), B, 0, B * nt),))
     counts = [cdiv(cu[i + 1] - cu[i], BT) for i in range(len(cu) - 1)]
     pairs, first, classes = [], [0] * len(counts), []
     for group in _state_classes(counts, CONFIG["state_classes"]):
@@ -166,7 +165,7 @@ def _chunk_plan(cu: tuple[int, ...] | None, B: int, T: int, device: torch.device
             first[i] = len(pairs)
             pairs.extend((i, t) for t in range(counts[i]))
         classes.append(SeqClass(torch.tensor(group, dtype=torch.int32).to(device, non_blocking=True), len(group),
-                                start, len(pairs) - start, group[0] if len(group) == 1 else None))
+                                start, len(pairs) - start))
     cidx = torch.tensor(pairs, dtype=torch.int32).view(-1, 2)
     return tuple(x.to(device, non_blocking=True) for x in (torch.tensor(cu, dtype=torch.int64), cidx,
                                                            torch.tensor(first, dtype=torch.int32))) + (tuple(classes),)

@@ -241,10 +241,9 @@ def test_packed_plan_shared_by_equal_batches():
     c = _chunk_plan((0, 10, 150), 1, 150, dev)
     assert a is b and c is not a
     assert a[1].tolist() == [[0, 0], [0, 1], [1, 0], [1, 1]] and a[2].tolist() == [0, 2]
-    assert [(s.tolist(), n, first, chunks, one) for s, n, first, chunks, one in a[3]] == [([0, 1], 2, 0, 4, None)]
+    assert [(s.tolist(), n, first, chunks) for s, n, first, chunks in a[3]] == [([0, 1], 2, 0, 4)]
     assert c[1].tolist() == [[1, 0], [1, 1], [1, 2], [0, 0]] and c[2].tolist() == [3, 0]
-    assert [(s.tolist(), n, first, chunks, one) for s, n, first, chunks, one in c[3]] == [([1], 1, 0, 3, 1),
-                                                                                         ([0], 1, 3, 1, 0)]
+    assert [(s.tolist(), n, first, chunks) for s, n, first, chunks in c[3]] == [([1], 1, 0, 3), ([0], 1, 3, 1)]
 
 
 def _case_with_states(B: int, T: int, N: int, K: int, V: int) -> tuple[dict, dict]:
@@ -336,12 +335,12 @@ def test_chunk_time_segments_keep_bits(monkeypatch):
 
 def test_segment_bounds_cover_the_sequence_in_near_equal_parts():
     from k3_kernels.kda.plan import SeqClass, segment_bounds
-    one = SeqClass(torch.zeros(1, dtype=torch.int32), 1, 0, 256, 0)
+    one = SeqClass(torch.zeros(1, dtype=torch.int32), 1, 0, 256)
     assert segment_bounds(one, 4, 16) == [(0, 64), (64, 128), (128, 192), (192, 256)]
     assert segment_bounds(one, 1, 16) == [(0, 256)]
     assert segment_bounds(one._replace(chunks=40), 4, 16) == [(0, 20), (20, 40)]  # at least 16 chunks a segment
     assert segment_bounds(one._replace(chunks=10), 4, 16) == [(0, 10)]
-    assert segment_bounds(one._replace(count=2, single=None), 4, 16) == [(0, 256)]  # several sequences: not cut
+    assert segment_bounds(one._replace(count=2), 4, 16) == [(0, 256)]  # several sequences: not cut
 
 
 def test_state_stages_keep_two_for_narrow_16bit_blocks():
@@ -359,7 +358,7 @@ def test_forward_segments_only_where_each_intra_launch_stays_full():
     from k3_kernels.kda.plan import CONFIG, SeqClass, forward_segments
     assert (CONFIG["fwd_segments"], CONFIG["fwd_segment_programs"], CONFIG["bwd_segments"]) == (4, 6144, 1)
     chunks = {"16K": 256, "64K": 1024, "128K": 2048}
-    one = SeqClass(torch.zeros(1, dtype=torch.int32), 1, 0, 0, 0)
+    one = SeqClass(torch.zeros(1, dtype=torch.int32), 1, 0, 0)
     assert [len(forward_segments(one._replace(chunks=chunks[t]), 96)) for t in chunks] == [4, 4, 4]
     assert [len(forward_segments(one._replace(chunks=chunks[t]), 16)) for t in chunks] == [1, 2, 4]
 
@@ -531,9 +530,9 @@ def test_gpu_fp32_one_stage_state_passes_against_reference(monkeypatch, bv):
     monkeypatch.setitem(chunk_mod.CONFIG, "fwd_state_bv", bv)
     monkeypatch.setitem(chunk_mod.CONFIG, "bwd_state_bv", bv)
     inp = make_inputs(1, 1024, 2, 2, 128, 128)
-    grads = {"o": torch.randn(1, 1024, 2, 128, device=DEV), "ht": None}
-    ours, dours = _run(chunk_kda, inp, {"o": grads["o"]})
-    ref, dref = _run(_reference(inp), {n: x.double() for n, x in inp.items()}, {"o": grads["o"].double()})
+    do = torch.randn(1, 1024, 2, 128, device=DEV)
+    ours, dours = _run(chunk_kda, inp, {"o": do})
+    ref, dref = _run(_reference(inp), {n: x.double() for n, x in inp.items()}, {"o": do.double()})
     assert_close("o", ref["o"], ours["o"], 1e-4)
     for n in ("q", "k", "v", "g", "beta"):
         assert_close("d" + n, dref[n], dours[n], 1e-3)
