@@ -39,7 +39,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks._results import run_header, write_results  # noqa: E402
-from benchmarks.moe_gemms import BETA, LINEAR_BETA, gluon_gemms, measure, sweep, timed_cpu  # noqa: E402
+from benchmarks.moe_gemms import BETA, LINEAR_BETA, gluon_gemms, measure, parse_tile_changes, sweep, timed_cpu  # noqa: E402
 from k3_kernels.moe import naive  # noqa: E402
 from k3_kernels.moe.layer import Precision, clear_fp8_cache, moe_experts  # noqa: E402
 from k3_kernels.moe.quant import quantize_weight_fp8  # noqa: E402
@@ -338,6 +338,8 @@ def main() -> None:
                     "(bits and time), and the Gluon kernels' settings swept, at that point first")
     ap.add_argument("--gemms", default=None, help="with --gluon-gemms: only these GEMMs (comma-separated names of "
                     "gluon_gemms' table, 'passes' for the quantisation passes), in the A/B and the sweep")
+    ap.add_argument("--fp8-tiles", default=None, help="with --gluon-gemms: the FP8 GluonTile changes to sweep "
+                    "instead of moe_gemms.GLUON_FP8_TILES, e.g. 'mm_block_n=256,mm_block_n=256+stages=3' ('' = none)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.smoke:  # fp32: the interpreter's bf16 dots are not the GPU's (tests/kernels/conftest.py)
@@ -357,7 +359,8 @@ def main() -> None:
     if args.gluon_gemms:
         E_s, N_s = (int(v) for v in args.gluon_gemms.split(","))
         result["gluon_gemms"] = gluon_gemms(E_s, N_s, L, I, k, device, args.rep_ms,
-                                            set(args.gemms.split(",")) if args.gemms else None)
+                                            set(args.gemms.split(",")) if args.gemms else None,
+                                            None if args.fp8_tiles is None else parse_tile_changes(args.fp8_tiles))
         write_results(path, result)
     if args.profile:
         E_s, N_s = (int(v) for v in args.profile.split(","))

@@ -83,13 +83,31 @@ def sweep(E, N, L, I, k, device, reps_ms):
 
 # GluonTile fields changed from the default (the default first)
 GLUON_FP8_TILES = [{}, {"prefetch_scales": True}, {"tma_store_wgrad": True},
-                   {"prefetch_scales": True, "tma_store_wgrad": True}, {"stages": 3}, {"persistent": False}]
+                   {"prefetch_scales": True, "tma_store_wgrad": True}, {"stages": 3}, {"persistent": False},
+                   {"mm_block_n": 256}, {"mm_block_n": 256, "stages": 3}, {"mm_block_n": 256, "group_m": 16},
+                   {"wgrad_block_n": 256}, {"wgrad_block_n": 256, "stages": 3}]
 # (row-pass rows, warps, token-block columns, warps): the defaults first
 PASS_SETTINGS = [(16, 4, 64, 8), (32, 4, 128, 8), (64, 8, 32, 4), (32, 8, 64, 4), (128, 8, 128, 4)]
 GLUON_BF16_TILES: list[tuple[int, int]] = []  # (block_n, stages); session 31 swept 4 (moe_gluon.json)
 
 
-def gluon_gemms(E, N, L, I, k, device, reps_ms, only: set[str] | None = None):
+def parse_tile_changes(text: str) -> list[dict[str, int | bool]]:
+    """'mm_block_n=256+stages=3,persistent=false' -> [{"mm_block_n": 256, "stages": 3}, {"persistent": False}]
+    (the default tile, {}, always first)."""
+    changes: list[dict[str, int | bool]] = [{}]
+    for item in filter(None, text.split(",")):
+        change = {}
+        for pair in item.split("+"):
+            key, _, value = pair.partition("=")
+            change[key] = {"true": True, "false": False}.get(value.lower(), None)
+            if change[key] is None:
+                change[key] = int(value)
+        changes.append(change)
+    return changes
+
+
+def gluon_gemms(E, N, L, I, k, device, reps_ms, only: set[str] | None = None,
+                fp8_tiles: list[dict[str, int | bool]] | None = None):
     """Each grouped GEMM of the layer, bf16 and FP8 (and the quantisation passes around the FP8 backward), Triton vs
     Gluon in one process at one point: medians, TFLOP/s, whether the two give the same bits; then the Gluon
     kernels' settings swept, each setting's outputs compared bit for bit with the default tile's. `only`: these
@@ -187,7 +205,8 @@ def gluon_gemms(E, N, L, I, k, device, reps_ms, only: set[str] | None = None):
         out["passes_ms"][name] = timing(fn)
     sweeps = [(gluon_gemm, "fp8_" + ("_".join(f"{k}={v}" for k, v in change.items()) or "default"),
                dataclasses.replace(gluon_gemm.DEFAULT_TILE, **change),
-               ("gate_up", "down", "gate_up_dgrad", "wgrad_w2", "wgrad_w13")) for change in GLUON_FP8_TILES]
+               ("gate_up", "down", "down_dgrad", "gate_up_dgrad", "wgrad_w2", "wgrad_w13"))
+              for change in (GLUON_FP8_TILES if fp8_tiles is None else fp8_tiles)]
     sweeps += [(gluon_bf16, f"bf16_n{bn}_stages{st}", gluon_bf16.Bf16Tile(block_n=bn, stages=st),
                 ("bf16_down", "bf16_gate_up_dgrad", "bf16_wgrad_w2")) for bn, st in GLUON_BF16_TILES]
     for module, key, tile, names in sweeps:

@@ -30,6 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                  warpgroup_mma_wait)
 
 QUANT_BLOCK = 128  # the K block of both operands' scales and of one wgmma chain
+_SCALE_N = gl.constexpr(QUANT_BLOCK)  # columns under one weight scale (kernels take globals only as constexpr)
 # 12 warps (4 + 4 + the producer's group) x 32 threads x 168 <= 65,536 registers; setmaxnreg then moves them
 _MAXNREG = 168
 
@@ -59,10 +60,17 @@ class GluonTile:
     tma_store_wgrad: bool = True  # the wgrad's tiles out by TMA from shared memory (that sweep's choice)
     block_n: int = QUANT_BLOCK
     block_k: int = QUANT_BLOCK
+    # output columns of a forward / dgrad tile: 128 (one weight-scale block) or 256 (two, scaled one after the
+    # other through one partial; the wgrad keeps block_n); same bits either way
+    mm_block_n: int = QUANT_BLOCK
+    wgrad_block_n: int = QUANT_BLOCK  # the same for the wgrad's tiles (two column-scale rows a token block)
 
     def validate(self) -> None:
         if self.block_n != QUANT_BLOCK or self.block_k != QUANT_BLOCK:
             raise ValueError(f"tile: block_n and block_k must be {QUANT_BLOCK} (one scale block)")
+        for name in ("mm_block_n", "wgrad_block_n"):
+            if getattr(self, name) not in (QUANT_BLOCK, 2 * QUANT_BLOCK):
+                raise ValueError(f"tile: {name} must be {QUANT_BLOCK} or {2 * QUANT_BLOCK}, got {getattr(self, name)}")
         if self.block_m != 128:
             raise ValueError(f"tile: block_m must be 128 (64 rows a consumer warpgroup), got {self.block_m}")
         if not 2 <= self.stages <= 6:
@@ -208,27 +216,82 @@ def _consume_tile(a_bufs, b_bufs, ready, empty, sa_ptrs, rmask, sb_ptr, sb_mask,
 
 
 @gluon.jit
+def _consume_wide_tile(a_bufs, b_bufs, ready, empty, sa_ptrs, rmask, sb_ptr, sb_mask, it, n_k, sb_step, sa_step,
+                       hi_step, HALF_M: gl.constexpr, STAGES: gl.constexpr, SCALES_PER_COL: gl.constexpr):
+    """`_consume_tile` for a tile of two weight-scale blocks (256 columns: each A block read from L2 once for
+    both halves): per K block the low half's chain and scaling, then the high half's through the same partial --
+    the 128-column tile's arithmetic for each half, so the same bits, in 2 x 64 + 64 accumulator registers a
+    thread instead of 2 x 128. The high half's scales lie hi_step past the low half's (sb_ptr, or with
+    SCALES_PER_COL the [128] column scales at sb_ptr + k * sb_step)."""
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, _SCALE_N, 32])
+    acc_lo = gl.zeros((HALF_M, _SCALE_N), dtype=gl.float32, layout=mma_layout)
+    acc_hi = gl.zeros((HALF_M, _SCALE_N), dtype=gl.float32, layout=mma_layout)
+    part = gl.zeros((HALF_M, _SCALE_N), dtype=gl.float32, layout=mma_layout)
+    for k in range(n_k):
+        i = it + k
+        slot = i % STAGES
+        sa = gl.load(sa_ptrs + k * sa_step, mask=rmask, other=0.0)
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        b_tile = b_bufs.index(slot)
+        for half in gl.static_range(2):
+            part = warpgroup_mma(a_bufs.index(slot), b_tile.slice(half * _SCALE_N, _SCALE_N).permute((1, 0)), part,
+                                 use_acc=False, is_async=True)
+            if SCALES_PER_COL:
+                sb = gl.load(sb_ptr + half * hi_step + k * sb_step, mask=sb_mask, other=0.0)
+            else:
+                row_scale = sa * gl.load(sb_ptr + half * hi_step + k)
+            part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+            if half == 1:
+                mbarrier.arrive(empty.index(slot), count=1)
+            if SCALES_PER_COL:
+                scaled = part * sa[:, None] * sb[None, :]
+            else:
+                scaled = part * row_scale[:, None]
+            # (the trailing wait, as in `_consume_tile`: the scaling stays before the next chain's issue)
+            if half == 0:
+                acc_lo = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo + scaled,))
+            else:
+                acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_hi + scaled,))
+    return acc_lo, acc_hi
+
+
+@gluon.jit
+def _store_tile(c_ptr, acc, rows, rmask, col0, N, c_stride, BLOCK_N: gl.constexpr):
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 32])
+    cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
+    ptrs = c_ptr + rows.to(gl.int64)[:, None] * c_stride + cols[None, :]
+    gl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & (cols < N)[None, :])
+
+
+@gluon.jit
 def _mm_consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, bs2_ptr, c_ptr, tiles_ptr, n_tiles_m, N, N_B, K,
                  c_stride, ROW_OFFSET: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, PREFETCH_SCALES: gl.constexpr):
-    """One warpgroup: rows [r0 + ROW_OFFSET, + HALF_M) of every tile this program owns; stores each tile."""
+    """One warpgroup: rows [r0 + ROW_OFFSET, + HALF_M) of every tile this program owns; stores each tile.
+    BLOCK_N: one weight-scale block (128) or two (`_consume_wide_tile`)."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_N, 32])
+                                                         instr_shape=[16, _SCALE_N, 32])
     it = 0
     for t in range(gl.program_id(0), n_tiles_m * gl.cdiv(N, BLOCK_N), gl.num_programs(0)):
         e, r0, r1, col0, second, local, off_b, n_k = _mm_tile(t, tiles_ptr, n_tiles_m, N, N_B, K, BLOCK_N, BLOCK_K,
                                                                GROUP_M)
         if e >= 0:
-            sb_base = (e.to(gl.int64) * gl.cdiv(N_B, BLOCK_N) + local // BLOCK_N) * n_k
+            sb_base = (e.to(gl.int64) * gl.cdiv(N_B, _SCALE_N) + local // _SCALE_N) * n_k
             sb_ptr = gl.where(second, bs2_ptr, bs_ptr) + sb_base
             rows = r0 + ROW_OFFSET + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, mma_layout))
             rmask = rows < r1
-            acc = _consume_tile(a_bufs, b_bufs, ready, empty, as_ptr + rows.to(gl.int64) * n_k, rmask, sb_ptr, None,
-                                it, n_k, 0, 1, HALF_M, BLOCK_N, STAGES, False, PREFETCH_SCALES)
+            if BLOCK_N == _SCALE_N:
+                acc = _consume_tile(a_bufs, b_bufs, ready, empty, as_ptr + rows.to(gl.int64) * n_k, rmask, sb_ptr,
+                                    None, it, n_k, 0, 1, HALF_M, BLOCK_N, STAGES, False, PREFETCH_SCALES)
+                _store_tile(c_ptr, acc, rows, rmask, col0, N, c_stride, BLOCK_N)
+            else:
+                acc_lo, acc_hi = _consume_wide_tile(a_bufs, b_bufs, ready, empty, as_ptr + rows.to(gl.int64) * n_k,
+                                                    rmask, sb_ptr, None, it, n_k, 0, 1, n_k, HALF_M, STAGES, False)
+                _store_tile(c_ptr, acc_lo, rows, rmask, col0, N, c_stride, _SCALE_N)
+                _store_tile(c_ptr, acc_hi, rows, rmask, col0 + _SCALE_N, N, c_stride, _SCALE_N)
             it += n_k
-            cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
-            ptrs = c_ptr + rows.to(gl.int64)[:, None] * c_stride + cols[None, :]
-            gl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & (cols < N)[None, :])
 
 
 @gluon.jit
@@ -285,38 +348,56 @@ def _wgrad_consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, out_ptr, out2_
                     TMA_STORE: gl.constexpr):
     """One warpgroup of the wgrad: rows [m0 + ROW_OFFSET, + HALF_M) of A for every tile the program owns; per
     token block t the partial is scaled by s_a[t, m] and s_b[t, n] (both per row of their operand: 128 tokens x 1
-    blocks; scales are [T, channels], so a block's scales are one contiguous row). TMA_STORE: the tile goes out
-    through c_buf (shared memory) by a TMA store that drains while the next tile's chains run (its rows are
-    whole: no mask), instead of each thread storing its registers."""
+    blocks; scales are [T, channels], so a block's scales are one contiguous row). BLOCK_N: 128 columns, or 256
+    (`_consume_wide_tile`, the two halves stored one after the other)."""
     HALF_M: gl.constexpr = BLOCK_M // 2
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_N, 32])
+                                                         instr_shape=[16, _SCALE_N, 32])
     it = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         e, m0, col0, t0, n_k = _wgrad_tile(t, tile_off_ptr, M, N, BLOCK_M, BLOCK_N)
         rows = m0 + ROW_OFFSET + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, mma_layout))
-        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
+        cols = col0 + gl.arange(0, _SCALE_N, layout=gl.SliceLayout(0, mma_layout))
         t64 = t0.to(gl.int64)
-        acc = _consume_tile(a_bufs, b_bufs, ready, empty, as_ptr + t64 * M + rows, rows < M, bs_ptr + t64 * N + cols,
-                            cols < N, it, n_k, N, M, HALF_M, BLOCK_N, STAGES, True, PREFETCH_SCALES)
-        it += n_k
-        second = m0 >= M_SPLIT
-        out_rows = gl.where(second, M - M_SPLIT, M_SPLIT)
-        if TMA_STORE:
-            tma.store_wait(0)  # the last tile's store has read c_buf
-            c_buf.store(acc.to(out_desc.dtype))
-            fence_async_shared()
-            row = (e * out_rows + m0 + ROW_OFFSET - gl.where(second, M_SPLIT, 0)).to(gl.int32)
-            if second:
-                tma.async_copy_shared_to_global(out2_desc, [row, col0], c_buf)
-            else:
-                tma.async_copy_shared_to_global(out_desc, [row, col0], c_buf)
+        if BLOCK_N == _SCALE_N:
+            acc = _consume_tile(a_bufs, b_bufs, ready, empty, as_ptr + t64 * M + rows, rows < M,
+                                bs_ptr + t64 * N + cols, cols < N, it, n_k, N, M, HALF_M, BLOCK_N, STAGES, True,
+                                PREFETCH_SCALES)
+            _wgrad_store(acc, c_buf, out_ptr, out2_ptr, out_desc, out2_desc, e, m0, col0, rows, cols, M, N, M_SPLIT,
+                         ROW_OFFSET, TMA_STORE)
         else:
-            base = gl.where(second, out2_ptr, out_ptr) + e * out_rows * N
-            local = rows - gl.where(second, M_SPLIT, 0)
-            gl.store(base + local.to(gl.int64)[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty))
+            acc_lo, acc_hi = _consume_wide_tile(a_bufs, b_bufs, ready, empty, as_ptr + t64 * M + rows, rows < M,
+                                                bs_ptr + t64 * N + cols, cols < N, it, n_k, N, M, _SCALE_N, HALF_M,
+                                                STAGES, True)
+            _wgrad_store(acc_lo, c_buf, out_ptr, out2_ptr, out_desc, out2_desc, e, m0, col0, rows, cols, M, N,
+                         M_SPLIT, ROW_OFFSET, TMA_STORE)
+            _wgrad_store(acc_hi, c_buf, out_ptr, out2_ptr, out_desc, out2_desc, e, m0, col0 + _SCALE_N, rows,
+                         cols + _SCALE_N, M, N, M_SPLIT, ROW_OFFSET, TMA_STORE)
+        it += n_k
     if TMA_STORE:
         tma.store_wait(0)
+
+
+@gluon.jit
+def _wgrad_store(acc, c_buf, out_ptr, out2_ptr, out_desc, out2_desc, e, m0, col0, rows, cols, M, N, M_SPLIT,
+                 ROW_OFFSET: gl.constexpr, TMA_STORE: gl.constexpr):
+    """One consumer's [64, 128] of an output tile: TMA_STORE through c_buf (shared memory) by a TMA store that
+    drains while the next chains run (its rows are whole: no mask), else each thread stores its registers."""
+    second = m0 >= M_SPLIT
+    out_rows = gl.where(second, M - M_SPLIT, M_SPLIT)
+    if TMA_STORE:
+        tma.store_wait(0)  # the last store has read c_buf
+        c_buf.store(acc.to(out_desc.dtype))
+        fence_async_shared()
+        row = (e * out_rows + m0 + ROW_OFFSET - gl.where(second, M_SPLIT, 0)).to(gl.int32)
+        if second:
+            tma.async_copy_shared_to_global(out2_desc, [row, col0], c_buf)
+        else:
+            tma.async_copy_shared_to_global(out_desc, [row, col0], c_buf)
+    else:
+        base = gl.where(second, out2_ptr, out_ptr) + e * out_rows * N
+        local = rows - gl.where(second, M_SPLIT, 0)
+        gl.store(base + local.to(gl.int64)[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty))
 
 
 @gluon.jit
@@ -394,13 +475,14 @@ def scaled_segment_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
             raise ValueError(f"{name}: must be contiguous")
     if P == 0:
         return out
+    block_n = tile.mm_block_n if N_B % tile.mm_block_n == 0 else QUANT_BLOCK  # (a tile never straddles B and B2)
     a_desc = _descriptor(a, [tile.block_m // 2, tile.block_k])
-    b_desc = _descriptor(b.view(E * N_B, K), [tile.block_n, tile.block_k])
-    b2_desc = _descriptor(b2_q.view(E * N_B, K), [tile.block_n, tile.block_k])
+    b_desc = _descriptor(b.view(E * N_B, K), [block_n, tile.block_k])
+    b2_desc = _descriptor(b2_q.view(E * N_B, K), [block_n, tile.block_k])
     n_m = tiles.shape[0]
-    grid = (_programs(n_m * (N // tile.block_n), tile, a.device),)
+    grid = (_programs(n_m * (N // block_n), tile, a.device),)
     _scaled_mm_kernel[grid](a_desc, b_desc, b2_desc, a_scale, b_scale, b2_scale, out, tiles, n_m, N, N_B, K,
-                            out.stride(0), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                            out.stride(0), BLOCK_M=tile.block_m, BLOCK_N=block_n, BLOCK_K=tile.block_k,
                             GROUP_M=tile.group_m, STAGES=tile.stages, CONSUMER_REGS=tile.consumer_regs,
                             PREFETCH_SCALES=tile.prefetch_scales, num_warps=4, maxnreg=_MAXNREG)
     return out
@@ -417,17 +499,18 @@ def scaled_wgrad(aq: torch.Tensor, a_scale: torch.Tensor, bq: torch.Tensor, b_sc
     if M % tile.block_m or N % tile.block_n or split % tile.block_m:
         raise ValueError(f"aq, bq: rows must be multiples of {tile.block_m} / {tile.block_n} (split {split}), got "
                          f"{M}, {N}")
+    block_n = tile.wgrad_block_n if N % tile.wgrad_block_n == 0 else tile.block_n
     for name, t in (("aq", aq), ("a_scale", a_scale), ("bq", bq), ("b_scale", b_scale), ("out", out), ("out2", out2)):
         if not t.is_contiguous():
             raise ValueError(f"{name}: must be contiguous")
     a_desc = _descriptor(aq, [tile.block_m // 2, tile.block_k])
-    b_desc = _descriptor(bq, [tile.block_n, tile.block_k])
-    box = [tile.block_m // 2, tile.block_n]  # the TMA store's: one consumer's half of an output tile
+    b_desc = _descriptor(bq, [block_n, tile.block_k])
+    box = [tile.block_m // 2, tile.block_n]  # the TMA store's: one consumer's [64, 128] of an output tile
     out_desc = _descriptor(out.view(-1, N), box)
     out2_desc = _descriptor(out2.view(-1, N), box) if out2.numel() else out_desc
-    n_tiles = E * (M // tile.block_m) * (N // tile.block_n)
+    n_tiles = E * (M // tile.block_m) * (N // block_n)
     _scaled_wgrad_kernel[(_programs(n_tiles, tile, aq.device),)](
         a_desc, b_desc, a_scale, b_scale, out, out2, out_desc, out2_desc, tile_offsets, M, N, split, n_tiles,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.stages,
+        BLOCK_M=tile.block_m, BLOCK_N=block_n, BLOCK_K=tile.block_k, STAGES=tile.stages,
         CONSUMER_REGS=tile.consumer_regs, PREFETCH_SCALES=tile.prefetch_scales, TMA_STORE=tile.tma_store_wgrad,
         num_warps=4, maxnreg=_MAXNREG)

@@ -62,6 +62,8 @@ def test_the_gluon_path_is_chosen_only_where_it_runs():
         gluon_gemm.GluonTile(stages=1).validate()
     with pytest.raises(ValueError, match="consumer_regs"):
         gluon_gemm.GluonTile(consumer_regs=240).validate()
+    with pytest.raises(ValueError, match="mm_block_n"):
+        gluon_gemm.GluonTile(mm_block_n=192).validate()
 
 
 @pytest.mark.parametrize("precision", [Precision.BF16, Precision.FP8_FULL])
@@ -132,6 +134,9 @@ bf16_consts = dict(BLOCK_M=bt.block_m, BLOCK_N=bt.block_n, BLOCK_K=bt.block_k, G
                    CONSUMER_REGS=bt.consumer_regs, num_warps=4)
 out = {"_scaled_mm_kernel": build(G._scaled_mm_kernel, fp8, fp8_consts),
        "_scaled_wgrad_kernel": build(G._scaled_wgrad_kernel, fp8, fp8_consts),
+       "_scaled_mm_kernel_wide": build(G._scaled_mm_kernel, dict(fp8, b_desc=desc("fp8e4nv", [256, 128]),
+                                                                b2_desc=desc("fp8e4nv", [256, 128])),
+                                       dict(fp8_consts, BLOCK_N=256)),
        "_scaled_mm_kernel_prefetch": build(G._scaled_mm_kernel, fp8, dict(fp8_consts, PREFETCH_SCALES=True)),
        "_scaled_wgrad_kernel_prefetch": build(G._scaled_wgrad_kernel, fp8, dict(fp8_consts, PREFETCH_SCALES=True)),
        "_scaled_wgrad_kernel_tma_store": build(G._scaled_wgrad_kernel, fp8, dict(fp8_consts, TMA_STORE=True)),
@@ -146,8 +151,8 @@ print(json.dumps(out))
 
 
 def test_gluon_gemm_builds_for_the_h200():
-    """The kernels' sm_90a builds (no GPU needed): the FP8 forward / dgrad GEMM and wgrad (wgmma chains of
-    64 x 128 x 32; with and without the scales' prefetch), the bf16 GEMM with K- and N-contiguous B and the bf16
+    """The kernels' sm_90a builds (no GPU needed): the FP8 forward / dgrad GEMM (128 and 256 columns a tile) and
+    wgrad (wgmma chains of 64 x 128 x 32; with and without the scales' prefetch), the bf16 GEMM with K- and N-contiguous B and the bf16
     wgrad (64 x 256 x 16 chains kept in flight); setmaxnreg (the partitions), no spills and no "wgmma serialized"
     from ptxas."""
     import json
@@ -158,7 +163,8 @@ def test_gluon_gemm_builds_for_the_h200():
     run = subprocess.run([sys.executable, "-c", _BUILD], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     builds = json.loads(run.stdout.strip().splitlines()[-1])
-    assert set(builds) == {"_scaled_mm_kernel", "_scaled_wgrad_kernel", "_scaled_mm_kernel_prefetch",
+    assert set(builds) == {"_scaled_mm_kernel", "_scaled_mm_kernel_wide", "_scaled_wgrad_kernel",
+                           "_scaled_mm_kernel_prefetch",
                            "_scaled_wgrad_kernel_prefetch", "_scaled_wgrad_kernel_tma_store", "bf16_k_major_True",
                            "bf16_k_major_False", "bf16_wgrad"}
     assert builds["bf16_wgrad"]["tensormap_acquires"] >= 2  # its per-expert descriptors, made on the device
@@ -170,7 +176,8 @@ def test_gluon_gemm_builds_for_the_h200():
             assert out["ops"].get("HGMMA.64x256x16.F32.BF16", 0) >= 8, (name, out["ops"])
             assert out["ops"].get("WARPGROUP.DEPBAR.LE gsb0, 0x1", 0) >= 2, (name, out["ops"])
         else:
-            assert out["ops"].get("QGMMA.64x128x32.F32.E4M3.E4M3", 0) >= 8, (name, out["ops"])  # 2 consumers x 4
+            chains = 16 if name.endswith("wide") else 8  # 2 consumers x 4 (x 2 column halves in a wide tile)
+            assert out["ops"].get("QGMMA.64x128x32.F32.E4M3.E4M3", 0) >= chains, (name, out["ops"])
 
 
 # ------------------------------------------------------------------------------------------------- GPU (sm_90)
@@ -180,14 +187,14 @@ def _sm90() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="Gluon's kernel needs an sm_90 GPU (H100/H200)")
-@pytest.mark.parametrize("persistent", [False, True])
-def test_gpu_gluon_gemms_give_the_triton_bits(monkeypatch, persistent):
+@pytest.mark.parametrize("change", [{"persistent": False}, {"persistent": True}, {"mm_block_n": 256}])
+def test_gpu_gluon_gemms_give_the_triton_bits(monkeypatch, change):
     """K3 widths (latent 3584, intermediate 3072), 112 experts, uneven expert loads: the gate/up (G | U in one
     launch, then the SiTU + quantisation pass) and the down GEMM give the Triton FP8 kernels' bits, with one
-    program a tile and with the persistent grid (programs walking several tiles through one ring)."""
+    program a tile, with the persistent grid (programs walking several tiles through one ring) and with tiles of
+    two weight-scale blocks."""
     from k3_kernels.moe import gluon_gemm
-    monkeypatch.setattr(gluon_gemm, "DEFAULT_TILE", dataclasses.replace(gluon_gemm.DEFAULT_TILE,
-                                                                         persistent=persistent))
+    monkeypatch.setattr(gluon_gemm, "DEFAULT_TILE", dataclasses.replace(gluon_gemm.DEFAULT_TILE, **change))
     z, ids, w, w1, w3, w2 = _case(2048, 3584, 3072, 112, 16, seed=11)
     plan = plan_routing(ids, 112)
     _, xq, xs = permute_rows(z, plan, bf16=False, fp8=True)
