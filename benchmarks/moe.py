@@ -26,6 +26,7 @@ benchmarks/results/moe.json (or $OUT/moe.json when OUT is set).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -340,6 +341,8 @@ def main() -> None:
                     "gluon_gemms' table, 'passes' for the quantisation passes), in the A/B and the sweep")
     ap.add_argument("--fp8-tiles", default=None, help="with --gluon-gemms: the FP8 GluonTile changes to sweep "
                     "instead of moe_gemms.GLUON_FP8_TILES, e.g. 'mm_block_n=256,mm_block_n=256+stages=3' ('' = none)")
+    ap.add_argument("--fp8-tile", default=None, help="the layer rows and the profile with this GluonTile change "
+                    "(e.g. 'mm_block_n=256+wgrad_block_n=256'; recorded in the JSON)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.smoke:  # fp32: the interpreter's bf16 dots are not the GPU's (tests/kernels/conftest.py)
@@ -362,6 +365,11 @@ def main() -> None:
                                             set(args.gemms.split(",")) if args.gemms else None,
                                             None if args.fp8_tiles is None else parse_tile_changes(args.fp8_tiles))
         write_results(path, result)
+    if args.fp8_tile:
+        from k3_kernels.moe import gluon_gemm
+        gluon_gemm.DEFAULT_TILE = dataclasses.replace(gluon_gemm.DEFAULT_TILE,
+                                                      **parse_tile_changes(args.fp8_tile)[-1])
+        result["fp8_tile"] = dataclasses.asdict(gluon_gemm.DEFAULT_TILE)
     if args.profile:
         E_s, N_s = (int(v) for v in args.profile.split(","))
         result["profile"] = kernel_profile(E_s, N_s, L, I, k, n_shared, device, dtype)
