@@ -24,6 +24,7 @@ from k3_kernels.launch import cdiv
 from k3_kernels.moe import gluon_gemm
 from k3_kernels.moe import grouped_gemm as gg
 from k3_kernels.moe.permute import QUANT_BLOCK, RoutingPlan, e4m3_scale, e4m3_values, store_row_quant
+from k3_kernels.situ.fused import situ_grads
 
 
 # ------------------------------------------------------------------------------------------------- quantisers
@@ -70,7 +71,7 @@ def _situ_bwd_rows_kernel(dh_ptr, gu_ptr, dgu_ptr, q_ptr, s_ptr, P, I, beta, lin
     gp = gu_ptr + r64[:, None] * (2 * I) + cols[None, :]
     g = tl.load(gp, mask=rmask[:, None], other=0.0).to(tl.float32)
     u = tl.load(gp + I, mask=rmask[:, None], other=0.0).to(tl.float32)
-    dg, du = gg.situ_grads(dh, g, u, beta, linear_beta)
+    dg, du = situ_grads(dh, g, u, beta, linear_beta)
     dg = dg.to(dgu_ptr.dtype.element_ty)
     du = du.to(dgu_ptr.dtype.element_ty)
     out = dgu_ptr + r64[:, None] * (2 * I) + cols[None, :]

@@ -64,6 +64,9 @@ class GluonTile:
     # other through one partial; the wgrad keeps block_n); same bits either way
     mm_block_n: int = QUANT_BLOCK
     wgrad_block_n: int = QUANT_BLOCK  # the same for the wgrad's tiles (two column-scale rows a token block)
+    # the gate/up as one launch with SiTU and H's FP8 rows in its epilogue (gluon_gate_up.py: a tile's halves are
+    # G and U of the same 128 columns), instead of the G | U launch and `grouped_gemm.situ_quant`'s pass
+    fuse_situ: bool = False
 
     def validate(self) -> None:
         if self.block_n != QUANT_BLOCK or self.block_k != QUANT_BLOCK:
@@ -114,21 +117,28 @@ def _ring_of(a_dtype: gl.constexpr, A0: gl.constexpr, A1: gl.constexpr, a_layout
 
 @gluon.jit
 def _load_blocks(a_desc, b_desc, b2_desc, ready, empty, a_lo, a_hi, b_bufs, r0, off_b, second, kb0, n_k, it,
-                 STAGES: gl.constexpr, BLOCK_K: gl.constexpr, HALF_M: gl.constexpr):
+                 STAGES: gl.constexpr, BLOCK_K: gl.constexpr, HALF_M: gl.constexpr, SPLIT_B: gl.constexpr):
     """The producer's share of one tile: TMA loads of K blocks kb0 .. kb0 + n_k - 1 (both row halves of A, the B
-    tile from the first or `second` B) into the ring's next free slots. `it` counts the ring's fills over the
-    program's earlier tiles (slot and barrier phase); returns the count after this tile."""
+    tile from the first or `second` B; SPLIT_B: B's box into the slot's first rows and B2's into the rest) into
+    the ring's next free slots. `it` counts the ring's fills over the program's earlier tiles (slot and barrier
+    phase); returns the count after this tile."""
     for k in range(n_k):
         i = it + k
         kc = (kb0 + k) * BLOCK_K
         slot = i % STAGES
         mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1 at once
         bar = ready.index(slot)
-        mbarrier.expect(bar, 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        n_b: gl.constexpr = 2 if SPLIT_B else 1
+        mbarrier.expect(bar, 2 * a_desc.block_type.nbytes + n_b * b_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(a_desc, [r0, kc], bar, a_lo.index(slot))
         tma.async_copy_global_to_shared(a_desc, [r0 + HALF_M, kc], bar, a_hi.index(slot))
-        tma.async_copy_global_to_shared(b_desc, [off_b, kc], bar, b_bufs.index(slot), not second)
-        tma.async_copy_global_to_shared(b2_desc, [off_b, kc], bar, b_bufs.index(slot), second)
+        if SPLIT_B:
+            rows: gl.constexpr = b_desc.block_type.shape[0]
+            tma.async_copy_global_to_shared(b_desc, [off_b, kc], bar, b_bufs.index(slot).slice(0, rows))
+            tma.async_copy_global_to_shared(b2_desc, [off_b, kc], bar, b_bufs.index(slot).slice(rows, rows))
+        else:
+            tma.async_copy_global_to_shared(b_desc, [off_b, kc], bar, b_bufs.index(slot), not second)
+            tma.async_copy_global_to_shared(b2_desc, [off_b, kc], bar, b_bufs.index(slot), second)
     return it + n_k
 
 
@@ -156,7 +166,7 @@ def _mm_producer(a_desc, b_desc, b2_desc, ready, empty, a_lo, a_hi, b_bufs, tile
                                                                GROUP_M)
         if e >= 0:
             it = _load_blocks(a_desc, b_desc, b2_desc, ready, empty, a_lo, a_hi, b_bufs, r0, off_b, second, 0, n_k,
-                              it, STAGES, BLOCK_K, HALF_M)
+                              it, STAGES, BLOCK_K, HALF_M, False)
 
 
 @gluon.jit
@@ -216,13 +226,13 @@ def _consume_tile(a_bufs, b_bufs, ready, empty, sa_ptrs, rmask, sb_ptr, sb_mask,
 
 
 @gluon.jit
-def _consume_wide_tile(a_bufs, b_bufs, ready, empty, sa_ptrs, rmask, sb_ptr, sb_mask, it, n_k, sb_step, sa_step,
-                       hi_step, HALF_M: gl.constexpr, STAGES: gl.constexpr, SCALES_PER_COL: gl.constexpr):
+def _consume_wide_tile(a_bufs, b_bufs, ready, empty, sa_ptrs, rmask, sb_ptr, sb_hi_ptr, sb_mask, it, n_k, sb_step,
+                       sa_step, HALF_M: gl.constexpr, STAGES: gl.constexpr, SCALES_PER_COL: gl.constexpr):
     """`_consume_tile` for a tile of two weight-scale blocks (256 columns: each A block read from L2 once for
     both halves): per K block the low half's chain and scaling, then the high half's through the same partial --
     the 128-column tile's arithmetic for each half, so the same bits, in 2 x 64 + 64 accumulator registers a
-    thread instead of 2 x 128. The high half's scales lie hi_step past the low half's (sb_ptr, or with
-    SCALES_PER_COL the [128] column scales at sb_ptr + k * sb_step)."""
+    thread instead of 2 x 128. sb_ptr / sb_hi_ptr: the halves' scales (one a K block, or with SCALES_PER_COL
+    the [128] column scales at + k * sb_step)."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, _SCALE_N, 32])
     acc_lo = gl.zeros((HALF_M, _SCALE_N), dtype=gl.float32, layout=mma_layout)
@@ -237,10 +247,11 @@ def _consume_wide_tile(a_bufs, b_bufs, ready, empty, sa_ptrs, rmask, sb_ptr, sb_
         for half in gl.static_range(2):
             part = warpgroup_mma(a_bufs.index(slot), b_tile.slice(half * _SCALE_N, _SCALE_N).permute((1, 0)), part,
                                  use_acc=False, is_async=True)
+            half_sb = sb_ptr if half == 0 else sb_hi_ptr
             if SCALES_PER_COL:
-                sb = gl.load(sb_ptr + half * hi_step + k * sb_step, mask=sb_mask, other=0.0)
+                sb = gl.load(half_sb + k * sb_step, mask=sb_mask, other=0.0)
             else:
-                row_scale = sa * gl.load(sb_ptr + half * hi_step + k)
+                row_scale = sa * gl.load(half_sb + k)
             part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
             if half == 1:
                 mbarrier.arrive(empty.index(slot), count=1)
@@ -288,7 +299,8 @@ def _mm_consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, bs2_ptr, c_ptr, t
                 _store_tile(c_ptr, acc, rows, rmask, col0, N, c_stride, BLOCK_N)
             else:
                 acc_lo, acc_hi = _consume_wide_tile(a_bufs, b_bufs, ready, empty, as_ptr + rows.to(gl.int64) * n_k,
-                                                    rmask, sb_ptr, None, it, n_k, 0, 1, n_k, HALF_M, STAGES, False)
+                                                    rmask, sb_ptr, sb_ptr + n_k, None, it, n_k, 0, 1, HALF_M, STAGES,
+                                                    False)
                 _store_tile(c_ptr, acc_lo, rows, rmask, col0, N, c_stride, _SCALE_N)
                 _store_tile(c_ptr, acc_hi, rows, rmask, col0 + _SCALE_N, N, c_stride, _SCALE_N)
             it += n_k
@@ -338,7 +350,7 @@ def _wgrad_producer(a_desc, b_desc, ready, empty, a_lo, a_hi, b_bufs, tile_off_p
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         e, m0, col0, t0, n_k = _wgrad_tile(t, tile_off_ptr, M, N, BLOCK_M, BLOCK_N)
         it = _load_blocks(a_desc, b_desc, b_desc, ready, empty, a_lo, a_hi, b_bufs, m0, col0, False, t0, n_k, it,
-                          STAGES, BLOCK_K, BLOCK_M // 2)
+                          STAGES, BLOCK_K, BLOCK_M // 2, False)
 
 
 @gluon.jit
@@ -367,8 +379,8 @@ def _wgrad_consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, out_ptr, out2_
                          ROW_OFFSET, TMA_STORE)
         else:
             acc_lo, acc_hi = _consume_wide_tile(a_bufs, b_bufs, ready, empty, as_ptr + t64 * M + rows, rows < M,
-                                                bs_ptr + t64 * N + cols, cols < N, it, n_k, N, M, _SCALE_N, HALF_M,
-                                                STAGES, True)
+                                                bs_ptr + t64 * N + cols, bs_ptr + t64 * N + _SCALE_N + cols, cols < N,
+                                                it, n_k, N, M, HALF_M, STAGES, True)
             _wgrad_store(acc_lo, c_buf, out_ptr, out2_ptr, out_desc, out2_desc, e, m0, col0, rows, cols, M, N,
                          M_SPLIT, ROW_OFFSET, TMA_STORE)
             _wgrad_store(acc_hi, c_buf, out_ptr, out2_ptr, out_desc, out2_desc, e, m0, col0 + _SCALE_N, rows,

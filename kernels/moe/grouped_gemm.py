@@ -21,9 +21,9 @@ import triton
 import triton.language as tl
 
 from k3_kernels.launch import cdiv
-from k3_kernels.moe import gluon_bf16, gluon_gemm
+from k3_kernels.moe import gluon_bf16, gluon_gate_up, gluon_gemm
 from k3_kernels.moe.permute import QUANT_BLOCK, RoutingPlan, program_tile, store_row_quant
-from k3_kernels.situ.fused import _tanh
+from k3_kernels.situ.fused import situ_grads, situ_h
 
 
 @dataclass(frozen=True)
@@ -102,24 +102,6 @@ def configs(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict[s
                 "wgrad": TileConfig(32, 64, 32, 4, 2), **fp8}
     return {"gate_up": TileConfig(128, 128, 64, 8, 3), "mm": TileConfig(128, 256, 64, 8, 3),
             "wgrad": TileConfig(64, 128, 128, 8, 3), **fp8}
-
-
-@triton.jit
-def situ_h(g, u, beta, linear_beta):
-    """H = beta tanh(G / beta) sigmoid(G) * linear_beta tanh(U / linear_beta) (SiTU-and-mul), fp32: the gate/up
-    epilogue and the pass after the Gluon gate/up both call this, so they give the same bits."""
-    return beta * _tanh(g / beta) * tl.sigmoid(g) * (linear_beta * _tanh(u / linear_beta))
-
-
-@triton.jit
-def situ_grads(dh, g, u, beta, linear_beta):
-    """(dG, dU) of H = beta tanh(G / beta) sigmoid(G) * linear_beta tanh(U / linear_beta), fp32: every kernel that
-    differentiates SiTU-and-mul calls this, so they all give the same bits."""
-    tg = _tanh(g / beta)
-    sg = tl.sigmoid(g)
-    tu = _tanh(u / linear_beta)
-    dact = (1.0 - tg * tg) * sg + beta * tg * sg * (1.0 - sg)
-    return dh * linear_beta * tu * dact, dh * beta * tg * sg * (1.0 - tu * tu)
 
 
 @triton.jit
@@ -356,9 +338,16 @@ def situ_quant(gu: torch.Tensor, beta: float, linear_beta: float, h: torch.Tenso
 
 def _gate_up_gluon(x, w1, w3, plan: RoutingPlan, beta: float, linear_beta: float, gu, h, hq, hs, dt, fp8=None):
     """The gate/up on a Gluon GEMM (FP8 with fp8 = (xq, xs, w1q, w1s, w3q, w3s), else bf16): G | U in one launch
-    (W1's columns then W3's), then H (and its FP8 rows) by `situ_quant`."""
+    (W1's columns then W3's), then H (and its FP8 rows) by `situ_quant`; or (FP8, `GluonTile.fuse_situ`) all in
+    one launch (gluon_gate_up.py)."""
     P, I = x.shape[0], w1.shape[1]
     out = gu if gu is not None else torch.empty(P, 2 * I, device=x.device, dtype=dt)
+    if fp8 is not None and gluon_gemm.DEFAULT_TILE.fuse_situ:
+        xq, xs, w1q, w1s, w3q, w3s = fp8
+        tile = gluon_gemm.DEFAULT_TILE
+        gluon_gate_up.scaled_gate_up(xq, xs, (w1q, w1s), (w3q, w3s), plan.tiles(tile.block_m), beta, linear_beta,
+                                     gu, h, hq, hs, dt, tile=tile)
+        return gu, h, hq, hs
     if fp8 is not None:
         xq, xs, w1q, w1s, w3q, w3s = fp8
         tile = gluon_gemm.DEFAULT_TILE

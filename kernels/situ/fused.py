@@ -25,6 +25,24 @@ def _tanh(x):
 
 
 @triton.jit
+def situ_h(g, u, beta, linear_beta):
+    """H = beta tanh(G / beta) sigmoid(G) * linear_beta tanh(U / linear_beta) (SiTU-and-mul), fp32: the MoE gate/up
+    epilogues (Triton and Gluon) and the pass after the unfused Gluon gate/up all call this, so they give the same bits."""
+    return beta * _tanh(g / beta) * tl.sigmoid(g) * (linear_beta * _tanh(u / linear_beta))
+
+
+@triton.jit
+def situ_grads(dh, g, u, beta, linear_beta):
+    """(dG, dU) of H = beta tanh(G / beta) sigmoid(G) * linear_beta tanh(U / linear_beta), fp32: every kernel that
+    differentiates SiTU-and-mul calls this, so they all give the same bits."""
+    tg = _tanh(g / beta)
+    sg = tl.sigmoid(g)
+    tu = _tanh(u / linear_beta)
+    dact = (1.0 - tg * tg) * sg + beta * tg * sg * (1.0 - sg)
+    return dh * linear_beta * tu * dact, dh * beta * tg * sg * (1.0 - tu * tu)
+
+
+@triton.jit
 def _situ_kernel(g_ptr, u_ptr, dy_ptr, y_ptr, dg_ptr, du_ptr, M, I, g_stride, u_stride, beta, linear_beta,
                  BACKWARD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)

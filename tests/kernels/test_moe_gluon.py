@@ -91,7 +91,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
-from k3_kernels.moe import gluon_bf16 as B, gluon_gemm as G
+from k3_kernels.moe import gluon_bf16 as B, gluon_gate_up as GU, gluon_gemm as G
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 OPS = r"\b(QGMMA\.64x128x32\.F32\.E4M3\.E4M3|HGMMA\.64x256x16\.F32\.BF16|USETMAXREG|WARPGROUP\.DEPBAR\.LE gsb0, 0x1)"
 
@@ -115,7 +115,13 @@ def build(fn, types, consts):
                                os.path.join(d, "k.cubin")], capture_output=True, text=True, check=True).stderr
         sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", os.path.join(d, "k.cubin")],
                               capture_output=True, text=True, check=True).stdout
+    # spills in the MMA loops: the stretches between consecutive MMAs, leaving out those with a MUFU.EX2 (the
+    # stretch from a consumer's last chain through its SiTU epilogue to the other consumer's code)
+    lines = sass.splitlines()
+    mma = [i for i, line in enumerate(lines) if re.search(r"\b[QH]GMMA\.", line)]
+    gaps = [lines[a:b] for a, b in zip(mma, mma[1:]) if not any("MUFU.EX2" in line for line in lines[a:b])]
     return {"info": info, "ops": collections.Counter(re.findall(OPS, sass)),
+            "mma_spills": sum(bool(re.search(r"\b(STL|LDL)\b", line)) for gap in gaps for line in gap),
             "spill": int(re.search(r"(\d+) bytes spill stores", info).group(1)),
             "tensormap_acquires": k.asm["ptx"].count("fence.proxy.tensormap::generic.acquire")}
 
@@ -124,7 +130,7 @@ t, bt = G.DEFAULT_TILE, B.DEFAULT_TILE
 ptrs = dict(as_ptr="*fp32", bs_ptr="*fp32", bs2_ptr="*fp32", c_ptr="*bf16", out_ptr="*bf16", out2_ptr="*bf16",
             tiles_ptr="*i32", tile_off_ptr="*i64", offsets_ptr="*i64", d_ptr="*bf16", x_ptr="*bf16")
 ints = {n: "i32" for n in ("n_tiles_m", "N", "N_B", "K", "K_B", "c_stride", "M", "M_SPLIT", "d_stride", "x_stride",
-                          "n_tiles")}
+                          "n_tiles", "I")}
 fp8 = dict(ptrs, **ints, a_desc=desc("fp8e4nv", [t.block_m // 2, 128]), b_desc=desc("fp8e4nv", [128, 128]),
            b2_desc=desc("fp8e4nv", [128, 128]), out_desc=desc("bf16", [t.block_m // 2, 128]),
            out2_desc=desc("bf16", [t.block_m // 2, 128]))
@@ -137,6 +143,11 @@ out = {"_scaled_mm_kernel": build(G._scaled_mm_kernel, fp8, fp8_consts),
        "_scaled_mm_kernel_wide": build(G._scaled_mm_kernel, dict(fp8, b_desc=desc("fp8e4nv", [256, 128]),
                                                                 b2_desc=desc("fp8e4nv", [256, 128])),
                                        dict(fp8_consts, BLOCK_N=256)),
+       "_scaled_gate_up_kernel": build(GU._scaled_gate_up_kernel,
+                                       dict(fp8, gu_ptr="*bf16", h_ptr="*bf16", hq_ptr="*fp8e4nv", hs_ptr="*fp32",
+                                            beta="fp32", linear_beta="fp32"),
+                                       dict(fp8_consts, ACT_DTYPE=gl.bfloat16, SAVE_GU=True, WRITE_H=True,
+                                            QUANT_H=True)),
        "_scaled_mm_kernel_prefetch": build(G._scaled_mm_kernel, fp8, dict(fp8_consts, PREFETCH_SCALES=True)),
        "_scaled_wgrad_kernel_prefetch": build(G._scaled_wgrad_kernel, fp8, dict(fp8_consts, PREFETCH_SCALES=True)),
        "_scaled_wgrad_kernel_tma_store": build(G._scaled_wgrad_kernel, fp8, dict(fp8_consts, TMA_STORE=True)),
@@ -152,8 +163,9 @@ print(json.dumps(out))
 
 def test_gluon_gemm_builds_for_the_h200():
     """The kernels' sm_90a builds (no GPU needed): the FP8 forward / dgrad GEMM (128 and 256 columns a tile) and
-    wgrad (wgmma chains of 64 x 128 x 32; with and without the scales' prefetch), the bf16 GEMM with K- and N-contiguous B and the bf16
-    wgrad (64 x 256 x 16 chains kept in flight); setmaxnreg (the partitions), no spills and no "wgmma serialized"
+    wgrad (wgmma chains of 64 x 128 x 32; with and without the scales' prefetch), the gate/up with SiTU fused,
+    the bf16 GEMM with K- and N-contiguous B and the bf16 wgrad (64 x 256 x 16 chains kept in flight);
+    setmaxnreg (the partitions), no spills (the fused gate/up: none in its MMA loops) and no "wgmma serialized"
     from ptxas."""
     import json
     import subprocess
@@ -163,20 +175,24 @@ def test_gluon_gemm_builds_for_the_h200():
     run = subprocess.run([sys.executable, "-c", _BUILD], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     builds = json.loads(run.stdout.strip().splitlines()[-1])
-    assert set(builds) == {"_scaled_mm_kernel", "_scaled_mm_kernel_wide", "_scaled_wgrad_kernel",
+    assert set(builds) == {"_scaled_mm_kernel", "_scaled_mm_kernel_wide", "_scaled_gate_up_kernel",
+                           "_scaled_wgrad_kernel",
                            "_scaled_mm_kernel_prefetch",
                            "_scaled_wgrad_kernel_prefetch", "_scaled_wgrad_kernel_tma_store", "bf16_k_major_True",
                            "bf16_k_major_False", "bf16_wgrad"}
     assert builds["bf16_wgrad"]["tensormap_acquires"] >= 2  # its per-expert descriptors, made on the device
     for name, out in builds.items():
         assert "serialized" not in out["info"], (name, out["info"])
-        assert out["spill"] == 0, (name, out["info"])
+        assert out["mma_spills"] == 0, (name, out["info"])  # nothing spilled in the MMA loops
+        if name != "_scaled_gate_up_kernel":  # (its SiTU epilogue spills: 64 values a thread through tanh)
+            assert out["spill"] == 0, (name, out["info"])
         assert out["ops"].get("USETMAXREG", 0) > 0, (name, out["ops"])
         if name.startswith("bf16"):  # chains of 64 x 256 x 16, the previous one still in flight at each wait
             assert out["ops"].get("HGMMA.64x256x16.F32.BF16", 0) >= 8, (name, out["ops"])
             assert out["ops"].get("WARPGROUP.DEPBAR.LE gsb0, 0x1", 0) >= 2, (name, out["ops"])
         else:
-            chains = 16 if name.endswith("wide") else 8  # 2 consumers x 4 (x 2 column halves in a wide tile)
+            # 2 consumers x 4 (x 2 column halves in a wide tile: G and U in the fused gate/up)
+            chains = 16 if name.endswith("wide") or "gate_up" in name else 8
             assert out["ops"].get("QGMMA.64x128x32.F32.E4M3.E4M3", 0) >= chains, (name, out["ops"])
 
 
@@ -187,12 +203,13 @@ def _sm90() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="Gluon's kernel needs an sm_90 GPU (H100/H200)")
-@pytest.mark.parametrize("change", [{"persistent": False}, {"persistent": True}, {"mm_block_n": 256}])
+@pytest.mark.parametrize("change", [{"persistent": False}, {"persistent": True}, {"mm_block_n": 256},
+                                    {"mm_block_n": 256, "fuse_situ": True}])
 def test_gpu_gluon_gemms_give_the_triton_bits(monkeypatch, change):
     """K3 widths (latent 3584, intermediate 3072), 112 experts, uneven expert loads: the gate/up (G | U in one
     launch, then the SiTU + quantisation pass) and the down GEMM give the Triton FP8 kernels' bits, with one
-    program a tile, with the persistent grid (programs walking several tiles through one ring) and with tiles of
-    two weight-scale blocks."""
+    program a tile, with the persistent grid (programs walking several tiles through one ring), with tiles of
+    two weight-scale blocks and with SiTU in the gate/up's epilogue (also without G | U and H: inference)."""
     from k3_kernels.moe import gluon_gemm
     monkeypatch.setattr(gluon_gemm, "DEFAULT_TILE", dataclasses.replace(gluon_gemm.DEFAULT_TILE, **change))
     z, ids, w, w1, w3, w2 = _case(2048, 3584, 3072, 112, 16, seed=11)
@@ -209,6 +226,12 @@ def test_gpu_gluon_gemms_give_the_triton_bits(monkeypatch, change):
         outs[impl] = (gu, h, hq.view(torch.uint8), hs, y)
     for name, a, b in zip(("gu", "h", "hq", "hs", "y"), outs[gg.GemmKernels.TRITON], outs[gg.GemmKernels.GLUON]):
         assert torch.equal(a, b), (name, (a.float() - b.float()).abs().max().item())
+    with gg.gemm_kernels(gg.GemmKernels.GLUON):  # inference: H's FP8 rows alone
+        gu, h, hq, hs = gg.gate_up(xq, w1, w3, plan, 4.0, 25.0, act_dtype=torch.bfloat16, save_gu=False,
+                                   write_h=False, quant_h=True, fp8=fp8)
+    assert gu is None and h is None
+    _, _, hq_t, hs_t, _ = outs[gg.GemmKernels.TRITON]
+    assert torch.equal(hq.view(torch.uint8), hq_t) and torch.equal(hs, hs_t)
 
 
 @pytest.mark.gpu
