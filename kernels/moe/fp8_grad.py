@@ -23,7 +23,8 @@ import triton.language as tl
 from k3_kernels.launch import cdiv
 from k3_kernels.moe import gluon_gemm
 from k3_kernels.moe import grouped_gemm as gg
-from k3_kernels.moe.permute import QUANT_BLOCK, RoutingPlan, e4m3_scale, e4m3_values, store_row_quant
+from k3_kernels.moe.permute import (QUANT_BLOCK, GatheredRows, RoutingPlan, e4m3_scale, e4m3_values, load_rows,
+                                    store_row_quant)
 from k3_kernels.situ.fused import situ_grads
 
 
@@ -34,25 +35,41 @@ ROW_PASS_ROWS, ROW_PASS_WARPS = 16, 4
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, P, C, x_stride, BLOCK_P: tl.constexpr, QB: tl.constexpr):
+def _quant_rows_kernel(x_ptr, x_stride, order_ptr, w_ptr, top_k, q_ptr, s_ptr, P, C, GATHER: tl.constexpr,
+                       HAS_W: tl.constexpr, ROUND: tl.constexpr, BLOCK_P: tl.constexpr, QB: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     cols = tl.program_id(1) * QB + tl.arange(0, QB)
     rmask = rows < P
     r64 = rows.to(tl.int64)
-    v = tl.load(x_ptr + r64[:, None] * x_stride + cols[None, :], mask=rmask[:, None], other=0.0)
+    v = load_rows(x_ptr, x_stride, order_ptr, w_ptr, top_k, rows, rmask, cols, rmask[:, None], GATHER, HAS_W, ROUND)
     store_row_quant(v, rmask[:, None], rmask, r64, cols, tl.program_id(1), q_ptr, C, s_ptr, C // QB)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [P, C] (C % 128 == 0, rows may be strided) -> (q e4m3 [P, C], scale fp32 [P, C / 128]): 1 x 128 blocks."""
-    P, C = x.shape
-    if C % QUANT_BLOCK or x.stride(1) != 1:
-        raise ValueError(f"x: expected contiguous rows of a width divisible by {QUANT_BLOCK}, got {tuple(x.shape)}")
-    q = torch.empty(P, C, device=x.device, dtype=torch.float8_e4m3fn)
-    s = torch.empty(P, C // QUANT_BLOCK, device=x.device, dtype=torch.float32)
+def _source(x: torch.Tensor | GatheredRows, name: str) -> tuple[int, int, tuple, dict]:
+    """(rows, width, `load_rows`' arguments, its constexprs) of a tensor or a GatheredRows."""
+    if isinstance(x, GatheredRows):
+        x.check(name)
+        P, C = x.rows, x.x.shape[1]
+        args, consts = x.kernel_args()
+    else:
+        if x.dim() != 2 or x.stride(1) != 1:
+            raise ValueError(f"{name}: expected [P, C] with contiguous rows, got {tuple(x.shape)}")
+        (P, C), args, consts = x.shape, (x, x.stride(0), x, x, 1), dict(GATHER=False, HAS_W=False, ROUND=tl.float32)
+    if C % QUANT_BLOCK:
+        raise ValueError(f"{name}: expected a width divisible by {QUANT_BLOCK}, got {C}")
+    return P, C, args, consts
+
+
+def quantize_rows(x: torch.Tensor | GatheredRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [P, C] (C % 128 == 0, rows may be strided; or rows gathered in place) -> (q e4m3 [P, C], scale fp32
+    [P, C / 128]): 1 x 128 blocks."""
+    P, C, args, consts = _source(x, "x")
+    dev = args[0].device
+    q = torch.empty(P, C, device=dev, dtype=torch.float8_e4m3fn)
+    s = torch.empty(P, C // QUANT_BLOCK, device=dev, dtype=torch.float32)
     if P:
         BP = ROW_PASS_ROWS
-        _quant_rows_kernel[(cdiv(P, BP), C // QUANT_BLOCK)](x, q, s, P, C, x.stride(0), BLOCK_P=BP, QB=QUANT_BLOCK,
+        _quant_rows_kernel[(cdiv(P, BP), C // QUANT_BLOCK)](*args, q, s, P, C, **consts, BLOCK_P=BP, QB=QUANT_BLOCK,
                                                             num_warps=ROW_PASS_WARPS)
     return q, s
 
@@ -113,7 +130,8 @@ TOKEN_BLOCK_COLUMNS, TOKEN_BLOCK_WARPS = 64, 8
 
 
 @triton.jit
-def _token_block_kernel(x_ptr, tiles_ptr, tq_ptr, ts_ptr, C, x_stride, n_tiles, QB: tl.constexpr,
+def _token_block_kernel(x_ptr, x_stride, order_ptr, w_ptr, top_k, tiles_ptr, tq_ptr, ts_ptr, C, n_tiles,
+                        GATHER: tl.constexpr, HAS_W: tl.constexpr, ROUND: tl.constexpr, QB: tl.constexpr,
                         BLOCK_C: tl.constexpr):
     """Program (tile t, BLOCK_C columns): the tile's rows (past the expert: zeros) quantised per column (QB x 1),
     stored transposed in column block t of tq, the scales in row t of ts. Columns are independent: BLOCK_C only
@@ -126,8 +144,8 @@ def _token_block_kernel(x_ptr, tiles_ptr, tq_ptr, ts_ptr, C, x_stride, n_tiles, 
         rows = r0 + tl.arange(0, QB)
         rmask = rows < r1
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        v = tl.load(x_ptr + rows.to(tl.int64)[:, None] * x_stride + cols[None, :], mask=rmask[:, None],
-                    other=0.0).to(tl.float32)
+        v = load_rows(x_ptr, x_stride, order_ptr, w_ptr, top_k, rows, rmask, cols, rmask[:, None], GATHER, HAS_W,
+                      ROUND).to(tl.float32)
         camax = tl.max(tl.abs(v), axis=0)
         cscale = e4m3_scale(camax)
         cq = e4m3_values(v, cscale[None, :])
@@ -137,8 +155,9 @@ def _token_block_kernel(x_ptr, tiles_ptr, tq_ptr, ts_ptr, C, x_stride, n_tiles, 
         tl.store(ts_ptr + t.to(tl.int64) * C + cols, cscale)
 
 
-def quantize_token_blocks(x: torch.Tensor, tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [P, C] (expert-sorted rows; C % 128 == 0) -> (q e4m3 [C, T 128], scale fp32 [T, C]) for the T tiles of
+def quantize_token_blocks(x: torch.Tensor | GatheredRows, tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [P, C] (expert-sorted rows, or gathered in place; C % 128 == 0) -> (q e4m3 [C, T 128], scale fp32 [T, C])
+    for the T tiles of
     `token_block_tiles`: column block t holds tile t's rows quantised per channel (128 x 1 blocks), transposed,
     and row t of the scales their scales (a block's scales contiguous: the GEMMs read one row a K step); unused
     tiles are left unwritten (no expert's range reaches them).
@@ -146,14 +165,13 @@ def quantize_token_blocks(x: torch.Tensor, tiles: torch.Tensor) -> tuple[torch.T
     A tensor that needs both quantisations (dY, dG | dU) goes through `quantize_rows` and this pass, two reads: one
     pass doing both needs 168 registers a thread at 8 warps, one program an SM, which leaves the memory system idle
     while a program reduces and stores (kernels/moe/NOTES.md, session 31)."""
-    P, C = x.shape
-    if C % QUANT_BLOCK or x.stride(1) != 1:
-        raise ValueError(f"x: expected contiguous rows of a width divisible by {QUANT_BLOCK}, got {tuple(x.shape)}")
+    P, C, args, consts = _source(x, "x")
     T = tiles.shape[0]
-    tq = torch.empty(C, T * QUANT_BLOCK, device=x.device, dtype=torch.float8_e4m3fn)
-    ts = torch.empty(T, C, device=x.device, dtype=torch.float32)
+    dev = args[0].device
+    tq = torch.empty(C, T * QUANT_BLOCK, device=dev, dtype=torch.float8_e4m3fn)
+    ts = torch.empty(T, C, device=dev, dtype=torch.float32)
     if P and T:
-        _token_block_kernel[(T, C // TOKEN_BLOCK_COLUMNS)](x, tiles, tq, ts, C, x.stride(0), T, QB=QUANT_BLOCK,
+        _token_block_kernel[(T, C // TOKEN_BLOCK_COLUMNS)](*args, tiles, tq, ts, C, T, **consts, QB=QUANT_BLOCK,
                                                            BLOCK_C=TOKEN_BLOCK_COLUMNS, num_warps=TOKEN_BLOCK_WARPS)
     return tq, ts
 

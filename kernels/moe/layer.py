@@ -24,7 +24,8 @@ import torch
 
 from k3_kernels.moe import fp8_grad
 from k3_kernels.moe import grouped_gemm as gg
-from k3_kernels.moe.permute import QUANT_BLOCK, combine, combine_backward, permute_rows, plan_routing
+from k3_kernels.moe.permute import (QUANT_BLOCK, GatheredRows, combine, combine_backward, permute_rows,
+                                    plan_routing)
 from k3_kernels.moe.quant import quantize_weight_fp8
 
 
@@ -91,7 +92,8 @@ class _ExpertsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z, w, w1, w3, w2, ids, beta, linear_beta, fp8, training, fp8_grads):
         plan = plan_routing(ids, w1.shape[0])
-        xp, xq, xs = permute_rows(z, plan, bf16=not fp8 or training, fp8=fp8)
+        # (FP8_FULL saves X only as the wgrad's token blocks, read from z in place: no bf16 permuted copy)
+        xp, xq, xs = permute_rows(z, plan, bf16=not fp8 or (training and not fp8_grads), fp8=fp8)
         if fp8:
             (w1q, w1s), (w3q, w3s), (w2q, w2s) = fp8_weight(w1), fp8_weight(w3), fp8_weight(w2)
             gu, h, hq, hs = gg.gate_up(xq, w1, w3, plan, beta, linear_beta, act_dtype=z.dtype,
@@ -105,7 +107,8 @@ class _ExpertsFn(torch.autograd.Function):
         if training and fp8_grads:
             # the wgrads' operands from X and H, quantised in 128-token blocks now: saved instead of X and H in bf16
             tiles, _ = fp8_grad.token_block_tiles(plan)
-            (xbq, xbs), (hbq, hbs) = fp8_grad.quantize_token_blocks(xp, tiles), fp8_grad.quantize_token_blocks(h, tiles)
+            xbq, xbs = fp8_grad.quantize_token_blocks(GatheredRows(z, plan.order, plan.top_k), tiles)
+            hbq, hbs = fp8_grad.quantize_token_blocks(h, tiles)
             ctx.save_for_backward(w, w1, w3, w2, xbq, xbs, gu, hbq, hbs, y)
         elif training:
             ctx.save_for_backward(w, w1, w3, w2, xp, gu, h, y)
@@ -121,7 +124,7 @@ class _ExpertsFn(torch.autograd.Function):
         with gg.gemm_kernels(ctx.gemm_kernels) if ctx.gemm_kernels is not None else contextlib.nullcontext():
             if ctx.fp8_grads:
                 w, w1, w3, w2, xbq, xbs, gu, hbq, hbs, y = ctx.saved_tensors
-                dy, dw = combine_backward(dout, y, ctx.plan, w)
+                dy, dw = combine_backward(dout, y, ctx.plan, w, write_dy=False)  # dy: read in place twice
                 return _fp8_backward(ctx, dout, dy, dw, (xbq, xbs), gu, (hbq, hbs), w1, w3, w2)
             return _backward(ctx, dout)
 
@@ -145,7 +148,7 @@ def _backward(ctx, dout):
 
 def _fp8_backward(ctx, dout, dy, dw, x_blocks, gu, h_blocks, w1, w3, w2):
     """Precision.FP8_FULL: the dgrads and wgrads of the routed experts in e4m3 (fp8_grad.py); x_blocks / h_blocks:
-    the forward's permuted rows and H quantised in 128-token blocks."""
+    the forward's permuted rows and H quantised in 128-token blocks; dy: combine's row gradients, read in place."""
     plan, (beta, linear_beta) = ctx.plan, ctx.meta
     E, I = w1.shape[0], w1.shape[1]
     tiles, tile_offsets = fp8_grad.token_block_tiles(plan)

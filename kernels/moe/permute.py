@@ -49,6 +49,57 @@ def store_row_quant(v, mask, rmask, r64, cols, block, q_ptr, q_stride, s_ptr, s_
     tl.store(s_ptr + r64 * s_stride + block, scale, mask=rmask)
 
 
+@dataclass(frozen=True)
+class GatheredRows:
+    """Permuted rows read in place instead of materialised: row r is x[order[r] // top_k], times weights[order[r]]
+    and rounded to `dtype` when weights are given -- the permuted tokens (weights None; `permute_rows`'s bf16
+    rows) or combine's row gradients dY (dout and the gate weights; `combine_backward`'s dy), same bits.
+    x [N, D] with contiguous rows, order = RoutingPlan.order, weights fp32 [N * top_k] (contiguous)."""
+    x: torch.Tensor
+    order: torch.Tensor
+    top_k: int
+    weights: torch.Tensor | None = None
+    dtype: torch.dtype | None = None  # the rounding of a weighted row (default x's dtype)
+
+    @property
+    def rows(self) -> int:
+        return self.order.numel()
+
+    def kernel_args(self) -> tuple:
+        """(x, x row stride, order, weights or x, top_k) and the constexprs (GATHER, HAS_W, ROUND) for `load_rows`."""
+        w = self.weights if self.weights is not None else self.x
+        return (self.x, self.x.stride(0), self.order, w, self.top_k), dict(
+            GATHER=True, HAS_W=self.weights is not None, ROUND=_TL_DTYPES[self.dtype or self.x.dtype])
+
+    def check(self, name: str) -> None:
+        if self.x.dim() != 2 or self.x.stride(1) != 1:
+            raise ValueError(f"{name}: expected [N, D] with contiguous rows, got {tuple(self.x.shape)}")
+        if self.weights is not None and (self.weights.dtype != torch.float32 or not self.weights.is_contiguous()
+                                         or self.weights.numel() != self.x.shape[0] * self.top_k):
+            raise ValueError(f"{name}: weights must be contiguous fp32 [N * top_k], got {tuple(self.weights.shape)} "
+                             f"{self.weights.dtype}")
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def load_rows(x_ptr, x_stride, order_ptr, w_ptr, top_k, rows, rmask, cols, mask, GATHER: tl.constexpr,
+              HAS_W: tl.constexpr, ROUND: tl.constexpr):
+    """Rows `rows` x columns `cols` (zeros outside `mask`) of x, or with GATHER of the `GatheredRows` it
+    describes: x[order[r] // top_k] (HAS_W: * weights[order[r]] in fp32, rounded to ROUND)."""
+    if GATHER:
+        pair = tl.load(order_ptr + rows, mask=rmask, other=0)
+        src = (pair // top_k).to(tl.int64)
+        v = tl.load(x_ptr + src[:, None] * x_stride + cols[None, :], mask=mask, other=0.0)
+        if HAS_W:
+            wr = tl.load(w_ptr + pair, mask=rmask, other=0.0)
+            v = (v.to(tl.float32) * wr[:, None]).to(ROUND)
+    else:
+        v = tl.load(x_ptr + rows.to(tl.int64)[:, None] * x_stride + cols[None, :], mask=mask, other=0.0)
+    return v
+
+
 @triton.jit
 def program_tile(pid, tiles_ptr, n_tiles_m, n_tiles_n, GROUP_M: tl.constexpr):
     """Program pid of a grouped GEMM over `RoutingPlan.tiles` -> (expert, first row, expert's end row, n tile),
@@ -206,7 +257,7 @@ def combine(y: torch.Tensor, plan: RoutingPlan, w: torch.Tensor | None, out_dtyp
 
 @triton.jit
 def _combine_bwd_kernel(dout_ptr, y_ptr, pos_ptr, w_ptr, dy_ptr, dw_ptr, N, D, TOP_K: tl.constexpr,
-                        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                        WRITE_DY: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = toks < N
     for j in range(0, TOP_K):
@@ -219,21 +270,26 @@ def _combine_bwd_kernel(dout_ptr, y_ptr, pos_ptr, w_ptr, dy_ptr, dw_ptr, N, D, T
             g = tl.load(dout_ptr + toks.to(tl.int64)[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
             v = tl.load(y_ptr + p[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
             dw += tl.sum(g * v, axis=1)
-            tl.store(dy_ptr + p[:, None] * D + cols[None, :], (g * wj[:, None]).to(dy_ptr.dtype.element_ty), mask=m)
+            if WRITE_DY:  # (else read in place by a GatheredRows of dout: the same product and rounding)
+                tl.store(dy_ptr + p[:, None] * D + cols[None, :], (g * wj[:, None]).to(dy_ptr.dtype.element_ty),
+                         mask=m)
         tl.store(dw_ptr + toks * TOP_K + j, dw, mask=tmask)
 
 
-def combine_backward(dout: torch.Tensor, y: torch.Tensor, plan: RoutingPlan, w: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def combine_backward(dout: torch.Tensor, y: torch.Tensor, plan: RoutingPlan, w: torch.Tensor, *,
+                     write_dy: bool = True) -> tuple[torch.Tensor | GatheredRows, torch.Tensor]:
     """Gradients of `combine`: dy[pos[t, j]] = w[t, j] dout[t] (y's dtype), dw[t, j] = <dout[t], y[pos[t, j]]>
-    (fp32, a fixed-order sum over the width)."""
+    (fp32, a fixed-order sum over the width). write_dy=False: dy is returned as the `GatheredRows` that yields it
+    (for consumers that read it once or twice, e.g. the FP8 quantisers), and only dw is computed."""
     N, k = plan.pos.shape
     D = y.shape[1]
     dout = dout.contiguous()
-    dy = torch.empty_like(y)
+    wf = w.float().contiguous()
+    dy = torch.empty_like(y) if write_dy else GatheredRows(dout, plan.order, k, wf.view(-1), y.dtype)
     dw = torch.empty(N, k, device=y.device, dtype=torch.float32)
     if N:
         BT = 8
-        _combine_bwd_kernel[(cdiv(N, BT),)](dout, y, plan.pos, w.float().contiguous(), dy, dw, N, D, TOP_K=k,
-                                            BLOCK_T=BT, BLOCK_D=min(256, next_pow2(D)), num_warps=4)
+        _combine_bwd_kernel[(cdiv(N, BT),)](dout, y, plan.pos, wf, dy if write_dy else dw, dw, N, D, TOP_K=k,
+                                            WRITE_DY=write_dy, BLOCK_T=BT, BLOCK_D=min(256, next_pow2(D)),
+                                            num_warps=4)
     return dy, dw

@@ -18,7 +18,7 @@ from _moe_interp import experts_case, rel_rms  # noqa: E402  (+ the FP8 conversi
 from k3_kernels.moe import fp8_grad, naive  # noqa: E402
 from k3_kernels.moe import grouped_gemm as gg  # noqa: E402
 from k3_kernels.moe.layer import Precision, fp8_weight, fp8_weight_t, fp8_weight_t13, moe_experts  # noqa: E402
-from k3_kernels.moe.permute import plan_routing  # noqa: E402
+from k3_kernels.moe.permute import GatheredRows, combine_backward, permute_rows, plan_routing  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -80,6 +80,32 @@ def test_pass_program_sizes_do_not_change_the_bits(monkeypatch, setting):
     for i, (a, b) in enumerate(zip(default, run())):
         assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
                            b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), i
+
+
+def test_gathered_rows_give_the_materialised_rows_bits():
+    """FP8_FULL never writes X's bf16 permuted copy or combine's dY: the quantisers read them in place
+    (GatheredRows: z[order // k], and dout[order // k] * w rounded like combine_backward's dy). Both quantisers
+    must give the bits of quantising the materialised tensors, top-2 routing with an empty expert included."""
+    ids = torch.tensor([[0, 2], [3, 0], [2, 3], [0, 3], [3, 2]] * 31, device=DEV)[:150]
+    plan = plan_routing(ids, 4)
+    z, dout = _rows(150, 256, seed=31), _rows(150, 256, seed=32)
+    w = torch.rand(150, 2, generator=torch.Generator().manual_seed(33)).to(DEV)
+    tiles, _ = fp8_grad.token_block_tiles(plan)
+    xp, _, _ = permute_rows(z, plan)
+    y = _rows(plan.rows, 256, seed=34)
+    dy, dw = combine_backward(dout, y, plan, w)
+    dy_src, dw_src = combine_backward(dout, y, plan, w, write_dy=False)
+    assert isinstance(dy_src, GatheredRows) and torch.equal(dw_src, dw)
+    used = int(fp8_grad.token_block_tiles(plan)[1][-1]) * 128  # (unused tiles are left unwritten)
+    for source, rows in ((GatheredRows(z, plan.order, 2), xp), (dy_src, dy)):
+        for a, b in zip(fp8_grad.quantize_rows(source), fp8_grad.quantize_rows(rows)):
+            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+        (qa, sa), (qb, sb) = fp8_grad.quantize_token_blocks(source, tiles), fp8_grad.quantize_token_blocks(rows, tiles)
+        assert torch.equal(qa[:, :used].view(torch.uint8), qb[:, :used].view(torch.uint8))
+        assert torch.equal(sa[:used // 128], sb[:used // 128])
+    with pytest.raises(ValueError, match="weights"):
+        fp8_grad.quantize_rows(GatheredRows(dout, plan.order, 2, w.view(-1)[:-1]))
 
 
 def test_situ_backward_and_row_quantisation_in_one_pass_give_the_two_passes_bits():
