@@ -126,5 +126,5 @@ def scaled_gate_up(xq: torch.Tensor, xs: torch.Tensor, w1: tuple[torch.Tensor, t
         a_desc, b_desc, b2_desc, xs, w1s, w3s, gu if gu is not None else outs[0], h if h is not None else outs[0],
         hq if hq is not None else outs[0], hs if hs is not None else xs, tiles, n_m, I, K, float(beta),
         float(linear_beta), BLOCK_M=tile.block_m, BLOCK_K=tile.block_k, GROUP_M=tile.group_m, STAGES=tile.stages,
-        CONSUMER_REGS=tile.consumer_regs, ACT_DTYPE=_ACT_DTYPES[act_dtype], SAVE_GU=gu is not None, WRITE_H=h is not None, QUANT_H=hq is not None,
-        num_warps=4, maxnreg=_MAXNREG)
+        CONSUMER_REGS=tile.consumer_regs, ACT_DTYPE=_ACT_DTYPES[act_dtype], SAVE_GU=gu is not None,
+        WRITE_H=h is not None, QUANT_H=hq is not None, num_warps=4, maxnreg=_MAXNREG)

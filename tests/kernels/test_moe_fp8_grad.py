@@ -236,8 +236,8 @@ def _sm90() -> bool:
 def test_gpu_fp8_full_same_bits_with_either_gemm(monkeypatch, change):
     """K3 widths, 112 experts, 1024 tokens: the FP8_FULL layer's output and every gradient are the same bits with
     the Gluon GEMMs (forward, dgrads, wgrads; one program a tile, the default persistent grid with the wgrad's TMA
-    store, register stores instead, the scales prefetched, 256-column tiles, SiTU in the gate/up's epilogue) as with the Triton
-    ones, and on a rerun."""
+    store, register stores instead, the scales prefetched, 256-column tiles, SiTU in the gate/up's epilogue) as
+    with the Triton ones, and on a rerun."""
     from k3_kernels.moe import gluon_gemm
     monkeypatch.setattr(gluon_gemm, "DEFAULT_TILE", dataclasses.replace(gluon_gemm.DEFAULT_TILE, **change))
     case = _case(1024, 3584, 3072, 112, 16, seed=13)
