@@ -52,17 +52,17 @@ class GluonTile:
     consumers load the next K block's scales before this block's chain, and whether the wgrad stores its tiles
     by TMA from shared memory (16 KB a consumer)."""
     block_m: int = 128
-    stages: int = 4  # the H200 sweep's choice (benchmarks/moe.py --gluon-gemms; kernels/moe/NOTES.md)
+    stages: int = 2  # with 256-column tiles: the H100 sweep's and layer rows' choice (kernels/moe/NOTES.md)
     consumer_regs: int = 232
     group_m: int = 8
     persistent: bool = True  # the H200 A/B's choice (the same sweep)
-    prefetch_scales: bool = False  # measured no faster (the same sweep on an H100; NOTES.md, session 35)
+    prefetch_scales: bool = False  # measured no faster (NOTES.md, session 35); 128-column tiles only
     tma_store_wgrad: bool = True  # the wgrad's tiles out by TMA from shared memory (that sweep's choice)
     block_n: int = QUANT_BLOCK
     block_k: int = QUANT_BLOCK
     # output columns of a forward / dgrad tile: 128 (one weight-scale block) or 256 (two, scaled one after the
     # other through one partial; the wgrad keeps block_n); same bits either way
-    mm_block_n: int = QUANT_BLOCK
+    mm_block_n: int = 2 * QUANT_BLOCK  # (the H100 sweep: +10-25% on the four GEMMs; NOTES.md, session 40)
     wgrad_block_n: int = QUANT_BLOCK  # the same for the wgrad's tiles (two column-scale rows a token block)
     # the gate/up as one launch with SiTU and H's FP8 rows in its epilogue (gluon_gate_up.py: a tile's halves are
     # G and U of the same 128 columns), instead of the G | U launch and `grouped_gemm.situ_quant`'s pass

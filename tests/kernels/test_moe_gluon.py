@@ -203,13 +203,13 @@ def _sm90() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="Gluon's kernel needs an sm_90 GPU (H100/H200)")
-@pytest.mark.parametrize("change", [{"persistent": False}, {"persistent": True}, {"mm_block_n": 256},
-                                    {"mm_block_n": 256, "fuse_situ": True}])
+@pytest.mark.parametrize("change", [{"persistent": False}, {}, {"mm_block_n": 128}, {"fuse_situ": True}])
 def test_gpu_gluon_gemms_give_the_triton_bits(monkeypatch, change):
     """K3 widths (latent 3584, intermediate 3072), 112 experts, uneven expert loads: the gate/up (G | U in one
     launch, then the SiTU + quantisation pass) and the down GEMM give the Triton FP8 kernels' bits, with one
-    program a tile, with the persistent grid (programs walking several tiles through one ring), with tiles of
-    two weight-scale blocks and with SiTU in the gate/up's epilogue (also without G | U and H: inference)."""
+    program a tile, with the default persistent grid (programs walking several tiles through one ring) of tiles
+    of two weight-scale blocks, with one-block tiles and with SiTU in the gate/up's epilogue (also without G | U
+    and H: inference)."""
     from k3_kernels.moe import gluon_gemm
     monkeypatch.setattr(gluon_gemm, "DEFAULT_TILE", dataclasses.replace(gluon_gemm.DEFAULT_TILE, **change))
     z, ids, w, w1, w3, w2 = _case(2048, 3584, 3072, 112, 16, seed=11)
