@@ -16,25 +16,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from k3_kernels.moe.gluon_gemm import (_MAXNREG, _SCALE_N, DEFAULT_TILE, QUANT_BLOCK, GluonTile, _consume_wide_tile,
-                                       _descriptor, _load_blocks, _mm_tile, _programs, _ring_of)
+                                       _descriptor, _mm_producer, _mm_tile, _programs, _ring_of)
 from k3_kernels.situ.fused import situ_h
 from k3_kernels.moe.permute import store_row_quant
 
 
 _ACT_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
-
-
-@gluon.jit
-def _gate_up_producer(a_desc, b_desc, b2_desc, ready, empty, a_lo, a_hi, b_bufs, tiles_ptr, n_tiles_m, I, K,
-                      BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, HALF_M: gl.constexpr):
-    """One warp: per K block of a tile, A's two row halves and the W1 and W3 boxes of the tile's columns."""
-    it = 0
-    for t in range(gl.program_id(0), n_tiles_m * gl.cdiv(I, _SCALE_N), gl.num_programs(0)):
-        e, r0, r1, col0, second, local, off_b, n_k = _mm_tile(t, tiles_ptr, n_tiles_m, I, I, K, _SCALE_N, BLOCK_K,
-                                                               GROUP_M)
-        if e >= 0:
-            it = _load_blocks(a_desc, b_desc, b2_desc, ready, empty, a_lo, a_hi, b_bufs, r0, off_b, second, 0, n_k,
-                              it, STAGES, BLOCK_K, HALF_M, True)
 
 
 @gluon.jit
@@ -93,8 +80,8 @@ def _scaled_gate_up_kernel(a_desc, b_desc, b2_desc, as_ptr, bs_ptr, bs2_ptr, gu_
         (_gate_up_consumer, (a_hi, b_bufs, ready, empty, as_ptr, bs_ptr, bs2_ptr, gu_ptr, h_ptr, hq_ptr, hs_ptr,
                              tiles_ptr, n_tiles_m, I, K, beta, linear_beta, HALF_M, HALF_M, BLOCK_K, GROUP_M, STAGES,
                              ACT_DTYPE, SAVE_GU, WRITE_H, QUANT_H)),
-        (_gate_up_producer, (a_desc, b_desc, b2_desc, ready, empty, a_lo, a_hi, b_bufs, tiles_ptr, n_tiles_m, I, K,
-                             BLOCK_K, GROUP_M, STAGES, HALF_M)),
+        (_mm_producer, (a_desc, b_desc, b2_desc, ready, empty, a_lo, a_hi, b_bufs, tiles_ptr, n_tiles_m, I, I, K,
+                        _SCALE_N, BLOCK_K, GROUP_M, STAGES, HALF_M, True)),
     ], [4, 1], [CONSUMER_REGS, 40])
 
 

@@ -157,16 +157,17 @@ def _mm_tile(t, tiles_ptr, n_tiles_m, N, N_B, K, BLOCK_N: gl.constexpr, BLOCK_K:
 @gluon.jit
 def _mm_producer(a_desc, b_desc, b2_desc, ready, empty, a_lo, a_hi, b_bufs, tiles_ptr, n_tiles_m, N, N_B, K,
                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                 HALF_M: gl.constexpr):
+                 HALF_M: gl.constexpr, SPLIT_B: gl.constexpr):
     """One warp: the loads of every tile this program owns (tiles pid, pid + programs, ...), running ahead into the
-    next tile while the consumers finish the last one."""
+    next tile while the consumers finish the last one. SPLIT_B: `_load_blocks`' (B's and B2's boxes of the same
+    columns in one slot: gluon_gate_up.py)."""
     it = 0
     for t in range(gl.program_id(0), n_tiles_m * gl.cdiv(N, BLOCK_N), gl.num_programs(0)):
         e, r0, r1, col0, second, local, off_b, n_k = _mm_tile(t, tiles_ptr, n_tiles_m, N, N_B, K, BLOCK_N, BLOCK_K,
                                                                GROUP_M)
         if e >= 0:
             it = _load_blocks(a_desc, b_desc, b2_desc, ready, empty, a_lo, a_hi, b_bufs, r0, off_b, second, 0, n_k,
-                              it, STAGES, BLOCK_K, HALF_M, False)
+                              it, STAGES, BLOCK_K, HALF_M, SPLIT_B)
 
 
 @gluon.jit
@@ -325,7 +326,7 @@ def _scaled_mm_kernel(a_desc, b_desc, b2_desc, as_ptr, bs_ptr, bs2_ptr, c_ptr, t
         (_mm_consumer, (a_hi, b_bufs, ready, empty, as_ptr, bs_ptr, bs2_ptr, c_ptr, tiles_ptr, n_tiles_m, N, N_B, K,
                         c_stride, HALF_M, HALF_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, PREFETCH_SCALES)),
         (_mm_producer, (a_desc, b_desc, b2_desc, ready, empty, a_lo, a_hi, b_bufs, tiles_ptr, n_tiles_m, N, N_B, K,
-                        BLOCK_N, BLOCK_K, GROUP_M, STAGES, HALF_M)),
+                        BLOCK_N, BLOCK_K, GROUP_M, STAGES, HALF_M, False)),
     ], [4, 1], [CONSUMER_REGS, 40])
 
 
