@@ -6,7 +6,9 @@ table on the device (no host sync). `permute_rows` gathers rows (optionally quan
 1 x 128 scales in the same pass) into new tensors or into caller-given buffers at a row offset (the staging the EP
 dispatch of issue #29 uses).
 `combine` sums a token's k rows in slot order in fp32 (no atomics, no scatter-add); `combine_backward` gives the
-rows' gradients and the gate weights' gradients. Spec: naive.py (naive_permutation, naive_permute, naive_combine).
+rows' gradients and the gate weights' gradients. `GatheredRows` / `load_rows`: permuted rows (or combine's dY)
+read in place by the FP8 quantisers instead of written out. Spec: naive.py (naive_permutation, naive_permute,
+naive_combine).
 """
 from __future__ import annotations
 
