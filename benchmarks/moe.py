@@ -342,7 +342,7 @@ def main() -> None:
     ap.add_argument("--fp8-tiles", default=None, help="with --gluon-gemms: the FP8 GluonTile changes to sweep "
                     "instead of moe_gemms.GLUON_FP8_TILES, e.g. 'mm_block_n=256,mm_block_n=256+stages=3' ('' = none)")
     ap.add_argument("--fp8-tile", default=None, help="the layer rows and the profile with this GluonTile change "
-                    "(e.g. 'mm_block_n=256+wgrad_block_n=256'; recorded in the JSON)")
+                    "(e.g. 'mm_block_n=128+stages=4'; recorded in the JSON)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.smoke:  # fp32: the interpreter's bf16 dots are not the GPU's (tests/kernels/conftest.py)

@@ -83,7 +83,7 @@ def sweep(E, N, L, I, k, device, reps_ms):
 
 # GluonTile fields changed from the default (the default first)
 GLUON_FP8_TILES = [{}, {"mm_block_n": 128}, {"stages": 3}, {"stages": 4}, {"group_m": 4}, {"persistent": False},
-                   {"fuse_situ": True}, {"wgrad_block_n": 256}, {"prefetch_scales": True, "mm_block_n": 128}]
+                   {"fuse_situ": True}, {"prefetch_scales": True, "mm_block_n": 128}]
 # (row-pass rows, warps, token-block columns, warps): the defaults first
 PASS_SETTINGS = [(16, 4, 64, 8), (32, 4, 128, 8), (64, 8, 32, 4), (32, 8, 64, 4), (128, 8, 128, 4)]
 GLUON_BF16_TILES: list[tuple[int, int]] = []  # (block_n, stages); session 31 swept 4 (moe_gluon.json)

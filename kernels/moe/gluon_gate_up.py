@@ -44,7 +44,7 @@ def _gate_up_consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, bs2_ptr, gu_
             rmask = rows < r1
             r64 = rows.to(gl.int64)
             acc_g, acc_u = _consume_wide_tile(a_bufs, b_bufs, ready, empty, as_ptr + r64 * n_k, rmask, bs_ptr + sb_off,
-                                              bs2_ptr + sb_off, None, it, n_k, 0, 1, HALF_M, STAGES, False)
+                                              bs2_ptr + sb_off, it, n_k, HALF_M, STAGES)
             it += n_k
             cols = col0 + gl.arange(0, _SCALE_N, layout=gl.SliceLayout(0, mma_layout))
             m = rmask[:, None] & (cols < I)[None, :]

@@ -63,7 +63,6 @@ class GluonTile:
     # output columns of a forward / dgrad tile: 128 (one weight-scale block) or 256 (two, scaled one after the
     # other through one partial; the wgrad keeps block_n); same bits either way
     mm_block_n: int = 2 * QUANT_BLOCK  # (the H100 sweep: +10-25% on the four GEMMs; NOTES.md, session 40)
-    wgrad_block_n: int = QUANT_BLOCK  # the same for the wgrad's tiles (two column-scale rows a token block)
     # the gate/up as one launch with SiTU and H's FP8 rows in its epilogue (gluon_gate_up.py: a tile's halves are
     # G and U of the same 128 columns), instead of the G | U launch and `grouped_gemm.situ_quant`'s pass
     fuse_situ: bool = False
@@ -71,9 +70,8 @@ class GluonTile:
     def validate(self) -> None:
         if self.block_n != QUANT_BLOCK or self.block_k != QUANT_BLOCK:
             raise ValueError(f"tile: block_n and block_k must be {QUANT_BLOCK} (one scale block)")
-        for name in ("mm_block_n", "wgrad_block_n"):
-            if getattr(self, name) not in (QUANT_BLOCK, 2 * QUANT_BLOCK):
-                raise ValueError(f"tile: {name} must be {QUANT_BLOCK} or {2 * QUANT_BLOCK}, got {getattr(self, name)}")
+        if self.mm_block_n not in (QUANT_BLOCK, 2 * QUANT_BLOCK):
+            raise ValueError(f"tile: mm_block_n must be {QUANT_BLOCK} or {2 * QUANT_BLOCK}, got {self.mm_block_n}")
         if self.block_m != 128:
             raise ValueError(f"tile: block_m must be 128 (64 rows a consumer warpgroup), got {self.block_m}")
         if not 2 <= self.stages <= 6:
@@ -227,13 +225,14 @@ def _consume_tile(a_bufs, b_bufs, ready, empty, sa_ptrs, rmask, sb_ptr, sb_mask,
 
 
 @gluon.jit
-def _consume_wide_tile(a_bufs, b_bufs, ready, empty, sa_ptrs, rmask, sb_ptr, sb_hi_ptr, sb_mask, it, n_k, sb_step,
-                       sa_step, HALF_M: gl.constexpr, STAGES: gl.constexpr, SCALES_PER_COL: gl.constexpr):
-    """`_consume_tile` for a tile of two weight-scale blocks (256 columns: each A block read from L2 once for
-    both halves): per K block the low half's chain and scaling, then the high half's through the same partial --
-    the 128-column tile's arithmetic for each half, so the same bits, in 2 x 64 + 64 accumulator registers a
-    thread instead of 2 x 128. sb_ptr / sb_hi_ptr: the halves' scales (one a K block, or with SCALES_PER_COL
-    the [128] column scales at + k * sb_step)."""
+def _consume_wide_tile(a_bufs, b_bufs, ready, empty, sa_ptrs, rmask, sb_ptr, sb_hi_ptr, it, n_k,
+                       HALF_M: gl.constexpr, STAGES: gl.constexpr):
+    """`_consume_tile` (one scale a row and one a K block) for a tile of two weight-scale blocks (256 columns:
+    each A block read from L2 once for both halves): per K block the low half's chain and scaling, then the high
+    half's through the same partial -- the 128-column tile's arithmetic for each half, so the same bits, in
+    2 x 64 + 64 accumulator registers a thread instead of 2 x 128. sb_ptr / sb_hi_ptr: the halves' scales (one
+    a K block). (The wgrad's per-column scales on top of these spill: 256-column wgrad tiles ran slower, NOTES.md
+    session 40.)"""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, _SCALE_N, 32])
     acc_lo = gl.zeros((HALF_M, _SCALE_N), dtype=gl.float32, layout=mma_layout)
@@ -242,24 +241,17 @@ def _consume_wide_tile(a_bufs, b_bufs, ready, empty, sa_ptrs, rmask, sb_ptr, sb_
     for k in range(n_k):
         i = it + k
         slot = i % STAGES
-        sa = gl.load(sa_ptrs + k * sa_step, mask=rmask, other=0.0)
+        sa = gl.load(sa_ptrs + k, mask=rmask, other=0.0)
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         b_tile = b_bufs.index(slot)
         for half in gl.static_range(2):
             part = warpgroup_mma(a_bufs.index(slot), b_tile.slice(half * _SCALE_N, _SCALE_N).permute((1, 0)), part,
                                  use_acc=False, is_async=True)
-            half_sb = sb_ptr if half == 0 else sb_hi_ptr
-            if SCALES_PER_COL:
-                sb = gl.load(half_sb + k * sb_step, mask=sb_mask, other=0.0)
-            else:
-                row_scale = sa * gl.load(half_sb + k)
+            row_scale = sa * gl.load((sb_ptr if half == 0 else sb_hi_ptr) + k)
             part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
             if half == 1:
                 mbarrier.arrive(empty.index(slot), count=1)
-            if SCALES_PER_COL:
-                scaled = part * sa[:, None] * sb[None, :]
-            else:
-                scaled = part * row_scale[:, None]
+            scaled = part * row_scale[:, None]
             # (the trailing wait, as in `_consume_tile`: the scaling stays before the next chain's issue)
             if half == 0:
                 acc_lo = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo + scaled,))
@@ -269,10 +261,11 @@ def _consume_wide_tile(a_bufs, b_bufs, ready, empty, sa_ptrs, rmask, sb_ptr, sb_
 
 
 @gluon.jit
-def _store_tile(c_ptr, acc, rows, rmask, col0, N, c_stride, BLOCK_N: gl.constexpr):
+def _store_tile(c_ptr, acc, rows, rmask, col0, N, c_stride):
+    """One consumer's [64, 128] of an output tile from its registers."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_N, 32])
-    cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
+                                                         instr_shape=[16, _SCALE_N, 32])
+    cols = col0 + gl.arange(0, _SCALE_N, layout=gl.SliceLayout(0, mma_layout))
     ptrs = c_ptr + rows.to(gl.int64)[:, None] * c_stride + cols[None, :]
     gl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & (cols < N)[None, :])
 
@@ -297,13 +290,12 @@ def _mm_consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, bs2_ptr, c_ptr, t
             if BLOCK_N == _SCALE_N:
                 acc = _consume_tile(a_bufs, b_bufs, ready, empty, as_ptr + rows.to(gl.int64) * n_k, rmask, sb_ptr,
                                     None, it, n_k, 0, 1, HALF_M, BLOCK_N, STAGES, False, PREFETCH_SCALES)
-                _store_tile(c_ptr, acc, rows, rmask, col0, N, c_stride, BLOCK_N)
+                _store_tile(c_ptr, acc, rows, rmask, col0, N, c_stride)
             else:
                 acc_lo, acc_hi = _consume_wide_tile(a_bufs, b_bufs, ready, empty, as_ptr + rows.to(gl.int64) * n_k,
-                                                    rmask, sb_ptr, sb_ptr + n_k, None, it, n_k, 0, 1, HALF_M, STAGES,
-                                                    False)
-                _store_tile(c_ptr, acc_lo, rows, rmask, col0, N, c_stride, _SCALE_N)
-                _store_tile(c_ptr, acc_hi, rows, rmask, col0 + _SCALE_N, N, c_stride, _SCALE_N)
+                                                    rmask, sb_ptr, sb_ptr + n_k, it, n_k, HALF_M, STAGES)
+                _store_tile(c_ptr, acc_lo, rows, rmask, col0, N, c_stride)
+                _store_tile(c_ptr, acc_hi, rows, rmask, col0 + _SCALE_N, N, c_stride)
             it += n_k
 
 
@@ -361,32 +353,21 @@ def _wgrad_consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, out_ptr, out2_
                     TMA_STORE: gl.constexpr):
     """One warpgroup of the wgrad: rows [m0 + ROW_OFFSET, + HALF_M) of A for every tile the program owns; per
     token block t the partial is scaled by s_a[t, m] and s_b[t, n] (both per row of their operand: 128 tokens x 1
-    blocks; scales are [T, channels], so a block's scales are one contiguous row). BLOCK_N: 128 columns, or 256
-    (`_consume_wide_tile`, the two halves stored one after the other)."""
+    blocks; scales are [T, channels], so a block's scales are one contiguous row)."""
     HALF_M: gl.constexpr = BLOCK_M // 2
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, _SCALE_N, 32])
+                                                         instr_shape=[16, BLOCK_N, 32])
     it = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         e, m0, col0, t0, n_k = _wgrad_tile(t, tile_off_ptr, M, N, BLOCK_M, BLOCK_N)
         rows = m0 + ROW_OFFSET + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, mma_layout))
-        cols = col0 + gl.arange(0, _SCALE_N, layout=gl.SliceLayout(0, mma_layout))
+        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
         t64 = t0.to(gl.int64)
-        if BLOCK_N == _SCALE_N:
-            acc = _consume_tile(a_bufs, b_bufs, ready, empty, as_ptr + t64 * M + rows, rows < M,
-                                bs_ptr + t64 * N + cols, cols < N, it, n_k, N, M, HALF_M, BLOCK_N, STAGES, True,
-                                PREFETCH_SCALES)
-            _wgrad_store(acc, c_buf, out_ptr, out2_ptr, out_desc, out2_desc, e, m0, col0, rows, cols, M, N, M_SPLIT,
-                         ROW_OFFSET, TMA_STORE)
-        else:
-            acc_lo, acc_hi = _consume_wide_tile(a_bufs, b_bufs, ready, empty, as_ptr + t64 * M + rows, rows < M,
-                                                bs_ptr + t64 * N + cols, bs_ptr + t64 * N + _SCALE_N + cols, cols < N,
-                                                it, n_k, N, M, HALF_M, STAGES, True)
-            _wgrad_store(acc_lo, c_buf, out_ptr, out2_ptr, out_desc, out2_desc, e, m0, col0, rows, cols, M, N,
-                         M_SPLIT, ROW_OFFSET, TMA_STORE)
-            _wgrad_store(acc_hi, c_buf, out_ptr, out2_ptr, out_desc, out2_desc, e, m0, col0 + _SCALE_N, rows,
-                         cols + _SCALE_N, M, N, M_SPLIT, ROW_OFFSET, TMA_STORE)
+        acc = _consume_tile(a_bufs, b_bufs, ready, empty, as_ptr + t64 * M + rows, rows < M, bs_ptr + t64 * N + cols,
+                            cols < N, it, n_k, N, M, HALF_M, BLOCK_N, STAGES, True, PREFETCH_SCALES)
         it += n_k
+        _wgrad_store(acc, c_buf, out_ptr, out2_ptr, out_desc, out2_desc, e, m0, col0, rows, cols, M, N, M_SPLIT,
+                     ROW_OFFSET, TMA_STORE)
     if TMA_STORE:
         tma.store_wait(0)
 
@@ -394,7 +375,7 @@ def _wgrad_consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, out_ptr, out2_
 @gluon.jit
 def _wgrad_store(acc, c_buf, out_ptr, out2_ptr, out_desc, out2_desc, e, m0, col0, rows, cols, M, N, M_SPLIT,
                  ROW_OFFSET: gl.constexpr, TMA_STORE: gl.constexpr):
-    """One consumer's [64, 128] of an output tile: TMA_STORE through c_buf (shared memory) by a TMA store that
+    """One consumer's half of an output tile: TMA_STORE through c_buf (shared memory) by a TMA store that
     drains while the next chains run (its rows are whole: no mask), else each thread stores its registers."""
     second = m0 >= M_SPLIT
     out_rows = gl.where(second, M - M_SPLIT, M_SPLIT)
@@ -512,18 +493,17 @@ def scaled_wgrad(aq: torch.Tensor, a_scale: torch.Tensor, bq: torch.Tensor, b_sc
     if M % tile.block_m or N % tile.block_n or split % tile.block_m:
         raise ValueError(f"aq, bq: rows must be multiples of {tile.block_m} / {tile.block_n} (split {split}), got "
                          f"{M}, {N}")
-    block_n = tile.wgrad_block_n if N % tile.wgrad_block_n == 0 else tile.block_n
     for name, t in (("aq", aq), ("a_scale", a_scale), ("bq", bq), ("b_scale", b_scale), ("out", out), ("out2", out2)):
         if not t.is_contiguous():
             raise ValueError(f"{name}: must be contiguous")
     a_desc = _descriptor(aq, [tile.block_m // 2, tile.block_k])
-    b_desc = _descriptor(bq, [block_n, tile.block_k])
-    box = [tile.block_m // 2, tile.block_n]  # the TMA store's: one consumer's [64, 128] of an output tile
+    b_desc = _descriptor(bq, [tile.block_n, tile.block_k])
+    box = [tile.block_m // 2, tile.block_n]  # the TMA store's: one consumer's half of an output tile
     out_desc = _descriptor(out.view(-1, N), box)
     out2_desc = _descriptor(out2.view(-1, N), box) if out2.numel() else out_desc
-    n_tiles = E * (M // tile.block_m) * (N // block_n)
+    n_tiles = E * (M // tile.block_m) * (N // tile.block_n)
     _scaled_wgrad_kernel[(_programs(n_tiles, tile, aq.device),)](
         a_desc, b_desc, a_scale, b_scale, out, out2, out_desc, out2_desc, tile_offsets, M, N, split, n_tiles,
-        BLOCK_M=tile.block_m, BLOCK_N=block_n, BLOCK_K=tile.block_k, STAGES=tile.stages,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.stages,
         CONSUMER_REGS=tile.consumer_regs, PREFETCH_SCALES=tile.prefetch_scales, TMA_STORE=tile.tma_store_wgrad,
         num_warps=4, maxnreg=_MAXNREG)
