@@ -40,7 +40,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks._results import run_header, write_results  # noqa: E402
-from benchmarks.moe_gemms import BETA, LINEAR_BETA, gluon_gemms, measure, parse_tile_changes, sweep, timed_cpu  # noqa: E402
+from benchmarks.moe_gemms import (BETA, LINEAR_BETA, gluon_gemms, measure, parse_tile_changes, sweep,  # noqa: E402
+                                   timed_cpu)
 from k3_kernels.moe import naive  # noqa: E402
 from k3_kernels.moe.layer import Precision, clear_fp8_cache, moe_experts  # noqa: E402
 from k3_kernels.moe.quant import quantize_weight_fp8  # noqa: E402

@@ -15,13 +15,10 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from k3_kernels.moe.gluon_gemm import (_MAXNREG, _SCALE_N, DEFAULT_TILE, QUANT_BLOCK, GluonTile, _consume_wide_tile,
-                                       _descriptor, _mm_producer, _mm_tile, _programs, _ring_of)
-from k3_kernels.situ.fused import situ_h
+from k3_kernels.moe.gluon_gemm import (_GL_DTYPES, _MAXNREG, _SCALE_N, DEFAULT_TILE, QUANT_BLOCK, GluonTile,
+                                       _consume_wide_tile, _descriptor, _mm_producer, _mm_tile, _programs, _ring_of)
 from k3_kernels.moe.permute import store_row_quant
-
-
-_ACT_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
+from k3_kernels.situ.fused import situ_h
 
 
 @gluon.jit
@@ -99,7 +96,7 @@ def scaled_gate_up(xq: torch.Tensor, xs: torch.Tensor, w1: tuple[torch.Tensor, t
     E, I, _ = w1q.shape
     if I % QUANT_BLOCK or K % QUANT_BLOCK or (hq is None) != (hs is None):
         raise ValueError(f"w1: expected I and K divisible by {QUANT_BLOCK} (and hq with hs), got {tuple(w1q.shape)}")
-    if act_dtype not in _ACT_DTYPES:
+    if act_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"act_dtype: expected bf16 or fp32, got {act_dtype}")
     outs = [t for t in (gu, h, hq) if t is not None]
     if P == 0 or not outs:
@@ -113,5 +110,5 @@ def scaled_gate_up(xq: torch.Tensor, xs: torch.Tensor, w1: tuple[torch.Tensor, t
         a_desc, b_desc, b2_desc, xs, w1s, w3s, gu if gu is not None else outs[0], h if h is not None else outs[0],
         hq if hq is not None else outs[0], hs if hs is not None else xs, tiles, n_m, I, K, float(beta),
         float(linear_beta), BLOCK_M=tile.block_m, BLOCK_K=tile.block_k, GROUP_M=tile.group_m, STAGES=tile.stages,
-        CONSUMER_REGS=tile.consumer_regs, ACT_DTYPE=_ACT_DTYPES[act_dtype], SAVE_GU=gu is not None,
+        CONSUMER_REGS=tile.consumer_regs, ACT_DTYPE=_GL_DTYPES[act_dtype], SAVE_GU=gu is not None,
         WRITE_H=h is not None, QUANT_H=hq is not None, num_warps=4, maxnreg=_MAXNREG)

@@ -340,17 +340,16 @@ def _gate_up_gluon(x, w1, w3, plan: RoutingPlan, beta: float, linear_beta: float
     """The gate/up on a Gluon GEMM (FP8 with fp8 = (xq, xs, w1q, w1s, w3q, w3s), else bf16): G | U in one launch
     (W1's columns then W3's), then H (and its FP8 rows) by `situ_quant`; or (FP8, `GluonTile.fuse_situ`) all in
     one launch (gluon_gate_up.py)."""
-    P, I = x.shape[0], w1.shape[1]
-    out = gu if gu is not None else torch.empty(P, 2 * I, device=x.device, dtype=dt)
-    if fp8 is not None and gluon_gemm.DEFAULT_TILE.fuse_situ:
+    tile = gluon_gemm.DEFAULT_TILE
+    if fp8 is not None and tile.fuse_situ:
         xq, xs, w1q, w1s, w3q, w3s = fp8
-        tile = gluon_gemm.DEFAULT_TILE
         gluon_gate_up.scaled_gate_up(xq, xs, (w1q, w1s), (w3q, w3s), plan.tiles(tile.block_m), beta, linear_beta,
                                      gu, h, hq, hs, dt, tile=tile)
         return gu, h, hq, hs
+    P, I = x.shape[0], w1.shape[1]
+    out = gu if gu is not None else torch.empty(P, 2 * I, device=x.device, dtype=dt)
     if fp8 is not None:
         xq, xs, w1q, w1s, w3q, w3s = fp8
-        tile = gluon_gemm.DEFAULT_TILE
         gluon_gemm.scaled_segment_mm(xq, xs, w1q, w1s, plan.tiles(tile.block_m), out, b2=(w3q, w3s), tile=tile)
     else:
         _segment_mm_gluon_bf16(x, w1, plan, out, gluon_bf16.BLayout.K_CONTIGUOUS, b2=w3)
