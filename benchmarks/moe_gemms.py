@@ -86,8 +86,6 @@ GLUON_FP8_TILES = [{}, {"mm_block_n": 128}, {"stages": 3}, {"stages": 4}, {"grou
                    {"fuse_situ": True}, {"prefetch_scales": True, "mm_block_n": 128}]
 # (row-pass rows, warps, token-block columns, warps): the defaults first
 PASS_SETTINGS = [(16, 4, 64, 8), (32, 4, 128, 8), (64, 8, 32, 4), (32, 8, 64, 4), (128, 8, 128, 4)]
-# (rows a sweep step, warps) of tile_quant's one-pass quantisers of H and dG | dU
-TILE_PASS_SETTINGS = [(32, 4), (16, 4), (16, 2), (64, 8), (32, 8)]
 GLUON_BF16_TILES: list[tuple[int, int]] = []  # (block_n, stages); session 31 swept 4 (moe_gluon.json)
 
 
@@ -104,46 +102,6 @@ def parse_tile_changes(text: str) -> list[dict[str, int | bool]]:
                 change[key] = int(value)
         changes.append(change)
     return changes
-
-
-def tile_pass_sweep(gu, dh, tiles, used, timing, flat_bits):
-    """H's and dG | dU's two quantisations: the two passes FP8_FULL ran before (the SiTU pass writing the bf16
-    tensor and its rows, then the token-block pass over it) against tile_quant's one pass at each
-    TILE_PASS_SETTINGS point: ms and whether the outputs (rows, scales, the used token blocks) are the same bits."""
-    from k3_kernels.moe import fp8_grad, tile_quant
-    from k3_kernels.moe import grouped_gemm as gg
-    P, I = dh.shape
-    h = torch.empty(P, I, device=gu.device, dtype=gu.dtype)
-    hq = torch.empty(P, I, device=gu.device, dtype=torch.float8_e4m3fn)
-    hs = torch.empty(P, I // 128, device=gu.device)
-
-    def fwd_two_passes():
-        gg.situ_quant(gu, BETA, LINEAR_BETA, h, hq, hs)
-        return (hq, hs), fp8_grad.quantize_token_blocks(h, tiles)
-
-    def bwd_two_passes():
-        dgu, rows = fp8_grad.situ_backward_rows(dh, gu, BETA, LINEAR_BETA)
-        return rows, fp8_grad.quantize_token_blocks(dgu, tiles)
-
-    def used_bits(result):
-        (q, s), (tq, ts) = result
-        return flat_bits((q, s, tq[:, :used * 128], ts[:used]))
-    routes = {"h": (fwd_two_passes, lambda: tile_quant.situ_rows_and_blocks(gu, tiles, BETA, LINEAR_BETA)),
-              "dgu": (bwd_two_passes, lambda: tile_quant.situ_backward_rows_and_blocks(dh, gu, tiles, BETA,
-                                                                                       LINEAR_BETA))}
-    out = {}
-    for name, (two, one) in routes.items():
-        ref = used_bits(two())
-        out[name] = {"two_passes_ms": timing(two)}
-        for rows, warps in TILE_PASS_SETTINGS:
-            with mock.patch.multiple(tile_quant, TILE_PASS_ROWS=rows, TILE_PASS_WARPS=warps):
-                try:
-                    same = all(torch.equal(a, b) for a, b in zip(used_bits(one()), ref))
-                    out[name][f"rows{rows}x{warps}w"] = {"ms": timing(one), "same_bits": same}
-                except Exception as err:
-                    out[name][f"rows{rows}x{warps}w"] = {"error": f"{type(err).__name__}: {str(err)[:160]}"}
-        print("tile pass", name, out[name], flush=True)
-    return out
 
 
 def gluon_gemms(E, N, L, I, k, device, reps_ms, only: set[str] | None = None,
@@ -216,8 +174,6 @@ def gluon_gemms(E, N, L, I, k, device, reps_ms, only: set[str] | None = None,
         print("passes", key, out["pass_sweep"][key], flush=True)
     flat = lambda r: [t for t in (r if isinstance(r, tuple) else (r,)) if t is not None]  # noqa: E731
     flat_bits = lambda r: [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in flat(r)]  # noqa: E731
-    if wanted("passes"):
-        out["tile_passes"] = tile_pass_sweep(gu, dh, tiles, int(offsets[-1]), timing, flat_bits)
     default_bits = {}  # the Gluon default tile's outputs, what each swept setting must reproduce
     for name, (flops, fn) in gemms.items():
         if not wanted(name):

@@ -10,7 +10,7 @@ dgrad -> un-permute as a fixed-order sum; weight gradients per expert by one pro
 Saved for the backward: the permuted rows, G|U and H (bf16; FP8_FULL: the rows and H as the wgrads' FP8 operands)
 and the down output. Precision.FP8 covers the forward GEMMs and runs the backward in bf16 from the saved bf16
 tensors; Precision.FP8_FULL runs the dgrads and wgrads in e4m3 as well (fp8_grad.py), quantising the saved tensors
-and the gradients as they come (H and dG | dU both ways in one pass each, never in bf16: tile_quant.py). The weights' FP8 copies (and their transposes, for the dgrads) are cached per
+and the gradients as they come. The weights' FP8 copies (and their transposes, for the dgrads) are cached per
 weight version. The backward runs its GEMMs on the kernels (`grouped_gemm.gemm_kernels`) the forward ran on.
 Spec: naive.naive_experts / naive_experts_fp8 / naive_wgrad_fp8.
 """
@@ -22,7 +22,7 @@ import weakref
 
 import torch
 
-from k3_kernels.moe import fp8_grad, tile_quant
+from k3_kernels.moe import fp8_grad
 from k3_kernels.moe import grouped_gemm as gg
 from k3_kernels.moe.permute import (QUANT_BLOCK, GatheredRows, combine, combine_backward, permute_rows,
                                     plan_routing)
@@ -96,13 +96,9 @@ class _ExpertsFn(torch.autograd.Function):
         xp, xq, xs = permute_rows(z, plan, bf16=not fp8 or (training and not fp8_grads), fp8=fp8)
         if fp8:
             (w1q, w1s), (w3q, w3s), (w2q, w2s) = fp8_weight(w1), fp8_weight(w3), fp8_weight(w2)
-            full = training and fp8_grads
             gu, h, hq, hs = gg.gate_up(xq, w1, w3, plan, beta, linear_beta, act_dtype=z.dtype,
-                                       save_gu=training, write_h=training and not full, quant_h=not full,
+                                       save_gu=training, write_h=training, quant_h=True,
                                        fp8=(xq, xs, w1q, w1s, w3q, w3s))
-            if full:  # H's FP8 rows (the down GEMM's) and token blocks (dW2's) in one pass, no bf16 H
-                tiles, _ = fp8_grad.token_block_tiles(plan)
-                (hq, hs), h_blocks = tile_quant.situ_rows_and_blocks(gu, tiles, beta, linear_beta)
             y = gg.down(hq, w2, plan, z.dtype, fp8=(hq, hs, w2q, w2s))
         else:
             gu, h, _, _ = gg.gate_up(xp, w1, w3, plan, beta, linear_beta, save_gu=training)
@@ -110,8 +106,10 @@ class _ExpertsFn(torch.autograd.Function):
         out = combine(y, plan, w, z.dtype)
         if training and fp8_grads:
             # the wgrads' operands from X and H, quantised in 128-token blocks now: saved instead of X and H in bf16
+            tiles, _ = fp8_grad.token_block_tiles(plan)
             xbq, xbs = fp8_grad.quantize_token_blocks(GatheredRows(z, plan.order, plan.top_k), tiles)
-            ctx.save_for_backward(w, w1, w3, w2, xbq, xbs, gu, *h_blocks, y)
+            hbq, hbs = fp8_grad.quantize_token_blocks(h, tiles)
+            ctx.save_for_backward(w, w1, w3, w2, xbq, xbs, gu, hbq, hbs, y)
         elif training:
             ctx.save_for_backward(w, w1, w3, w2, xp, gu, h, y)
         if training:
@@ -156,8 +154,8 @@ def _fp8_backward(ctx, dout, dy, dw, x_blocks, gu, h_blocks, w1, w3, w2):
     tiles, tile_offsets = fp8_grad.token_block_tiles(plan)
     dy_rows, dy_blocks = fp8_grad.quantize_rows(dy), fp8_grad.quantize_token_blocks(dy, tiles)  # dgrad's, dW2's
     dh = gg.scaled_mm(dy_rows, fp8_weight_t(w2), plan, gu.dtype)
-    # dG | dU's rows (the gate/up dgrad's) and token blocks (dW1 | dW3's) in one pass, no bf16 dG | dU
-    dgu_rows, dgu_blocks = tile_quant.situ_backward_rows_and_blocks(dh, gu, tiles, beta, linear_beta)
+    dgu, dgu_rows = fp8_grad.situ_backward_rows(dh, gu, beta, linear_beta)  # dG | dU and its rows, one pass
+    dgu_blocks = fp8_grad.quantize_token_blocks(dgu, tiles)
     dw1 = dw3 = dw2 = dz = None
     if ctx.needs_input_grad[4]:
         dw2 = fp8_grad.wgrad_fp8(dy_blocks, h_blocks, tile_offsets, E, w2.dtype)

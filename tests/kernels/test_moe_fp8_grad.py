@@ -15,7 +15,7 @@ if not torch.cuda.is_available():  # (tests/conftest.py sets it too, before anyt
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from _moe_interp import experts_case, rel_rms  # noqa: E402  (+ the FP8 conversions in the interpreter)
-from k3_kernels.moe import fp8_grad, naive, tile_quant  # noqa: E402
+from k3_kernels.moe import fp8_grad, naive  # noqa: E402
 from k3_kernels.moe import grouped_gemm as gg  # noqa: E402
 from k3_kernels.moe.layer import Precision, fp8_weight, fp8_weight_t, fp8_weight_t13, moe_experts  # noqa: E402
 from k3_kernels.moe.permute import GatheredRows, combine_backward, permute_rows, plan_routing  # noqa: E402
@@ -121,40 +121,6 @@ def test_situ_backward_and_row_quantisation_in_one_pass_give_the_two_passes_bits
     assert torch.equal(q.view(torch.uint8), q_r.view(torch.uint8)) and torch.equal(s, s_r)
     with pytest.raises(ValueError, match="dh, gu"):
         fp8_grad.situ_backward_rows(dh[:, :100].contiguous(), gu[:, :200].contiguous(), 4.0, 25.0)
-
-
-def _fp8_bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
-
-
-@pytest.mark.parametrize("rows", [32, 8])
-def test_situ_tile_quantisers_give_the_two_passes_bits(monkeypatch, rows):
-    """FP8_FULL never writes H or dG | dU: `tile_quant` computes both quantisations of each in one pass over the
-    token tiles (SiTU recomputed in a second sweep). They must be the bits of the two passes they replace -- the
-    SiTU pass's rows and the token-block pass over the stored bf16 tensor -- with ragged and empty experts, for any
-    rows a sweep step (a program-size knob)."""
-    monkeypatch.setattr(tile_quant, "TILE_PASS_ROWS", rows)
-    plan = _plan([150, 0, 40, 129])
-    P, I = plan.rows, 256
-    dh, gu = _rows(P, I, seed=41), _rows(P, 2 * I, seed=42) * 3
-    tiles, offsets = fp8_grad.token_block_tiles(plan)
-    used = int(offsets[-1])  # (unused tiles are left unwritten by both)
-    h = torch.empty(P, I, device=DEV, dtype=gu.dtype)
-    hq, hs = torch.empty(P, I, device=DEV, dtype=torch.float8_e4m3fn), torch.empty(P, I // 128, device=DEV)
-    gg.situ_quant(gu, 4.0, 25.0, h, hq, hs)
-    dgu, dgu_rows = fp8_grad.situ_backward_rows(dh, gu, 4.0, 25.0)
-    for fused, (rows_ref, h_ref) in ((tile_quant.situ_rows_and_blocks(gu, tiles, 4.0, 25.0), ((hq, hs), h)),
-                                     (tile_quant.situ_backward_rows_and_blocks(dh, gu, tiles, 4.0, 25.0),
-                                      (dgu_rows, dgu))):
-        (q, s), (tq, ts) = fused
-        tq_r, ts_r = fp8_grad.quantize_token_blocks(h_ref, tiles)
-        assert torch.equal(_fp8_bits(q), _fp8_bits(rows_ref[0])) and torch.equal(s, rows_ref[1])
-        assert torch.equal(_fp8_bits(tq[:, :used * 128]), _fp8_bits(tq_r[:, :used * 128]))
-        assert torch.equal(ts[:used], ts_r[:used])
-    with pytest.raises(ValueError, match="dh"):
-        tile_quant.situ_backward_rows_and_blocks(dh[:, :128].contiguous(), gu, tiles, 4.0, 25.0)
-    with pytest.raises(ValueError, match="gu"):
-        tile_quant.situ_rows_and_blocks(gu[:, :200].contiguous(), tiles, 4.0, 25.0)
 
 
 def test_wgrad_matches_the_spec_and_splits():
