@@ -66,12 +66,17 @@ class GluonTile:
     # the gate/up as one launch with SiTU and H's FP8 rows in its epilogue (gluon_gate_up.py: a tile's halves are
     # G and U of the same 128 columns), instead of the G | U launch and `grouped_gemm.situ_quant`'s pass
     fuse_situ: bool = False
+    # rows of a wgrad tile: 128 (a consumer's 64 rows, one chain a K block) or 256 (a consumer's 128 rows as two
+    # 64-row chains through one partial, both scaled by the same column scales; `_consume_tall_tile`); same bits
+    wgrad_block_m: int = QUANT_BLOCK
 
     def validate(self) -> None:
         if self.block_n != QUANT_BLOCK or self.block_k != QUANT_BLOCK:
             raise ValueError(f"tile: block_n and block_k must be {QUANT_BLOCK} (one scale block)")
         if self.mm_block_n not in (QUANT_BLOCK, 2 * QUANT_BLOCK):
             raise ValueError(f"tile: mm_block_n must be {QUANT_BLOCK} or {2 * QUANT_BLOCK}, got {self.mm_block_n}")
+        if self.wgrad_block_m not in (QUANT_BLOCK, 2 * QUANT_BLOCK):
+            raise ValueError(f"tile: wgrad_block_m must be {QUANT_BLOCK} or {2 * QUANT_BLOCK}, got {self.wgrad_block_m}")
         if self.block_m != 128:
             raise ValueError(f"tile: block_m must be 128 (64 rows a consumer warpgroup), got {self.block_m}")
         if not 2 <= self.stages <= 6:
@@ -261,6 +266,41 @@ def _consume_wide_tile(a_bufs, b_bufs, ready, empty, sa_ptrs, rmask, sb_ptr, sb_
 
 
 @gluon.jit
+def _consume_tall_tile(a_bufs, b_bufs, ready, empty, sa_ptrs, sb_ptrs, it, n_k, sb_step, sa_step,
+                       HALF_M: gl.constexpr, STAGES: gl.constexpr):
+    """The wgrad's `_consume_tile` for a consumer owning 2 x 64 rows (a 256-row tile: each B block read from L2
+    once for four 64-row chains): per K block the low rows' chain and scaling, then the high rows' through the same
+    partial, both with the block's column scales (loaded once) -- the 128-row tile's arithmetic, acc + (P * s_a) *
+    s_b, for each half. sa_ptrs: the low rows' scale pointers (the high rows' are HALF_M further); no masks (the
+    wgrad's rows and columns are whole tiles)."""
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, _SCALE_N, 32])
+    acc_lo = gl.zeros((HALF_M, _SCALE_N), dtype=gl.float32, layout=mma_layout)
+    acc_hi = gl.zeros((HALF_M, _SCALE_N), dtype=gl.float32, layout=mma_layout)
+    part = gl.zeros((HALF_M, _SCALE_N), dtype=gl.float32, layout=mma_layout)
+    for k in range(n_k):
+        i = it + k
+        slot = i % STAGES
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        a_tile = a_bufs.index(slot)
+        b_tile = b_bufs.index(slot).permute((1, 0))
+        for half in gl.static_range(2):
+            part = warpgroup_mma(a_tile.slice(half * HALF_M, HALF_M), b_tile, part, use_acc=False, is_async=True)
+            sa = gl.load(sa_ptrs + k * sa_step + half * HALF_M)
+            sb = gl.load(sb_ptrs + k * sb_step)
+            part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+            if half == 1:
+                mbarrier.arrive(empty.index(slot), count=1)
+            scaled = part * sa[:, None] * sb[None, :]
+            # (the trailing wait, as in `_consume_tile`: the scaling stays before the next chain's issue)
+            if half == 0:
+                acc_lo = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo + scaled,))
+            else:
+                acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_hi + scaled,))
+    return acc_lo, acc_hi
+
+
+@gluon.jit
 def _store_tile(c_ptr, acc, rows, rmask, col0, N, c_stride):
     """One consumer's [64, 128] of an output tile from its registers."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -351,25 +391,54 @@ def _wgrad_consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, out_ptr, out2_
                     tile_off_ptr, M, N, M_SPLIT, n_tiles, ROW_OFFSET: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PREFETCH_SCALES: gl.constexpr,
                     TMA_STORE: gl.constexpr):
-    """One warpgroup of the wgrad: rows [m0 + ROW_OFFSET, + HALF_M) of A for every tile the program owns; per
-    token block t the partial is scaled by s_a[t, m] and s_b[t, n] (both per row of their operand: 128 tokens x 1
-    blocks; scales are [T, channels], so a block's scales are one contiguous row)."""
-    HALF_M: gl.constexpr = BLOCK_M // 2
+    """One warpgroup of the wgrad: rows [m0 + ROW_OFFSET, + BLOCK_M / 2) of A for every tile the program owns
+    (one 64-row chain a K block, or two when BLOCK_M is 256: `_consume_tall_tile`); per token block t the partial
+    is scaled by s_a[t, m] and s_b[t, n] (both per row of their operand: 128 tokens x 1 blocks; scales are
+    [T, channels], so a block's scales are one contiguous row)."""
+    OWN_M: gl.constexpr = BLOCK_M // 2
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
     it = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         e, m0, col0, t0, n_k = _wgrad_tile(t, tile_off_ptr, M, N, BLOCK_M, BLOCK_N)
-        rows = m0 + ROW_OFFSET + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, mma_layout))
+        rows = m0 + ROW_OFFSET + gl.arange(0, 64, layout=gl.SliceLayout(1, mma_layout))
         cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
         t64 = t0.to(gl.int64)
-        acc = _consume_tile(a_bufs, b_bufs, ready, empty, as_ptr + t64 * M + rows, rows < M, bs_ptr + t64 * N + cols,
-                            cols < N, it, n_k, N, M, HALF_M, BLOCK_N, STAGES, True, PREFETCH_SCALES)
+        if OWN_M == 64:
+            acc = _consume_tile(a_bufs, b_bufs, ready, empty, as_ptr + t64 * M + rows, rows < M,
+                                bs_ptr + t64 * N + cols, cols < N, it, n_k, N, M, OWN_M, BLOCK_N, STAGES, True,
+                                PREFETCH_SCALES)
+            _wgrad_store(acc, c_buf, out_ptr, out2_ptr, out_desc, out2_desc, e, m0, col0, rows, cols, M, N,
+                         M_SPLIT, ROW_OFFSET, TMA_STORE)
+        else:
+            acc_lo, acc_hi = _consume_tall_tile(a_bufs, b_bufs, ready, empty, as_ptr + t64 * M + rows,
+                                                bs_ptr + t64 * N + cols, it, n_k, N, M, 64, STAGES)
+            if TMA_STORE:  # both halves into c_buf, then one TMA store of the consumer's 128 rows
+                tma.store_wait(0)
+                c_buf.slice(0, 64).store(acc_lo.to(out_desc.dtype))
+                c_buf.slice(64, 64).store(acc_hi.to(out_desc.dtype))
+                fence_async_shared()
+                _wgrad_tma_store(c_buf, out_desc, out2_desc, e, m0, col0, M, M_SPLIT, ROW_OFFSET)
+            else:
+                _wgrad_store(acc_lo, c_buf, out_ptr, out2_ptr, out_desc, out2_desc, e, m0, col0, rows, cols, M, N,
+                             M_SPLIT, ROW_OFFSET, False)
+                _wgrad_store(acc_hi, c_buf, out_ptr, out2_ptr, out_desc, out2_desc, e, m0, col0, rows + 64, cols, M,
+                             N, M_SPLIT, ROW_OFFSET + 64, False)
         it += n_k
-        _wgrad_store(acc, c_buf, out_ptr, out2_ptr, out_desc, out2_desc, e, m0, col0, rows, cols, M, N, M_SPLIT,
-                     ROW_OFFSET, TMA_STORE)
     if TMA_STORE:
         tma.store_wait(0)
+
+
+@gluon.jit
+def _wgrad_tma_store(c_buf, out_desc, out2_desc, e, m0, col0, M, M_SPLIT, ROW_OFFSET: gl.constexpr):
+    """The TMA store of c_buf (a consumer's rows of an output tile, written to shared memory and fenced)."""
+    second = m0 >= M_SPLIT
+    out_rows = gl.where(second, M - M_SPLIT, M_SPLIT)
+    row = (e * out_rows + m0 + ROW_OFFSET - gl.where(second, M_SPLIT, 0)).to(gl.int32)
+    if second:
+        tma.async_copy_shared_to_global(out2_desc, [row, col0], c_buf)
+    else:
+        tma.async_copy_shared_to_global(out_desc, [row, col0], c_buf)
 
 
 @gluon.jit
@@ -377,18 +446,14 @@ def _wgrad_store(acc, c_buf, out_ptr, out2_ptr, out_desc, out2_desc, e, m0, col0
                  ROW_OFFSET: gl.constexpr, TMA_STORE: gl.constexpr):
     """One consumer's half of an output tile: TMA_STORE through c_buf (shared memory) by a TMA store that
     drains while the next chains run (its rows are whole: no mask), else each thread stores its registers."""
-    second = m0 >= M_SPLIT
-    out_rows = gl.where(second, M - M_SPLIT, M_SPLIT)
     if TMA_STORE:
         tma.store_wait(0)  # the last store has read c_buf
         c_buf.store(acc.to(out_desc.dtype))
         fence_async_shared()
-        row = (e * out_rows + m0 + ROW_OFFSET - gl.where(second, M_SPLIT, 0)).to(gl.int32)
-        if second:
-            tma.async_copy_shared_to_global(out2_desc, [row, col0], c_buf)
-        else:
-            tma.async_copy_shared_to_global(out_desc, [row, col0], c_buf)
+        _wgrad_tma_store(c_buf, out_desc, out2_desc, e, m0, col0, M, M_SPLIT, ROW_OFFSET)
     else:
+        second = m0 >= M_SPLIT
+        out_rows = gl.where(second, M - M_SPLIT, M_SPLIT)
         base = gl.where(second, out2_ptr, out_ptr) + e * out_rows * N
         local = rows - gl.where(second, M_SPLIT, 0)
         gl.store(base + local.to(gl.int64)[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty))
@@ -493,17 +558,19 @@ def scaled_wgrad(aq: torch.Tensor, a_scale: torch.Tensor, bq: torch.Tensor, b_sc
     if M % tile.block_m or N % tile.block_n or split % tile.block_m:
         raise ValueError(f"aq, bq: rows must be multiples of {tile.block_m} / {tile.block_n} (split {split}), got "
                          f"{M}, {N}")
+    tall = M % tile.wgrad_block_m == 0 and split % tile.wgrad_block_m == 0
+    block_m = tile.wgrad_block_m if tall else tile.block_m  # (a tile never straddles out and out2)
     for name, t in (("aq", aq), ("a_scale", a_scale), ("bq", bq), ("b_scale", b_scale), ("out", out), ("out2", out2)):
         if not t.is_contiguous():
             raise ValueError(f"{name}: must be contiguous")
-    a_desc = _descriptor(aq, [tile.block_m // 2, tile.block_k])
+    a_desc = _descriptor(aq, [block_m // 2, tile.block_k])
     b_desc = _descriptor(bq, [tile.block_n, tile.block_k])
-    box = [tile.block_m // 2, tile.block_n]  # the TMA store's: one consumer's half of an output tile
+    box = [block_m // 2, tile.block_n]  # the TMA store's: one consumer's half of an output tile
     out_desc = _descriptor(out.view(-1, N), box)
     out2_desc = _descriptor(out2.view(-1, N), box) if out2.numel() else out_desc
-    n_tiles = E * (M // tile.block_m) * (N // tile.block_n)
+    n_tiles = E * (M // block_m) * (N // tile.block_n)
     _scaled_wgrad_kernel[(_programs(n_tiles, tile, aq.device),)](
         a_desc, b_desc, a_scale, b_scale, out, out2, out_desc, out2_desc, tile_offsets, M, N, split, n_tiles,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.stages,
+        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.stages,
         CONSUMER_REGS=tile.consumer_regs, PREFETCH_SCALES=tile.prefetch_scales, TMA_STORE=tile.tma_store_wgrad,
         num_warps=4, maxnreg=_MAXNREG)
