@@ -267,37 +267,46 @@ def _consume_wide_tile(a_bufs, b_bufs, ready, empty, sa_ptrs, rmask, sb_ptr, sb_
 
 @gluon.jit
 def _consume_tall_tile(a_bufs, b_bufs, ready, empty, sa_ptrs, sb_ptrs, it, n_k, sb_step, sa_step,
-                       HALF_M: gl.constexpr, STAGES: gl.constexpr):
-    """The wgrad's `_consume_tile` for a consumer owning 2 x 64 rows (a 256-row tile: each B block read from L2
-    once for four 64-row chains): per K block the low rows' chain and scaling, then the high rows' through the same
-    partial, both with the block's column scales (loaded once) -- the 128-row tile's arithmetic, acc + (P * s_a) *
-    s_b, for each half. sa_ptrs: the low rows' scale pointers (the high rows' are HALF_M further); no masks (the
-    wgrad's rows and columns are whole tiles)."""
+                       STAGES: gl.constexpr):
+    """The wgrad's `_consume_tile` for a consumer owning 128 rows of a 256 x 128 tile (each operand block read
+    from L2 for twice the MMAs of a 128 x 128 tile): per K block four 64 x 64 chains -- column half c's scales
+    loaded once, then its low and high rows' chains -- each scaled as acc + (P * s_a) * s_b into its own quarter
+    accumulator, so every output element gets the 128 x 128 tile's arithmetic and bits. 64-column chains keep
+    4 x 32 + 32 accumulator registers and 16 column scales live (64-row x 128-column chains with the scales of 128
+    columns spilled). sa_ptrs: the low rows' scale pointers (the high rows' are 64 further), sb_ptrs: the low
+    columns' (the high columns' are 64 further); no masks (the wgrad's tiles are whole)."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, _SCALE_N, 32])
-    acc_lo = gl.zeros((HALF_M, _SCALE_N), dtype=gl.float32, layout=mma_layout)
-    acc_hi = gl.zeros((HALF_M, _SCALE_N), dtype=gl.float32, layout=mma_layout)
-    part = gl.zeros((HALF_M, _SCALE_N), dtype=gl.float32, layout=mma_layout)
+                                                         instr_shape=[16, 64, 32])
+    acc00 = gl.zeros((64, 64), dtype=gl.float32, layout=mma_layout)
+    acc01 = gl.zeros((64, 64), dtype=gl.float32, layout=mma_layout)
+    acc10 = gl.zeros((64, 64), dtype=gl.float32, layout=mma_layout)
+    acc11 = gl.zeros((64, 64), dtype=gl.float32, layout=mma_layout)
+    part = gl.zeros((64, 64), dtype=gl.float32, layout=mma_layout)
     for k in range(n_k):
         i = it + k
         slot = i % STAGES
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         a_tile = a_bufs.index(slot)
-        b_tile = b_bufs.index(slot).permute((1, 0))
-        for half in gl.static_range(2):
-            part = warpgroup_mma(a_tile.slice(half * HALF_M, HALF_M), b_tile, part, use_acc=False, is_async=True)
-            sa = gl.load(sa_ptrs + k * sa_step + half * HALF_M)
-            sb = gl.load(sb_ptrs + k * sb_step)
-            part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-            if half == 1:
-                mbarrier.arrive(empty.index(slot), count=1)
-            scaled = part * sa[:, None] * sb[None, :]
-            # (the trailing wait, as in `_consume_tile`: the scaling stays before the next chain's issue)
-            if half == 0:
-                acc_lo = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo + scaled,))
-            else:
-                acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_hi + scaled,))
-    return acc_lo, acc_hi
+        for c in gl.static_range(2):
+            b_half = b_bufs.index(slot).slice(c * 64, 64).permute((1, 0))
+            sb = gl.load(sb_ptrs + k * sb_step + c * 64)
+            for r in gl.static_range(2):
+                part = warpgroup_mma(a_tile.slice(r * 64, 64), b_half, part, use_acc=False, is_async=True)
+                sa = gl.load(sa_ptrs + k * sa_step + r * 64)
+                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                if c == 1 and r == 1:
+                    mbarrier.arrive(empty.index(slot), count=1)
+                scaled = part * sa[:, None] * sb[None, :]
+                # (the trailing wait, as in `_consume_tile`: the scaling stays before the next chain's issue)
+                if r == 0 and c == 0:
+                    acc00 = warpgroup_mma_wait(num_outstanding=0, deps=(acc00 + scaled,))
+                elif r == 0:
+                    acc01 = warpgroup_mma_wait(num_outstanding=0, deps=(acc01 + scaled,))
+                elif c == 0:
+                    acc10 = warpgroup_mma_wait(num_outstanding=0, deps=(acc10 + scaled,))
+                else:
+                    acc11 = warpgroup_mma_wait(num_outstanding=0, deps=(acc11 + scaled,))
+    return acc00, acc01, acc10, acc11
 
 
 @gluon.jit
@@ -411,19 +420,23 @@ def _wgrad_consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, out_ptr, out2_
             _wgrad_store(acc, c_buf, out_ptr, out2_ptr, out_desc, out2_desc, e, m0, col0, rows, cols, M, N,
                          M_SPLIT, ROW_OFFSET, TMA_STORE)
         else:
-            acc_lo, acc_hi = _consume_tall_tile(a_bufs, b_bufs, ready, empty, as_ptr + t64 * M + rows,
-                                                bs_ptr + t64 * N + cols, it, n_k, N, M, 64, STAGES)
-            if TMA_STORE:  # both halves into c_buf, then one TMA store of the consumer's 128 rows
+            q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                               instr_shape=[16, 64, 32])
+            q_rows = m0 + ROW_OFFSET + gl.arange(0, 64, layout=gl.SliceLayout(1, q_layout))
+            q_cols = col0 + gl.arange(0, 64, layout=gl.SliceLayout(0, q_layout))
+            quarters = _consume_tall_tile(a_bufs, b_bufs, ready, empty, as_ptr + t64 * M + q_rows,
+                                          bs_ptr + t64 * N + q_cols, it, n_k, N, M, STAGES)
+            if TMA_STORE:  # the four quarters into c_buf, then one TMA store of the consumer's 128 rows
                 tma.store_wait(0)
-                c_buf.slice(0, 64).store(acc_lo.to(out_desc.dtype))
-                c_buf.slice(64, 64).store(acc_hi.to(out_desc.dtype))
+                for q in gl.static_range(4):
+                    c_buf.slice((q // 2) * 64, 64).slice((q % 2) * 64, 64, dim=1).store(
+                        quarters[q].to(out_desc.dtype))
                 fence_async_shared()
                 _wgrad_tma_store(c_buf, out_desc, out2_desc, e, m0, col0, M, M_SPLIT, ROW_OFFSET)
             else:
-                _wgrad_store(acc_lo, c_buf, out_ptr, out2_ptr, out_desc, out2_desc, e, m0, col0, rows, cols, M, N,
-                             M_SPLIT, ROW_OFFSET, False)
-                _wgrad_store(acc_hi, c_buf, out_ptr, out2_ptr, out_desc, out2_desc, e, m0, col0, rows + 64, cols, M,
-                             N, M_SPLIT, ROW_OFFSET + 64, False)
+                for q in gl.static_range(4):
+                    _wgrad_store(quarters[q], c_buf, out_ptr, out2_ptr, out_desc, out2_desc, e, m0, col0,
+                                 q_rows + (q // 2) * 64, q_cols + (q % 2) * 64, M, N, M_SPLIT, ROW_OFFSET, False)
         it += n_k
     if TMA_STORE:
         tma.store_wait(0)
