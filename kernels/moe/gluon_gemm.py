@@ -50,7 +50,7 @@ class GluonTile:
     whether the grid is persistent (one program an SM, each walking tiles pid, pid + programs, ...: its producer
     loads the next tile while the consumers scale and store the last) or one program a tile, whether the
     consumers load the next K block's scales before this block's chain, and whether the wgrad stores its tiles
-    by TMA from shared memory (16 KB a consumer)."""
+    by TMA from shared memory (16 or 32 KB a consumer); the wgrad's rows a tile and ring depth."""
     block_m: int = 128
     stages: int = 2  # with 256-column tiles: the H100 sweep's and layer rows' choice (kernels/moe/NOTES.md)
     consumer_regs: int = 232
@@ -66,9 +66,10 @@ class GluonTile:
     # the gate/up as one launch with SiTU and H's FP8 rows in its epilogue (gluon_gate_up.py: a tile's halves are
     # G and U of the same 128 columns), instead of the G | U launch and `grouped_gemm.situ_quant`'s pass
     fuse_situ: bool = False
-    # rows of a wgrad tile: 128 (a consumer's 64 rows, one chain a K block) or 256 (a consumer's 128 rows as two
-    # 64-row chains through one partial, both scaled by the same column scales; `_consume_tall_tile`); same bits
-    wgrad_block_m: int = QUANT_BLOCK
+    # rows of a wgrad tile: 128 (a consumer's 64 rows, one 64 x 128 chain a K block) or 256 (a consumer's 128
+    # rows as four 64 x 64 chains a K block; `_consume_tall_tile`); same bits either way
+    wgrad_block_m: int = 2 * QUANT_BLOCK  # (the H100 sweep: +13-20% on the wgrads; NOTES.md, session 41)
+    wgrad_stages: int = 3  # the wgrads' ring (the forward / dgrad GEMMs' is `stages`; same sweep)
 
     def validate(self) -> None:
         if self.block_n != QUANT_BLOCK or self.block_k != QUANT_BLOCK:
@@ -76,11 +77,13 @@ class GluonTile:
         if self.mm_block_n not in (QUANT_BLOCK, 2 * QUANT_BLOCK):
             raise ValueError(f"tile: mm_block_n must be {QUANT_BLOCK} or {2 * QUANT_BLOCK}, got {self.mm_block_n}")
         if self.wgrad_block_m not in (QUANT_BLOCK, 2 * QUANT_BLOCK):
-            raise ValueError(f"tile: wgrad_block_m must be {QUANT_BLOCK} or {2 * QUANT_BLOCK}, got {self.wgrad_block_m}")
+            raise ValueError(f"tile: wgrad_block_m must be {QUANT_BLOCK} or {2 * QUANT_BLOCK}, got "
+                             f"{self.wgrad_block_m}")
         if self.block_m != 128:
             raise ValueError(f"tile: block_m must be 128 (64 rows a consumer warpgroup), got {self.block_m}")
-        if not 2 <= self.stages <= 6:
-            raise ValueError(f"tile: stages must lie in [2, 6], got {self.stages}")
+        if not 2 <= self.stages <= 6 or not 2 <= self.wgrad_stages <= 6:
+            raise ValueError(f"tile: stages and wgrad_stages must lie in [2, 6], got {self.stages}, "
+                             f"{self.wgrad_stages}")
         check_consumer_regs(self.consumer_regs)
 
 
@@ -584,6 +587,6 @@ def scaled_wgrad(aq: torch.Tensor, a_scale: torch.Tensor, bq: torch.Tensor, b_sc
     n_tiles = E * (M // block_m) * (N // tile.block_n)
     _scaled_wgrad_kernel[(_programs(n_tiles, tile, aq.device),)](
         a_desc, b_desc, a_scale, b_scale, out, out2, out_desc, out2_desc, tile_offsets, M, N, split, n_tiles,
-        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.stages,
+        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.wgrad_stages,
         CONSUMER_REGS=tile.consumer_regs, PREFETCH_SCALES=tile.prefetch_scales, TMA_STORE=tile.tma_store_wgrad,
         num_warps=4, maxnreg=_MAXNREG)
