@@ -24,7 +24,7 @@ from k3_kernels.launch import cdiv
 from k3_kernels.moe import gluon_gemm
 from k3_kernels.moe import grouped_gemm as gg
 from k3_kernels.moe.permute import (QUANT_BLOCK, GatheredRows, RoutingPlan, e4m3_scale, e4m3_values, load_rows,
-                                    row_major_block, store_row_quant)
+                                    store_row_quant)
 from k3_kernels.situ.fused import situ_grads
 
 
@@ -37,13 +37,12 @@ ROW_PASS_ROWS, ROW_PASS_WARPS = 16, 4
 @triton.jit
 def _quant_rows_kernel(x_ptr, x_stride, order_ptr, w_ptr, top_k, q_ptr, s_ptr, P, C, GATHER: tl.constexpr,
                        HAS_W: tl.constexpr, ROUND: tl.constexpr, BLOCK_P: tl.constexpr, QB: tl.constexpr):
-    rb, cb = row_major_block(C // QB)
-    rows = rb * BLOCK_P + tl.arange(0, BLOCK_P)
-    cols = cb * QB + tl.arange(0, QB)
+    rows = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    cols = tl.program_id(1) * QB + tl.arange(0, QB)
     rmask = rows < P
     r64 = rows.to(tl.int64)
     v = load_rows(x_ptr, x_stride, order_ptr, w_ptr, top_k, rows, rmask, cols, rmask[:, None], GATHER, HAS_W, ROUND)
-    store_row_quant(v, rmask[:, None], rmask, r64, cols, cb, q_ptr, C, s_ptr, C // QB)
+    store_row_quant(v, rmask[:, None], rmask, r64, cols, tl.program_id(1), q_ptr, C, s_ptr, C // QB)
 
 
 def _source(x: torch.Tensor | GatheredRows, name: str) -> tuple[int, int, tuple, dict]:
@@ -70,8 +69,8 @@ def quantize_rows(x: torch.Tensor | GatheredRows) -> tuple[torch.Tensor, torch.T
     s = torch.empty(P, C // QUANT_BLOCK, device=dev, dtype=torch.float32)
     if P:
         BP = ROW_PASS_ROWS
-        _quant_rows_kernel[(cdiv(P, BP) * (C // QUANT_BLOCK),)](*args, q, s, P, C, **consts, BLOCK_P=BP,
-                                                                QB=QUANT_BLOCK, num_warps=ROW_PASS_WARPS)
+        _quant_rows_kernel[(cdiv(P, BP), C // QUANT_BLOCK)](*args, q, s, P, C, **consts, BLOCK_P=BP, QB=QUANT_BLOCK,
+                                                            num_warps=ROW_PASS_WARPS)
     return q, s
 
 
@@ -80,8 +79,8 @@ def _situ_bwd_rows_kernel(dh_ptr, gu_ptr, dgu_ptr, q_ptr, s_ptr, P, I, beta, lin
                           QB: tl.constexpr):
     """SiTU's backward (grouped_gemm._situ_bwd_kernel's arithmetic) and dG | dU's 1 x QB row quantisation of the
     rounded result on the way out: one read of dH and G | U for both."""
-    rb, cb = row_major_block(I // QB)
-    rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cb = tl.program_id(1)
     cols = cb * QB + tl.arange(0, QB)
     rmask = rows < P
     r64 = rows.to(tl.int64)
@@ -112,9 +111,9 @@ def situ_backward_rows(dh: torch.Tensor, gu: torch.Tensor, beta: float, linear_b
     s = torch.empty(P, 2 * I // QUANT_BLOCK, device=dh.device, dtype=torch.float32)
     if P:
         BM = ROW_PASS_ROWS
-        _situ_bwd_rows_kernel[(cdiv(P, BM) * (I // QUANT_BLOCK),)](dh, gu, dgu, q, s, P, I, float(beta),
-                                                                   float(linear_beta), BLOCK_M=BM, QB=QUANT_BLOCK,
-                                                                   num_warps=ROW_PASS_WARPS)
+        _situ_bwd_rows_kernel[(cdiv(P, BM), I // QUANT_BLOCK)](dh, gu, dgu, q, s, P, I, float(beta),
+                                                               float(linear_beta), BLOCK_M=BM, QB=QUANT_BLOCK,
+                                                               num_warps=ROW_PASS_WARPS)
     return dgu, (q, s)
 
 
@@ -137,14 +136,14 @@ def _token_block_kernel(x_ptr, x_stride, order_ptr, w_ptr, top_k, tiles_ptr, tq_
     """Program (tile t, BLOCK_C columns): the tile's rows (past the expert: zeros) quantised per column (QB x 1),
     stored transposed in column block t of tq, the scales in row t of ts. Columns are independent: BLOCK_C only
     sets the program's size (smaller: more programs an SM in flight), not the bits."""
-    t, cb = row_major_block(C // BLOCK_C)
+    t = tl.program_id(0)
     e = tl.load(tiles_ptr + t * 3)
     if e >= 0:
         r0 = tl.load(tiles_ptr + t * 3 + 1)
         r1 = tl.load(tiles_ptr + t * 3 + 2)
         rows = r0 + tl.arange(0, QB)
         rmask = rows < r1
-        cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         v = load_rows(x_ptr, x_stride, order_ptr, w_ptr, top_k, rows, rmask, cols, rmask[:, None], GATHER, HAS_W,
                       ROUND).to(tl.float32)
         camax = tl.max(tl.abs(v), axis=0)
@@ -172,9 +171,8 @@ def quantize_token_blocks(x: torch.Tensor | GatheredRows, tiles: torch.Tensor) -
     tq = torch.empty(C, T * QUANT_BLOCK, device=dev, dtype=torch.float8_e4m3fn)
     ts = torch.empty(T, C, device=dev, dtype=torch.float32)
     if P and T:
-        _token_block_kernel[(T * (C // TOKEN_BLOCK_COLUMNS),)](*args, tiles, tq, ts, C, T, **consts,
-                                                               QB=QUANT_BLOCK, BLOCK_C=TOKEN_BLOCK_COLUMNS,
-                                                               num_warps=TOKEN_BLOCK_WARPS)
+        _token_block_kernel[(T, C // TOKEN_BLOCK_COLUMNS)](*args, tiles, tq, ts, C, T, **consts, QB=QUANT_BLOCK,
+                                                           BLOCK_C=TOKEN_BLOCK_COLUMNS, num_warps=TOKEN_BLOCK_WARPS)
     return tq, ts
 
 

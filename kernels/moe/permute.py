@@ -103,15 +103,6 @@ def load_rows(x_ptr, x_stride, order_ptr, w_ptr, top_k, rows, rmask, cols, mask,
 
 
 @triton.jit
-def row_major_block(n_col_blocks):
-    """(row block, column block) of this program in a pass's 1-D grid that walks each row block's column blocks
-    one after the other: the programs in flight read and write whole rows, adjacent in memory, instead of one
-    column block of rows a row apart (a DRAM page each). The order sets nothing but the programs' schedule."""
-    pid = tl.program_id(0)
-    return pid // n_col_blocks, pid % n_col_blocks
-
-
-@triton.jit
 def program_tile(pid, tiles_ptr, n_tiles_m, n_tiles_n, GROUP_M: tl.constexpr):
     """Program pid of a grouped GEMM over `RoutingPlan.tiles` -> (expert, first row, expert's end row, n tile),
     swizzled: GROUP_M m-tiles share the n sweep, so their weight tiles stay in L2."""
@@ -237,9 +228,8 @@ def permute_rows(x: torch.Tensor, plan: RoutingPlan, *, bf16: bool = True, fp8: 
 @triton.jit
 def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, N, D, TOP_K, HAS_W: tl.constexpr, BLOCK_T: tl.constexpr,
                     BLOCK_D: tl.constexpr):
-    tb, cb = row_major_block(tl.cdiv(D, BLOCK_D))
-    toks = tb * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = cb * BLOCK_D + tl.arange(0, BLOCK_D)
+    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     tmask = toks < N
     m = tmask[:, None] & (cols < D)[None, :]
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
@@ -262,8 +252,8 @@ def combine(y: torch.Tensor, plan: RoutingPlan, w: torch.Tensor | None, out_dtyp
     if N and D:
         BT, BD = 8, min(256, next_pow2(D))
         wf = w.float().contiguous() if w is not None else y
-        _combine_kernel[(cdiv(N, BT) * cdiv(D, BD),)](y, plan.pos, wf, out, N, D, k, HAS_W=w is not None,
-                                                      BLOCK_T=BT, BLOCK_D=BD, num_warps=4)
+        _combine_kernel[(cdiv(N, BT), cdiv(D, BD))](y, plan.pos, wf, out, N, D, k, HAS_W=w is not None,
+                                                    BLOCK_T=BT, BLOCK_D=BD, num_warps=4)
     return out
 
 
