@@ -68,7 +68,7 @@ class GluonTile:
     fuse_situ: bool = False
     # rows of a wgrad tile: 128 (a consumer's 64 rows, one 64 x 128 chain a K block) or 256 (a consumer's 128
     # rows as four 64 x 64 chains a K block; `_consume_tall_tile`); same bits either way
-    wgrad_block_m: int = 2 * QUANT_BLOCK  # (the H100 sweep: +13-20% on the wgrads; NOTES.md, session 41)
+    wgrad_block_m: int = 2 * QUANT_BLOCK  # (the H100 sweep's choice; NOTES.md, session 41)
     wgrad_stages: int = 3  # the wgrads' ring (the forward / dgrad GEMMs' is `stages`; same sweep)
 
     def validate(self) -> None:
@@ -275,8 +275,8 @@ def _consume_tall_tile(a_bufs, b_bufs, ready, empty, sa_ptrs, sb_ptrs, it, n_k, 
     from L2 for twice the MMAs of a 128 x 128 tile): per K block four 64 x 64 chains -- column half c's scales
     loaded once, then its low and high rows' chains -- each scaled as acc + (P * s_a) * s_b into its own quarter
     accumulator, so every output element gets the 128 x 128 tile's arithmetic and bits. 64-column chains keep
-    4 x 32 + 32 accumulator registers and 16 column scales live (64-row x 128-column chains with the scales of 128
-    columns spilled). sa_ptrs: the low rows' scale pointers (the high rows' are 64 further), sb_ptrs: the low
+    4 x 32 + 32 accumulator registers and 16 column scales live (64 x 128 chains with 128 columns' scales spill:
+    NOTES.md, session 41). sa_ptrs: the low rows' scale pointers (the high rows' are 64 further), sb_ptrs: the low
     columns' (the high columns' are 64 further); no masks (the wgrad's tiles are whole)."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, 64, 32])
@@ -413,10 +413,10 @@ def _wgrad_consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, out_ptr, out2_
     it = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         e, m0, col0, t0, n_k = _wgrad_tile(t, tile_off_ptr, M, N, BLOCK_M, BLOCK_N)
-        rows = m0 + ROW_OFFSET + gl.arange(0, 64, layout=gl.SliceLayout(1, mma_layout))
-        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
         t64 = t0.to(gl.int64)
         if OWN_M == 64:
+            rows = m0 + ROW_OFFSET + gl.arange(0, OWN_M, layout=gl.SliceLayout(1, mma_layout))
+            cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
             acc = _consume_tile(a_bufs, b_bufs, ready, empty, as_ptr + t64 * M + rows, rows < M,
                                 bs_ptr + t64 * N + cols, cols < N, it, n_k, N, M, OWN_M, BLOCK_N, STAGES, True,
                                 PREFETCH_SCALES)

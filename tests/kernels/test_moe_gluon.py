@@ -93,7 +93,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 from k3_kernels.moe import gluon_bf16 as B, gluon_gate_up as GU, gluon_gemm as G
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-OPS = r"\b(QGMMA\.64x128x32\.F32\.E4M3\.E4M3|QGMMA\.64x64x32\.F32\.E4M3\.E4M3|HGMMA\.64x256x16\.F32\.BF16|USETMAXREG|WARPGROUP\.DEPBAR\.LE gsb0, 0x1)"
+OPS = (r"\b(QGMMA\.64x128x32\.F32\.E4M3\.E4M3|QGMMA\.64x64x32\.F32\.E4M3\.E4M3|HGMMA\.64x256x16\.F32\.BF16|"
+       r"USETMAXREG|WARPGROUP\.DEPBAR\.LE gsb0, 0x1)")
 
 
 def desc(dtype, shape):
@@ -153,8 +154,8 @@ out = {"_scaled_mm_kernel": build(G._scaled_mm_kernel, fp8, fp8_consts),
        "_scaled_wgrad_kernel_prefetch": build(G._scaled_wgrad_kernel, fp8, dict(fp8_consts, PREFETCH_SCALES=True)),
        "_scaled_wgrad_kernel_tma_store": build(G._scaled_wgrad_kernel, fp8, dict(fp8_consts, TMA_STORE=True)),
        "_scaled_wgrad_kernel_tall": build(G._scaled_wgrad_kernel,
-                                          dict(fp8, a_desc=desc("fp8e4nv", [128, 128]), out_desc=desc("bf16", [128, 128]),
-                                               out2_desc=desc("bf16", [128, 128])),
+                                          dict(fp8, a_desc=desc("fp8e4nv", [128, 128]),
+                                               out_desc=desc("bf16", [128, 128]), out2_desc=desc("bf16", [128, 128])),
                                           dict(fp8_consts, BLOCK_M=t.wgrad_block_m, STAGES=t.wgrad_stages,
                                                TMA_STORE=True)),
        "bf16_wgrad": build(B._bf16_wgrad_kernel, dict(ptrs, **ints), bf16_consts)}
@@ -201,9 +202,8 @@ def test_gluon_gemm_builds_for_the_h200():
             # 2 consumers x 4 (x 2 column halves in a wide tile: G and U in the fused gate/up; x 4 quarters of 64
             # x 64 in a tall wgrad tile)
             chains = 16 if name.endswith("wide") or "gate_up" in name else 8
-            shape = "64x64x32" if name.endswith("tall") else "64x128x32"
-            assert out["ops"].get(f"QGMMA.{shape}.F32.E4M3.E4M3", 0) >= (32 if name.endswith("tall") else chains), \
-                (name, out["ops"])
+            shape, chains = ("64x64x32", 32) if name.endswith("tall") else ("64x128x32", chains)
+            assert out["ops"].get(f"QGMMA.{shape}.F32.E4M3.E4M3", 0) >= chains, (name, out["ops"])
 
 
 # ------------------------------------------------------------------------------------------------- GPU (sm_90)
