@@ -104,6 +104,38 @@ def parse_tile_changes(text: str) -> list[dict[str, int | bool]]:
     return changes
 
 
+def one_pass_quant_ab(z, plan, dgu, tiles, used, timing):
+    """X gathered in place, dY gathered with the gate weights, and dG | dU: their FP8 rows and token blocks by the
+    two Triton passes and by gluon_quant's one pass -- ms and whether the outputs (the used token blocks) match."""
+    from k3_kernels.moe import fp8_grad, gluon_quant
+    from k3_kernels.moe.permute import GatheredRows
+    g = torch.Generator(device=z.device).manual_seed(4)
+    w = torch.rand(plan.rows, device=z.device, generator=g)
+    dout = torch.randn(z.shape, device=z.device, generator=g).to(z.dtype)
+    sources = {"x": GatheredRows(z, plan.order, plan.top_k), "dy": GatheredRows(dout, plan.order, plan.top_k, w),
+               "dgu": dgu}
+
+    def two(src):
+        return fp8_grad.quantize_rows(src), fp8_grad.quantize_token_blocks(src, tiles)
+
+    def one(src):
+        return gluon_quant.rows_and_token_blocks(*fp8_grad._source(src, "x"), tiles)
+
+    def bits(result):
+        (q, s), (tq, ts) = result
+        return [q.view(torch.uint8), s, tq[:, :used * 128].view(torch.uint8), ts[:used]]
+    out = {}
+    for name, src in sources.items():
+        try:
+            same = all(torch.equal(a, b) for a, b in zip(bits(two(src)), bits(one(src))))
+            out[name] = {"two_passes_ms": timing(lambda: two(src)), "one_pass_ms": timing(lambda: one(src)),
+                         "same_bits": same}
+        except Exception as err:  # (not yet run on a GPU when written)
+            out[name] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+        print("one-pass quant", name, out[name], flush=True)
+    return out
+
+
 def gluon_gemms(E, N, L, I, k, device, reps_ms, only: set[str] | None = None,
                 fp8_tiles: list[dict[str, int | bool]] | None = None):
     """Each grouped GEMM of the layer, bf16 and FP8 (and the quantisation passes around the FP8 backward), Triton vs
@@ -174,6 +206,8 @@ def gluon_gemms(E, N, L, I, k, device, reps_ms, only: set[str] | None = None,
         print("passes", key, out["pass_sweep"][key], flush=True)
     flat = lambda r: [t for t in (r if isinstance(r, tuple) else (r,)) if t is not None]  # noqa: E731
     flat_bits = lambda r: [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in flat(r)]  # noqa: E731
+    if wanted("passes") and device.type == "cuda":
+        out["one_pass_quant"] = one_pass_quant_ab(z, plan, dgu, tiles, int(offsets[-1]), timing)
     default_bits = {}  # the Gluon default tile's outputs, what each swept setting must reproduce
     for name, (flops, fn) in gemms.items():
         if not wanted(name):

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from k3_kernels.launch import cdiv
-from k3_kernels.moe import gluon_gemm
+from k3_kernels.moe import gluon_gemm, gluon_quant
 from k3_kernels.moe import grouped_gemm as gg
 from k3_kernels.moe.permute import (QUANT_BLOCK, GatheredRows, RoutingPlan, e4m3_scale, e4m3_values, load_rows,
                                     store_row_quant)
@@ -174,6 +174,21 @@ def quantize_token_blocks(x: torch.Tensor | GatheredRows, tiles: torch.Tensor) -
         _token_block_kernel[(T, C // TOKEN_BLOCK_COLUMNS)](*args, tiles, tq, ts, C, T, **consts, QB=QUANT_BLOCK,
                                                            BLOCK_C=TOKEN_BLOCK_COLUMNS, num_warps=TOKEN_BLOCK_WARPS)
     return tq, ts
+
+
+# the one-pass Gluon quantiser of rows and token blocks (gluon_quant.py) on sm_90: opt-in until measured on a GPU
+# (written and compiled offline in session 41; kernels/moe/NOTES.md)
+ONE_PASS_QUANT = False
+
+
+def rows_and_token_blocks(x: torch.Tensor | GatheredRows, tiles: torch.Tensor
+                          ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """(quantize_rows(x), quantize_token_blocks(x, tiles)): with `ONE_PASS_QUANT` on an sm_90 GPU one Gluon pass
+    (gluon_quant.py, the same bits, x read once), else the two passes."""
+    P, C, args, consts = _source(x, "x")
+    if ONE_PASS_QUANT and gg.gemm_kernels_for(args[0].device, QUANT_BLOCK, C) is gg.GemmKernels.GLUON:
+        return gluon_quant.rows_and_token_blocks(P, C, args, consts, tiles)
+    return quantize_rows(x), quantize_token_blocks(x, tiles)
 
 
 # ---------------------------------------------------------------------------------------------------- wgrad

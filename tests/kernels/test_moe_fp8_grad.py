@@ -192,6 +192,18 @@ def test_layer_fp8_full_gradients():
     assert torch.equal(y8b, y8) and all(torch.equal(a, b) for a, b in zip(g8, g8b))
 
 
+def test_one_pass_quantiser_route_gives_the_same_layer(monkeypatch):
+    """`fp8_grad.ONE_PASS_QUANT` routes X's and dY's two quantisations through `rows_and_token_blocks` (on sm_90
+    one Gluon pass, gluon_quant.py; elsewhere the two passes) and X's FP8 rows through the row quantiser instead of
+    the permute: the FP8_FULL layer's output and every gradient must keep their bits. (The Gluon kernel itself is
+    compared with the two passes in `test_gpu_one_pass_quantiser_gives_the_two_passes_bits`.)"""
+    case = _case(80, 128, 256, 4, 2, seed=12)
+    y0, g0 = _fwd_bwd(case, Precision.FP8_FULL)
+    monkeypatch.setattr(fp8_grad, "ONE_PASS_QUANT", True)
+    y1, g1 = _fwd_bwd(case, Precision.FP8_FULL)
+    assert torch.equal(y0, y1) and all(torch.equal(a, b) for a, b in zip(g0, g1))
+
+
 def test_transposed_weight_caches_follow_the_weights():
     g = torch.Generator().manual_seed(10)
     w1, w3 = ((torch.randn(2, 128, 256, generator=g) / 16).to(DEV, torch.bfloat16) for _ in range(2))
@@ -264,3 +276,26 @@ def test_gpu_fp8_full_same_bits_with_either_gemm(monkeypatch, change):
     _, g16 = _fwd_bwd(case, Precision.BF16)
     print("FP8_FULL vs bf16 at K3 shapes:", {n: rel_rms(a, b) for n, a, b in
                                              zip(("dz", "dw", "dw1", "dw3", "dw2"), g_g, g16)})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="Gluon's kernels need an sm_90 GPU (H100/H200)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_one_pass_quantiser_gives_the_two_passes_bits(dtype):
+    """gluon_quant's one pass (rows and 128-token blocks from one read, the tile held in shared memory) against
+    the Triton row and token-block passes, bit for bit: expert-sorted rows, X gathered in place and dY gathered
+    with the gate weights and rounding, at K3's latent width with ragged experts and an empty one."""
+    from k3_kernels.moe import gluon_quant
+    plan = _plan([1500, 0, 40, 129, 700])
+    tiles, offsets = fp8_grad.token_block_tiles(plan)
+    used = int(offsets[-1])
+    z = _rows(plan.rows, 3584, seed=51, dtype=dtype)
+    w = torch.rand(plan.rows, generator=torch.Generator().manual_seed(52)).to(DEV)
+    for source in (z, GatheredRows(z, plan.order, 1), GatheredRows(z, plan.order, 1, w)):
+        P, C, args, consts = fp8_grad._source(source, "x")
+        (q, s), (tq, ts) = gluon_quant.rows_and_token_blocks(P, C, args, consts, tiles)
+        q_r, s_r = fp8_grad.quantize_rows(source)
+        tq_r, ts_r = fp8_grad.quantize_token_blocks(source, tiles)
+        assert torch.equal(q.view(torch.uint8), q_r.view(torch.uint8)) and torch.equal(s, s_r)
+        assert torch.equal(tq[:, :used * 128].view(torch.uint8), tq_r[:, :used * 128].view(torch.uint8))
+        assert torch.equal(ts[:used], ts_r[:used])
