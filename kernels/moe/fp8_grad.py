@@ -176,19 +176,48 @@ def quantize_token_blocks(x: torch.Tensor | GatheredRows, tiles: torch.Tensor) -
     return tq, ts
 
 
-# the one-pass Gluon quantiser of rows and token blocks (gluon_quant.py) on sm_90: opt-in until measured on a GPU
+# the one-pass Gluon quantisers of rows and token blocks (gluon_quant.py) on sm_90: opt-in until measured on a GPU
 # (written and compiled offline in session 41; kernels/moe/NOTES.md)
 ONE_PASS_QUANT = False
 
 
+def one_pass_quant(device: torch.device) -> bool:
+    """Whether the one-pass quantisers run here: `ONE_PASS_QUANT` on an sm_90 GPU with the Gluon kernels chosen."""
+    return ONE_PASS_QUANT and gg.gemm_kernels_for(device, QUANT_BLOCK, QUANT_BLOCK) is gg.GemmKernels.GLUON
+
+
 def rows_and_token_blocks(x: torch.Tensor | GatheredRows, tiles: torch.Tensor
                           ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """(quantize_rows(x), quantize_token_blocks(x, tiles)): with `ONE_PASS_QUANT` on an sm_90 GPU one Gluon pass
-    (gluon_quant.py, the same bits, x read once), else the two passes."""
+    """(quantize_rows(x), quantize_token_blocks(x, tiles)): one pass where `one_pass_quant`, else the two."""
     P, C, args, consts = _source(x, "x")
-    if ONE_PASS_QUANT and gg.gemm_kernels_for(args[0].device, QUANT_BLOCK, C) is gg.GemmKernels.GLUON:
+    if one_pass_quant(args[0].device):
         return gluon_quant.rows_and_token_blocks(P, C, args, consts, tiles)
     return quantize_rows(x), quantize_token_blocks(x, tiles)
+
+
+def situ_rows_and_token_blocks(gu: torch.Tensor, tiles: torch.Tensor, beta: float, linear_beta: float
+                               ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """H = SiTU(G) * cap(U) from gu [P, 2I]: (H's FP8 rows, H's token blocks) -- one pass where `one_pass_quant`,
+    else `grouped_gemm.situ_quant` (H and its rows) and the token-block pass over H."""
+    if one_pass_quant(gu.device):
+        return gluon_quant.situ_rows_and_token_blocks(gu, tiles, beta, linear_beta)
+    P, I = gu.shape[0], gu.shape[1] // 2
+    h = torch.empty(P, I, device=gu.device, dtype=gu.dtype)
+    hq = torch.empty(P, I, device=gu.device, dtype=torch.float8_e4m3fn)
+    hs = torch.empty(P, I // QUANT_BLOCK, device=gu.device, dtype=torch.float32)
+    gg.situ_quant(gu, beta, linear_beta, h, hq, hs)
+    return (hq, hs), quantize_token_blocks(h, tiles)
+
+
+def situ_backward_rows_and_token_blocks(dh: torch.Tensor, gu: torch.Tensor, tiles: torch.Tensor, beta: float,
+                                        linear_beta: float
+                                        ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """dG | dU of SiTU-and-mul: (their FP8 rows, their token blocks) -- one pass where `one_pass_quant`, else
+    `situ_backward_rows` and the token-block pass over its dG | dU."""
+    if one_pass_quant(gu.device):
+        return gluon_quant.situ_backward_rows_and_token_blocks(dh, gu, tiles, beta, linear_beta)
+    dgu, rows = situ_backward_rows(dh, gu, beta, linear_beta)
+    return rows, quantize_token_blocks(dgu, tiles)
 
 
 # ---------------------------------------------------------------------------------------------------- wgrad

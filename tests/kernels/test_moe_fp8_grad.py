@@ -193,10 +193,11 @@ def test_layer_fp8_full_gradients():
 
 
 def test_one_pass_quantiser_route_gives_the_same_layer(monkeypatch):
-    """`fp8_grad.ONE_PASS_QUANT` routes X's and dY's two quantisations through `rows_and_token_blocks` (on sm_90
-    one Gluon pass, gluon_quant.py; elsewhere the two passes) and X's FP8 rows through the row quantiser instead of
-    the permute: the FP8_FULL layer's output and every gradient must keep their bits. (The Gluon kernel itself is
-    compared with the two passes in `test_gpu_one_pass_quantiser_gives_the_two_passes_bits`.)"""
+    """`fp8_grad.ONE_PASS_QUANT` routes the two quantisations of X, H, dY and dG | dU through fp8_grad's one-pass
+    dispatchers (on sm_90 one Gluon pass each, gluon_quant.py; elsewhere the two passes), X's FP8 rows through the
+    row quantiser instead of the permute and H's through the SiTU pass instead of the gate/up's epilogue: the
+    FP8_FULL layer's output and every gradient must keep their bits. (The Gluon kernels themselves are compared
+    with the two passes in `test_gpu_one_pass_quantiser_gives_the_two_passes_bits`.)"""
     case = _case(80, 128, 256, 4, 2, seed=12)
     y0, g0 = _fwd_bwd(case, Precision.FP8_FULL)
     monkeypatch.setattr(fp8_grad, "ONE_PASS_QUANT", True)
@@ -283,19 +284,30 @@ def test_gpu_fp8_full_same_bits_with_either_gemm(monkeypatch, change):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_one_pass_quantiser_gives_the_two_passes_bits(dtype):
     """gluon_quant's one pass (rows and 128-token blocks from one read, the tile held in shared memory) against
-    the Triton row and token-block passes, bit for bit: expert-sorted rows, X gathered in place and dY gathered
-    with the gate weights and rounding, at K3's latent width with ragged experts and an empty one."""
+    the Triton passes it replaces, bit for bit: expert-sorted rows, X gathered in place and dY gathered with the
+    gate weights and rounding (K3's latent width), H from G | U and dG | dU from dH and G | U (K3's intermediate
+    width), ragged experts and an empty one."""
     from k3_kernels.moe import gluon_quant
     plan = _plan([1500, 0, 40, 129, 700])
     tiles, offsets = fp8_grad.token_block_tiles(plan)
     used = int(offsets[-1])
     z = _rows(plan.rows, 3584, seed=51, dtype=dtype)
     w = torch.rand(plan.rows, generator=torch.Generator().manual_seed(52)).to(DEV)
-    for source in (z, GatheredRows(z, plan.order, 1), GatheredRows(z, plan.order, 1, w)):
-        P, C, args, consts = fp8_grad._source(source, "x")
-        (q, s), (tq, ts) = gluon_quant.rows_and_token_blocks(P, C, args, consts, tiles)
-        q_r, s_r = fp8_grad.quantize_rows(source)
-        tq_r, ts_r = fp8_grad.quantize_token_blocks(source, tiles)
-        assert torch.equal(q.view(torch.uint8), q_r.view(torch.uint8)) and torch.equal(s, s_r)
-        assert torch.equal(tq[:, :used * 128].view(torch.uint8), tq_r[:, :used * 128].view(torch.uint8))
-        assert torch.equal(ts[:used], ts_r[:used])
+    I = 3072
+    dh, gu = _rows(plan.rows, I, seed=53, dtype=dtype), _rows(plan.rows, 2 * I, seed=54, dtype=dtype) * 3
+    h = torch.empty(plan.rows, I, device=DEV, dtype=dtype)
+    hq, hs = torch.empty(plan.rows, I, device=DEV, dtype=torch.float8_e4m3fn), torch.empty(plan.rows, I // 128,
+                                                                                             device=DEV)
+    gg.situ_quant(gu, 4.0, 25.0, h, hq, hs)
+    dgu, dgu_rows = fp8_grad.situ_backward_rows(dh, gu, 4.0, 25.0)
+    cases = [(gluon_quant.rows_and_token_blocks(*fp8_grad._source(src, "x"), tiles),
+              (fp8_grad.quantize_rows(src), fp8_grad.quantize_token_blocks(src, tiles)))
+             for src in (z, GatheredRows(z, plan.order, 1), GatheredRows(z, plan.order, 1, w))]
+    cases.append((gluon_quant.situ_rows_and_token_blocks(gu, tiles, 4.0, 25.0),
+                  ((hq, hs), fp8_grad.quantize_token_blocks(h, tiles))))
+    cases.append((gluon_quant.situ_backward_rows_and_token_blocks(dh, gu, tiles, 4.0, 25.0),
+                  (dgu_rows, fp8_grad.quantize_token_blocks(dgu, tiles))))
+    for i, (((q, s), (tq, ts)), ((q_r, s_r), (tq_r, ts_r))) in enumerate(cases):
+        assert torch.equal(q.view(torch.uint8), q_r.view(torch.uint8)) and torch.equal(s, s_r), i
+        assert torch.equal(tq[:, :used * 128].view(torch.uint8), tq_r[:, :used * 128].view(torch.uint8)), i
+        assert torch.equal(ts[:used], ts_r[:used]), i

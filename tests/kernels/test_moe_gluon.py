@@ -166,6 +166,12 @@ for gather, has_w in ((False, False), (True, True)):
     out[f"quant_gather_{gather}_w_{has_w}"] = build(
         Q._rows_and_blocks_kernel, quant_types,
         dict(GATHER=gather, HAS_W=has_w, ROUND=tl.bfloat16, ROWS_STEP=Q.ROWS, COLS_STEP=Q.COLS, num_warps=Q.WARPS))
+situ_types = dict(gu_ptr="*bf16", dh_ptr="*bf16", tiles_ptr="*i32", q_ptr="*fp8e4nv", s_ptr="*fp32",
+                  tq_ptr="*fp8e4nv", ts_ptr="*fp32", I="i32", n_tiles="i32", beta="fp32", linear_beta="fp32")
+for backward in (False, True):
+    out[f"quant_situ_backward_{backward}"] = build(
+        Q._situ_rows_and_blocks_kernel, situ_types,
+        dict(BACKWARD=backward, ROWS_STEP=Q.SITU_ROWS, COLS_STEP=Q.COLS, num_warps=Q.WARPS))
 for k_major in (True, False):
     box = [bt.block_n, bt.block_k] if k_major else [bt.block_k, bt.block_n]
     tys = dict(ptrs, **ints, a_desc=desc("bf16", [bt.block_m // 2, bt.block_k]), b_desc=desc("bf16", box),
@@ -195,7 +201,8 @@ def test_gluon_gemm_builds_for_the_h200():
                            "_scaled_wgrad_kernel", "_scaled_mm_kernel_prefetch",
                            "_scaled_wgrad_kernel_prefetch", "_scaled_wgrad_kernel_tma_store",
                            "_scaled_wgrad_kernel_tall", "bf16_k_major_True", "bf16_k_major_False", "bf16_wgrad",
-                           "quant_gather_False_w_False", "quant_gather_True_w_True"}
+                           "quant_gather_False_w_False", "quant_gather_True_w_True", "quant_situ_backward_False",
+                           "quant_situ_backward_True"}
     assert builds["bf16_wgrad"]["tensormap_acquires"] >= 2  # its per-expert descriptors, made on the device
     for name, out in builds.items():
         if name.startswith("quant"):  # gluon_quant's one-pass quantiser: no MMAs, no partitions; no spills
