@@ -22,6 +22,7 @@ import triton.language as tl
 
 from k3_kernels.launch import cdiv
 from k3_kernels.moe import gluon_gemm, gluon_quant
+from k3_kernels.moe.gluon_quant import RowsAndBlocks
 from k3_kernels.moe import grouped_gemm as gg
 from k3_kernels.moe.permute import (QUANT_BLOCK, GatheredRows, RoutingPlan, e4m3_scale, e4m3_values, load_rows,
                                     store_row_quant)
@@ -186,8 +187,7 @@ def one_pass_quant(device: torch.device) -> bool:
     return ONE_PASS_QUANT and gg.gemm_kernels_for(device, QUANT_BLOCK, QUANT_BLOCK) is gg.GemmKernels.GLUON
 
 
-def rows_and_token_blocks(x: torch.Tensor | GatheredRows, tiles: torch.Tensor
-                          ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+def rows_and_token_blocks(x: torch.Tensor | GatheredRows, tiles: torch.Tensor) -> RowsAndBlocks:
     """(quantize_rows(x), quantize_token_blocks(x, tiles)): one pass where `one_pass_quant`, else the two."""
     P, C, args, consts = _source(x, "x")
     if one_pass_quant(args[0].device):
@@ -195,8 +195,7 @@ def rows_and_token_blocks(x: torch.Tensor | GatheredRows, tiles: torch.Tensor
     return quantize_rows(x), quantize_token_blocks(x, tiles)
 
 
-def situ_rows_and_token_blocks(gu: torch.Tensor, tiles: torch.Tensor, beta: float, linear_beta: float
-                               ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+def situ_rows_and_token_blocks(gu: torch.Tensor, tiles: torch.Tensor, beta: float, linear_beta: float) -> RowsAndBlocks:
     """H = SiTU(G) * cap(U) from gu [P, 2I]: (H's FP8 rows, H's token blocks) -- one pass where `one_pass_quant`,
     else `grouped_gemm.situ_quant` (H and its rows) and the token-block pass over H."""
     if one_pass_quant(gu.device):
@@ -210,8 +209,7 @@ def situ_rows_and_token_blocks(gu: torch.Tensor, tiles: torch.Tensor, beta: floa
 
 
 def situ_backward_rows_and_token_blocks(dh: torch.Tensor, gu: torch.Tensor, tiles: torch.Tensor, beta: float,
-                                        linear_beta: float
-                                        ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+                                        linear_beta: float) -> RowsAndBlocks:
     """dG | dU of SiTU-and-mul: (their FP8 rows, their token blocks) -- one pass where `one_pass_quant`, else
     `situ_backward_rows` and the token-block pass over its dG | dU."""
     if one_pass_quant(gu.device):

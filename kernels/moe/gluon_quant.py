@@ -31,6 +31,8 @@ from k3_kernels.moe.permute import QUANT_BLOCK, e4m3_scale, e4m3_values, load_ro
 from k3_kernels.situ.fused import situ_grads, situ_h
 
 _QB = gl.constexpr(QUANT_BLOCK)
+# ((e4m3 rows [P, C], their scales [P, C / 128]), (e4m3 token blocks [C, T 128], their scales [T, C]))
+RowsAndBlocks = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 # rows a step of the first sweep (SiTU's: fewer, its arithmetic holds more registers), columns a step of the
 # second, warps: a program's size, not its bits
 ROWS, SITU_ROWS, COLS, WARPS = 32, 16, 32, 4
@@ -151,8 +153,7 @@ def _outputs(P: int, C: int, T: int, dev: torch.device):
              torch.empty(T, C, device=dev, dtype=torch.float32)))
 
 
-def rows_and_token_blocks(P: int, C: int, args: tuple, consts: dict, tiles: torch.Tensor
-                          ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+def rows_and_token_blocks(P: int, C: int, args: tuple, consts: dict, tiles: torch.Tensor) -> RowsAndBlocks:
     """`fp8_grad.rows_and_token_blocks`' Gluon path: `args` / `consts` are `fp8_grad._source`'s (the rows' tensor
     or GatheredRows, checked there) -> ((q [P, C], s [P, C / 128]), (tq [C, T 128], ts [T, C]))."""
     T = tiles.shape[0]
@@ -179,16 +180,14 @@ def _situ(gu: torch.Tensor, dh: torch.Tensor | None, tiles: torch.Tensor, beta: 
     return out
 
 
-def situ_rows_and_token_blocks(gu: torch.Tensor, tiles: torch.Tensor, beta: float, linear_beta: float
-                               ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+def situ_rows_and_token_blocks(gu: torch.Tensor, tiles: torch.Tensor, beta: float, linear_beta: float) -> RowsAndBlocks:
     """H = SiTU(G) * cap(U) from G | U [P, 2I] -> (H's FP8 rows and scales, its token blocks and scales): the bits
     of `grouped_gemm.situ_quant`'s rows and of `fp8_grad.quantize_token_blocks` over the stored H, without H."""
     return _situ(gu, None, tiles, beta, linear_beta)
 
 
 def situ_backward_rows_and_token_blocks(dh: torch.Tensor, gu: torch.Tensor, tiles: torch.Tensor, beta: float,
-                                        linear_beta: float
-                                        ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+                                        linear_beta: float) -> RowsAndBlocks:
     """dG | dU of SiTU-and-mul from dH [P, I] and G | U [P, 2I] -> (their FP8 rows and scales, their token blocks
     and scales): the bits of `fp8_grad.situ_backward_rows`' rows and of `fp8_grad.quantize_token_blocks` over its
     dG | dU, without dG | dU."""
