@@ -104,10 +104,12 @@ def parse_tile_changes(text: str) -> list[dict[str, int | bool]]:
     return changes
 
 
-def one_pass_quant_ab(z, plan, dgu, tiles, used, timing):
-    """X gathered in place, dY gathered with the gate weights, and dG | dU: their FP8 rows and token blocks by the
-    two Triton passes and by gluon_quant's one pass -- ms and whether the outputs (the used token blocks) match."""
+def one_pass_quant_ab(z, plan, dgu, gu, tiles, used, timing):
+    """X gathered in place, dY gathered with the gate weights, a stored dG | dU, H from G | U and dG | dU from dH
+    and G | U: their FP8 rows and token blocks by the Triton passes FP8_FULL runs and by gluon_quant's one pass --
+    ms and whether the outputs (the used token blocks) match."""
     from k3_kernels.moe import fp8_grad, gluon_quant
+    from k3_kernels.moe import grouped_gemm as gg
     from k3_kernels.moe.permute import GatheredRows
     g = torch.Generator(device=z.device).manual_seed(4)
     w = torch.rand(plan.rows, device=z.device, generator=g)
@@ -124,12 +126,28 @@ def one_pass_quant_ab(z, plan, dgu, tiles, used, timing):
     def bits(result):
         (q, s), (tq, ts) = result
         return [q.view(torch.uint8), s, tq[:, :used * 128].view(torch.uint8), ts[:used]]
+    P, I = gu.shape[0], gu.shape[1] // 2
+    dh = dgu[:, :I].contiguous()
+    h = torch.empty(P, I, device=gu.device, dtype=gu.dtype)
+    hq = torch.empty(P, I, device=gu.device, dtype=torch.float8_e4m3fn)
+    hs = torch.empty(P, I // 128, device=gu.device)
+
+    def h_two():
+        gg.situ_quant(gu, BETA, LINEAR_BETA, h, hq, hs)
+        return (hq, hs), fp8_grad.quantize_token_blocks(h, tiles)
+
+    def dgu_two():
+        d, rows = fp8_grad.situ_backward_rows(dh, gu, BETA, LINEAR_BETA)
+        return rows, fp8_grad.quantize_token_blocks(d, tiles)
+    routes = {name: (lambda src=src: two(src), lambda src=src: one(src)) for name, src in sources.items()}
+    routes["h_from_gu"] = (h_two, lambda: gluon_quant.situ_rows_and_token_blocks(gu, tiles, BETA, LINEAR_BETA))
+    routes["dgu_from_dh_gu"] = (dgu_two, lambda: gluon_quant.situ_backward_rows_and_token_blocks(
+        dh, gu, tiles, BETA, LINEAR_BETA))
     out = {}
-    for name, src in sources.items():
+    for name, (two_fn, one_fn) in routes.items():
         try:
-            same = all(torch.equal(a, b) for a, b in zip(bits(two(src)), bits(one(src))))
-            out[name] = {"two_passes_ms": timing(lambda: two(src)), "one_pass_ms": timing(lambda: one(src)),
-                         "same_bits": same}
+            same = all(torch.equal(a, b) for a, b in zip(bits(two_fn()), bits(one_fn())))
+            out[name] = {"two_passes_ms": timing(two_fn), "one_pass_ms": timing(one_fn), "same_bits": same}
         except Exception as err:  # (not yet run on a GPU when written)
             out[name] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
         print("one-pass quant", name, out[name], flush=True)
@@ -207,7 +225,7 @@ def gluon_gemms(E, N, L, I, k, device, reps_ms, only: set[str] | None = None,
     flat = lambda r: [t for t in (r if isinstance(r, tuple) else (r,)) if t is not None]  # noqa: E731
     flat_bits = lambda r: [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in flat(r)]  # noqa: E731
     if wanted("passes") and device.type == "cuda":
-        out["one_pass_quant"] = one_pass_quant_ab(z, plan, dgu, tiles, int(offsets[-1]), timing)
+        out["one_pass_quant"] = one_pass_quant_ab(z, plan, dgu, gu, tiles, int(offsets[-1]), timing)
     default_bits = {}  # the Gluon default tile's outputs, what each swept setting must reproduce
     for name, (flops, fn) in gemms.items():
         if not wanted(name):
