@@ -54,6 +54,22 @@ def _tile_buffer(dt: gl.constexpr, PHASES: gl.constexpr):
 
 
 @gluon.jit
+def _program_tile(tiles_ptr):
+    """This program's token tile t and column block cb, the tile's expert (-1: an unused tile) and its rows r0 ..
+    r1 (the tile table's entries, valid for every tile)."""
+    t = gl.program_id(0)
+    row = tiles_ptr + t * 3
+    return t, gl.program_id(1), gl.load(row), gl.load(row + 1), gl.load(row + 2)
+
+
+@gluon.jit
+def _step_rows(r0, r, r1, ROWS_STEP: gl.constexpr):
+    """The first sweep's rows r0 + r .. + ROWS_STEP (row-major layout) and which of them are the expert's."""
+    rows = r0 + r + gl.arange(0, ROWS_STEP, layout=gl.SliceLayout(1, _ROW_LAYOUT))
+    return rows, rows < r1
+
+
+@gluon.jit
 def _token_blocks(tile, t, col0, tq_ptr, ts_ptr, C, n_tiles, COLS_STEP: gl.constexpr):
     """The second sweep over one tile buffer (columns col0 .. col0 + 127 of the output): each column's scale over
     the tile's 128 tokens and its e4m3 values, stored transposed into token block t (quantize_token_blocks' bits)."""
@@ -77,16 +93,11 @@ def _rows_and_blocks_kernel(x_ptr, x_stride, order_ptr, w_ptr, top_k, tiles_ptr,
         tile = _tile_buffer(ROUND, ROWS_STEP)
     else:
         tile = _tile_buffer(x_ptr.dtype.element_ty, ROWS_STEP)
-    t = gl.program_id(0)
-    cb = gl.program_id(1)
-    e = gl.load(tiles_ptr + t * 3)
+    t, cb, e, r0, r1 = _program_tile(tiles_ptr)
     if e >= 0:
-        r0 = gl.load(tiles_ptr + t * 3 + 1)
-        r1 = gl.load(tiles_ptr + t * 3 + 2)
         cols = cb * _QB + gl.arange(0, _QB, layout=gl.SliceLayout(0, _ROW_LAYOUT))
         for r in gl.static_range(0, _QB, ROWS_STEP):
-            rows = r0 + r + gl.arange(0, ROWS_STEP, layout=gl.SliceLayout(1, _ROW_LAYOUT))
-            rmask = rows < r1
+            rows, rmask = _step_rows(r0, r, r1, ROWS_STEP)
             v = load_rows(x_ptr, x_stride, order_ptr, w_ptr, top_k, rows, rmask, cols, rmask[:, None], GATHER, HAS_W,
                           ROUND)
             store_row_quant(v, rmask[:, None], rmask, rows.to(gl.int64), cols, cb, q_ptr, C, s_ptr, C // _QB)
@@ -111,16 +122,11 @@ def _situ_rows_and_blocks_kernel(gu_ptr, dh_ptr, tiles_ptr, q_ptr, s_ptr, tq_ptr
     else:
         tile_a = tile_b
         C = I
-    t = gl.program_id(0)
-    cb = gl.program_id(1)
-    e = gl.load(tiles_ptr + t * 3)
+    t, cb, e, r0, r1 = _program_tile(tiles_ptr)
     if e >= 0:
-        r0 = gl.load(tiles_ptr + t * 3 + 1)
-        r1 = gl.load(tiles_ptr + t * 3 + 2)
         cols = cb * _QB + gl.arange(0, _QB, layout=gl.SliceLayout(0, _ROW_LAYOUT))
         for r in gl.static_range(0, _QB, ROWS_STEP):
-            rows = r0 + r + gl.arange(0, ROWS_STEP, layout=gl.SliceLayout(1, _ROW_LAYOUT))
-            rmask = rows < r1
+            rows, rmask = _step_rows(r0, r, r1, ROWS_STEP)
             r64 = rows.to(gl.int64)
             gp = gu_ptr + r64[:, None] * (2 * I) + cols[None, :]
             g = gl.load(gp, mask=rmask[:, None], other=0.0).to(gl.float32)
