@@ -106,48 +106,32 @@ def parse_tile_changes(text: str) -> list[dict[str, int | bool]]:
 
 def one_pass_quant_ab(z, plan, dgu, gu, tiles, used, timing):
     """X gathered in place, dY gathered with the gate weights, a stored dG | dU, H from G | U and dG | dU from dH
-    and G | U: their FP8 rows and token blocks by the Triton passes FP8_FULL runs and by gluon_quant's one pass --
-    ms and whether the outputs (the used token blocks) match."""
-    from k3_kernels.moe import fp8_grad, gluon_quant
-    from k3_kernels.moe import grouped_gemm as gg
+    and G | U: their FP8 rows and token blocks through fp8_grad's dispatchers with `ONE_PASS_QUANT` off (the
+    Triton passes FP8_FULL runs) and on (gluon_quant's one pass) -- ms and whether the outputs (the used token
+    blocks) match."""
+    from k3_kernels.moe import fp8_grad
     from k3_kernels.moe.permute import GatheredRows
     g = torch.Generator(device=z.device).manual_seed(4)
     w = torch.rand(plan.rows, device=z.device, generator=g)
     dout = torch.randn(z.shape, device=z.device, generator=g).to(z.dtype)
-    sources = {"x": GatheredRows(z, plan.order, plan.top_k), "dy": GatheredRows(dout, plan.order, plan.top_k, w),
-               "dgu": dgu}
-
-    def two(src):
-        return fp8_grad.quantize_rows(src), fp8_grad.quantize_token_blocks(src, tiles)
-
-    def one(src):
-        return gluon_quant.rows_and_token_blocks(*fp8_grad._source(src, "x"), tiles)
+    dh = dgu[:, :gu.shape[1] // 2].contiguous()
+    routes = {name: (lambda src=src: fp8_grad.rows_and_token_blocks(src, tiles))
+              for name, src in (("x", GatheredRows(z, plan.order, plan.top_k)),
+                                ("dy", GatheredRows(dout, plan.order, plan.top_k, w)), ("dgu", dgu))}
+    routes["h_from_gu"] = lambda: fp8_grad.situ_rows_and_token_blocks(gu, tiles, BETA, LINEAR_BETA)
+    routes["dgu_from_dh_gu"] = lambda: fp8_grad.situ_backward_rows_and_token_blocks(dh, gu, tiles, BETA, LINEAR_BETA)
 
     def bits(result):
         (q, s), (tq, ts) = result
         return [q.view(torch.uint8), s, tq[:, :used * 128].view(torch.uint8), ts[:used]]
-    P, I = gu.shape[0], gu.shape[1] // 2
-    dh = dgu[:, :I].contiguous()
-    h = torch.empty(P, I, device=gu.device, dtype=gu.dtype)
-    hq = torch.empty(P, I, device=gu.device, dtype=torch.float8_e4m3fn)
-    hs = torch.empty(P, I // 128, device=gu.device)
-
-    def h_two():
-        gg.situ_quant(gu, BETA, LINEAR_BETA, h, hq, hs)
-        return (hq, hs), fp8_grad.quantize_token_blocks(h, tiles)
-
-    def dgu_two():
-        d, rows = fp8_grad.situ_backward_rows(dh, gu, BETA, LINEAR_BETA)
-        return rows, fp8_grad.quantize_token_blocks(d, tiles)
-    routes = {name: (lambda src=src: two(src), lambda src=src: one(src)) for name, src in sources.items()}
-    routes["h_from_gu"] = (h_two, lambda: gluon_quant.situ_rows_and_token_blocks(gu, tiles, BETA, LINEAR_BETA))
-    routes["dgu_from_dh_gu"] = (dgu_two, lambda: gluon_quant.situ_backward_rows_and_token_blocks(
-        dh, gu, tiles, BETA, LINEAR_BETA))
     out = {}
-    for name, (two_fn, one_fn) in routes.items():
+    for name, fn in routes.items():
         try:
-            same = all(torch.equal(a, b) for a, b in zip(bits(two_fn()), bits(one_fn())))
-            out[name] = {"two_passes_ms": timing(two_fn), "one_pass_ms": timing(one_fn), "same_bits": same}
+            two, two_ms = bits(fn()), timing(fn)
+            with mock.patch.object(fp8_grad, "ONE_PASS_QUANT", True):
+                same = all(torch.equal(a, b) for a, b in zip(two, bits(fn())))
+                one_ms = timing(fn)
+            out[name] = {"two_passes_ms": two_ms, "one_pass_ms": one_ms, "same_bits": same}
         except Exception as err:  # (not yet run on a GPU when written)
             out[name] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
         print("one-pass quant", name, out[name], flush=True)

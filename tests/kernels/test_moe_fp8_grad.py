@@ -282,12 +282,11 @@ def test_gpu_fp8_full_same_bits_with_either_gemm(monkeypatch, change):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="Gluon's kernels need an sm_90 GPU (H100/H200)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_one_pass_quantiser_gives_the_two_passes_bits(dtype):
+def test_gpu_one_pass_quantiser_gives_the_two_passes_bits(monkeypatch, dtype):
     """gluon_quant's one pass (rows and 128-token blocks from one read, the tile held in shared memory) against
     the Triton passes it replaces, bit for bit: expert-sorted rows, X gathered in place and dY gathered with the
     gate weights and rounding (K3's latent width), H from G | U and dG | dU from dH and G | U (K3's intermediate
     width), ragged experts and an empty one."""
-    from k3_kernels.moe import gluon_quant
     plan = _plan([1500, 0, 40, 129, 700])
     tiles, offsets = fp8_grad.token_block_tiles(plan)
     used = int(offsets[-1])
@@ -295,19 +294,16 @@ def test_gpu_one_pass_quantiser_gives_the_two_passes_bits(dtype):
     w = torch.rand(plan.rows, generator=torch.Generator().manual_seed(52)).to(DEV)
     I = 3072
     dh, gu = _rows(plan.rows, I, seed=53, dtype=dtype), _rows(plan.rows, 2 * I, seed=54, dtype=dtype) * 3
-    h = torch.empty(plan.rows, I, device=DEV, dtype=dtype)
-    hq, hs = torch.empty(plan.rows, I, device=DEV, dtype=torch.float8_e4m3fn), torch.empty(plan.rows, I // 128,
-                                                                                             device=DEV)
-    gg.situ_quant(gu, 4.0, 25.0, h, hq, hs)
-    dgu, dgu_rows = fp8_grad.situ_backward_rows(dh, gu, 4.0, 25.0)
-    cases = [(gluon_quant.rows_and_token_blocks(*fp8_grad._source(src, "x"), tiles),
-              (fp8_grad.quantize_rows(src), fp8_grad.quantize_token_blocks(src, tiles)))
-             for src in (z, GatheredRows(z, plan.order, 1), GatheredRows(z, plan.order, 1, w))]
-    cases.append((gluon_quant.situ_rows_and_token_blocks(gu, tiles, 4.0, 25.0),
-                  ((hq, hs), fp8_grad.quantize_token_blocks(h, tiles))))
-    cases.append((gluon_quant.situ_backward_rows_and_token_blocks(dh, gu, tiles, 4.0, 25.0),
-                  (dgu_rows, fp8_grad.quantize_token_blocks(dgu, tiles))))
-    for i, (((q, s), (tq, ts)), ((q_r, s_r), (tq_r, ts_r))) in enumerate(cases):
+    routes = [lambda src=src: fp8_grad.rows_and_token_blocks(src, tiles)
+              for src in (z, GatheredRows(z, plan.order, 1), GatheredRows(z, plan.order, 1, w))]
+    routes.append(lambda: fp8_grad.situ_rows_and_token_blocks(gu, tiles, 4.0, 25.0))
+    routes.append(lambda: fp8_grad.situ_backward_rows_and_token_blocks(dh, gu, tiles, 4.0, 25.0))
+    for i, route in enumerate(routes):
+        (q_r, s_r), (tq_r, ts_r) = route()  # the Triton passes
+        monkeypatch.setattr(fp8_grad, "ONE_PASS_QUANT", True)
+        assert fp8_grad.one_pass_quant(gu.device)
+        (q, s), (tq, ts) = route()  # gluon_quant's one pass
+        monkeypatch.setattr(fp8_grad, "ONE_PASS_QUANT", False)
         assert torch.equal(q.view(torch.uint8), q_r.view(torch.uint8)) and torch.equal(s, s_r), i
         assert torch.equal(tq[:, :used * 128].view(torch.uint8), tq_r[:, :used * 128].view(torch.uint8)), i
         assert torch.equal(ts[:used], ts_r[:used]), i
