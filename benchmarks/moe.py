@@ -346,8 +346,8 @@ def main() -> None:
     ap.add_argument("--fp8-tile", default=None, help="the layer rows and the profile with this GluonTile change "
                     "(e.g. 'mm_block_n=128+stages=4'; recorded in the JSON)")
     ap.add_argument("--one-pass-quant", action="store_true", help="the layer rows and the profile with "
-                    "fp8_grad.ONE_PASS_QUANT (the FP8 rows and token blocks of X, H, dY, dG | dU in one Gluon pass each; "
-                    "in the JSON)")
+                    "fp8_grad.ONE_PASS_QUANT (the FP8 rows and token blocks of X, H, dY, dG | dU in one Gluon "
+                    "pass each; in the JSON)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.smoke:  # fp32: the interpreter's bf16 dots are not the GPU's (tests/kernels/conftest.py)
