@@ -31,7 +31,12 @@ import os
 import sys
 import time
 
-import torch
+# Both layers run under TorchTitan's allocator setting: its RL trainer sets expandable segments before importing
+# torch (torchtitan 0.3.0, experiments/rl/train.py), as its run_train.sh launcher does. The JSON records the value;
+# `PYTORCH_CUDA_ALLOC_CONF= python3 -m benchmarks.moe ...` measures the default allocator.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():  # the smoke run: our kernels in Triton's interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -362,7 +367,7 @@ def main() -> None:
     result = {**run_header("moe", device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                             packages=("triton", "torchtitan")),
               "shapes": {"latent": L, "intermediate": I, "top_k": k, "shared_experts": n_shared},
-              "rates": rates(device), "points": []}
+              "rates": rates(device), "allocator": os.environ["PYTORCH_CUDA_ALLOC_CONF"], "points": []}
     path = args.out or (os.path.join(os.environ["OUT"], "moe.json") if os.environ.get("OUT") else "moe")
     if args.gluon_gemms:
         E_s, N_s = (int(v) for v in args.gluon_gemms.split(","))
