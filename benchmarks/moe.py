@@ -350,9 +350,6 @@ def main() -> None:
                     "instead of moe_gemms.GLUON_FP8_TILES, e.g. 'mm_block_n=256,mm_block_n=256+stages=3' ('' = none)")
     ap.add_argument("--fp8-tile", default=None, help="the layer rows and the profile with this GluonTile change "
                     "(e.g. 'mm_block_n=128+stages=4'; recorded in the JSON)")
-    ap.add_argument("--one-pass-quant", action="store_true", help="the layer rows and the profile with "
-                    "fp8_grad.ONE_PASS_QUANT (the FP8 rows and token blocks of X, H, dY, dG | dU in one Gluon "
-                    "pass each; in the JSON)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.smoke:  # fp32: the interpreter's bf16 dots are not the GPU's (tests/kernels/conftest.py)
@@ -380,10 +377,6 @@ def main() -> None:
         gluon_gemm.DEFAULT_TILE = dataclasses.replace(gluon_gemm.DEFAULT_TILE,
                                                       **parse_tile_changes(args.fp8_tile)[-1])
         result["fp8_tile"] = dataclasses.asdict(gluon_gemm.DEFAULT_TILE)
-    if args.one_pass_quant:
-        from k3_kernels.moe import fp8_grad
-        fp8_grad.ONE_PASS_QUANT = True
-        result["one_pass_quant"] = True
     if args.profile:
         E_s, N_s = (int(v) for v in args.profile.split(","))
         result["profile"] = kernel_profile(E_s, N_s, L, I, k, n_shared, device, dtype)

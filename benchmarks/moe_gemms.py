@@ -104,40 +104,6 @@ def parse_tile_changes(text: str) -> list[dict[str, int | bool]]:
     return changes
 
 
-def one_pass_quant_ab(z, plan, dgu, gu, tiles, used, timing):
-    """X gathered in place, dY gathered with the gate weights, a stored dG | dU, H from G | U and dG | dU from dH
-    and G | U: their FP8 rows and token blocks through fp8_grad's dispatchers with `ONE_PASS_QUANT` off (the
-    Triton passes FP8_FULL runs) and on (gluon_quant's one pass) -- ms and whether the outputs (the used token
-    blocks) match."""
-    from k3_kernels.moe import fp8_grad
-    from k3_kernels.moe.permute import GatheredRows
-    g = torch.Generator(device=z.device).manual_seed(4)
-    w = torch.rand(plan.rows, device=z.device, generator=g)
-    dout = torch.randn(z.shape, device=z.device, generator=g).to(z.dtype)
-    dh = dgu[:, :gu.shape[1] // 2].contiguous()
-    routes = {name: (lambda src=src: fp8_grad.rows_and_token_blocks(src, tiles))
-              for name, src in (("x", GatheredRows(z, plan.order, plan.top_k)),
-                                ("dy", GatheredRows(dout, plan.order, plan.top_k, w)), ("dgu", dgu))}
-    routes["h_from_gu"] = lambda: fp8_grad.situ_rows_and_token_blocks(gu, tiles, BETA, LINEAR_BETA)
-    routes["dgu_from_dh_gu"] = lambda: fp8_grad.situ_backward_rows_and_token_blocks(dh, gu, tiles, BETA, LINEAR_BETA)
-
-    def bits(result):
-        (q, s), (tq, ts) = result
-        return [q.view(torch.uint8), s, tq[:, :used * 128].view(torch.uint8), ts[:used]]
-    out = {}
-    for name, fn in routes.items():
-        try:
-            two, two_ms = bits(fn()), timing(fn)
-            with mock.patch.object(fp8_grad, "ONE_PASS_QUANT", True):
-                same = all(torch.equal(a, b) for a, b in zip(two, bits(fn())))
-                one_ms = timing(fn)
-            out[name] = {"two_passes_ms": two_ms, "one_pass_ms": one_ms, "same_bits": same}
-        except Exception as err:  # (not yet run on a GPU when written)
-            out[name] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
-        print("one-pass quant", name, out[name], flush=True)
-    return out
-
-
 def gluon_gemms(E, N, L, I, k, device, reps_ms, only: set[str] | None = None,
                 fp8_tiles: list[dict[str, int | bool]] | None = None):
     """Each grouped GEMM of the layer, bf16 and FP8 (and the quantisation passes around the FP8 backward), Triton vs
@@ -208,8 +174,6 @@ def gluon_gemms(E, N, L, I, k, device, reps_ms, only: set[str] | None = None,
         print("passes", key, out["pass_sweep"][key], flush=True)
     flat = lambda r: [t for t in (r if isinstance(r, tuple) else (r,)) if t is not None]  # noqa: E731
     flat_bits = lambda r: [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in flat(r)]  # noqa: E731
-    if wanted("passes") and device.type == "cuda":
-        out["one_pass_quant"] = one_pass_quant_ab(z, plan, dgu, gu, tiles, int(offsets[-1]), timing)
     default_bits = {}  # the Gluon default tile's outputs, what each swept setting must reproduce
     for name, (flops, fn) in gemms.items():
         if not wanted(name):

@@ -21,8 +21,7 @@ import triton
 import triton.language as tl
 
 from k3_kernels.launch import cdiv
-from k3_kernels.moe import gluon_gemm, gluon_quant
-from k3_kernels.moe.gluon_quant import RowsAndBlocks
+from k3_kernels.moe import gluon_gemm
 from k3_kernels.moe import grouped_gemm as gg
 from k3_kernels.moe.permute import (QUANT_BLOCK, GatheredRows, RoutingPlan, e4m3_scale, e4m3_values, load_rows,
                                     store_row_quant)
@@ -175,47 +174,6 @@ def quantize_token_blocks(x: torch.Tensor | GatheredRows, tiles: torch.Tensor) -
         _token_block_kernel[(T, C // TOKEN_BLOCK_COLUMNS)](*args, tiles, tq, ts, C, T, **consts, QB=QUANT_BLOCK,
                                                            BLOCK_C=TOKEN_BLOCK_COLUMNS, num_warps=TOKEN_BLOCK_WARPS)
     return tq, ts
-
-
-# the one-pass Gluon quantisers of rows and token blocks (gluon_quant.py) on sm_90: opt-in until measured on a GPU
-# (written and compiled offline in session 41; kernels/moe/NOTES.md)
-ONE_PASS_QUANT = False
-
-
-def one_pass_quant(device: torch.device) -> bool:
-    """Whether the one-pass quantisers run here: `ONE_PASS_QUANT` on an sm_90 GPU with the Gluon kernels chosen."""
-    return ONE_PASS_QUANT and gg.gemm_kernels_for(device, QUANT_BLOCK, QUANT_BLOCK) is gg.GemmKernels.GLUON
-
-
-def rows_and_token_blocks(x: torch.Tensor | GatheredRows, tiles: torch.Tensor) -> RowsAndBlocks:
-    """(quantize_rows(x), quantize_token_blocks(x, tiles)): one pass where `one_pass_quant`, else the two."""
-    P, C, args, consts = _source(x, "x")
-    if one_pass_quant(args[0].device):
-        return gluon_quant.rows_and_token_blocks(P, C, args, consts, tiles)
-    return quantize_rows(x), quantize_token_blocks(x, tiles)
-
-
-def situ_rows_and_token_blocks(gu: torch.Tensor, tiles: torch.Tensor, beta: float, linear_beta: float) -> RowsAndBlocks:
-    """H = SiTU(G) * cap(U) from gu [P, 2I]: (H's FP8 rows, H's token blocks) -- one pass where `one_pass_quant`,
-    else `grouped_gemm.situ_quant` (H and its rows) and the token-block pass over H."""
-    if one_pass_quant(gu.device):
-        return gluon_quant.situ_rows_and_token_blocks(gu, tiles, beta, linear_beta)
-    P, I = gu.shape[0], gu.shape[1] // 2
-    h = torch.empty(P, I, device=gu.device, dtype=gu.dtype)
-    hq = torch.empty(P, I, device=gu.device, dtype=torch.float8_e4m3fn)
-    hs = torch.empty(P, I // QUANT_BLOCK, device=gu.device, dtype=torch.float32)
-    gg.situ_quant(gu, beta, linear_beta, h, hq, hs)
-    return (hq, hs), quantize_token_blocks(h, tiles)
-
-
-def situ_backward_rows_and_token_blocks(dh: torch.Tensor, gu: torch.Tensor, tiles: torch.Tensor, beta: float,
-                                        linear_beta: float) -> RowsAndBlocks:
-    """dG | dU of SiTU-and-mul: (their FP8 rows, their token blocks) -- one pass where `one_pass_quant`, else
-    `situ_backward_rows` and the token-block pass over its dG | dU."""
-    if one_pass_quant(gu.device):
-        return gluon_quant.situ_backward_rows_and_token_blocks(dh, gu, tiles, beta, linear_beta)
-    dgu, rows = situ_backward_rows(dh, gu, beta, linear_beta)
-    return rows, quantize_token_blocks(dgu, tiles)
 
 
 # ---------------------------------------------------------------------------------------------------- wgrad

@@ -93,36 +93,27 @@ class _ExpertsFn(torch.autograd.Function):
     def forward(ctx, z, w, w1, w3, w2, ids, beta, linear_beta, fp8, training, fp8_grads):
         plan = plan_routing(ids, w1.shape[0])
         # (FP8_FULL saves X only as the wgrad's token blocks, read from z in place: no bf16 permuted copy)
-        full = training and fp8_grads  # (FP8_FULL: fp8 too)
-        one_pass = full and fp8_grad.ONE_PASS_QUANT  # X's and H's FP8 rows and token blocks together (same bits)
-        tiles = fp8_grad.token_block_tiles(plan)[0] if full else None
-        x_rows = GatheredRows(z, plan.order, plan.top_k)
-        if one_pass:
-            xp, ((xq, xs), x_blocks) = None, fp8_grad.rows_and_token_blocks(x_rows, tiles)
-        else:
-            xp, xq, xs = permute_rows(z, plan, bf16=not fp8 or (training and not fp8_grads), fp8=fp8)
-            x_blocks = fp8_grad.quantize_token_blocks(x_rows, tiles) if full else None
+        xp, xq, xs = permute_rows(z, plan, bf16=not fp8 or (training and not fp8_grads), fp8=fp8)
         if fp8:
             (w1q, w1s), (w3q, w3s), (w2q, w2s) = fp8_weight(w1), fp8_weight(w3), fp8_weight(w2)
             gu, h, hq, hs = gg.gate_up(xq, w1, w3, plan, beta, linear_beta, act_dtype=z.dtype,
-                                       save_gu=training, write_h=training and not one_pass, quant_h=not one_pass,
+                                       save_gu=training, write_h=training, quant_h=True,
                                        fp8=(xq, xs, w1q, w1s, w3q, w3s))
-            if one_pass:
-                (hq, hs), h_blocks = fp8_grad.situ_rows_and_token_blocks(gu, tiles, beta, linear_beta)
             y = gg.down(hq, w2, plan, z.dtype, fp8=(hq, hs, w2q, w2s))
         else:
             gu, h, _, _ = gg.gate_up(xp, w1, w3, plan, beta, linear_beta, save_gu=training)
             y = gg.down(h, w2, plan, z.dtype)
         out = combine(y, plan, w, z.dtype)
-        if full:
+        if training and fp8_grads:
             # the wgrads' operands from X and H, quantised in 128-token blocks now: saved instead of X and H in bf16
-            xbq, xbs = x_blocks
-            hbq, hbs = h_blocks if one_pass else fp8_grad.quantize_token_blocks(h, tiles)
+            tiles, _ = fp8_grad.token_block_tiles(plan)
+            xbq, xbs = fp8_grad.quantize_token_blocks(GatheredRows(z, plan.order, plan.top_k), tiles)
+            hbq, hbs = fp8_grad.quantize_token_blocks(h, tiles)
             ctx.save_for_backward(w, w1, w3, w2, xbq, xbs, gu, hbq, hbs, y)
         elif training:
             ctx.save_for_backward(w, w1, w3, w2, xp, gu, h, y)
         if training:
-            ctx.plan, ctx.meta, ctx.fp8_grads, ctx.one_pass = plan, (beta, linear_beta), fp8_grads, one_pass
+            ctx.plan, ctx.meta, ctx.fp8_grads = plan, (beta, linear_beta), fp8_grads
             ctx.gemm_kernels = gg.gemm_kernels_override()  # the backward's GEMMs follow the forward's choice
         return out
 
@@ -161,13 +152,10 @@ def _fp8_backward(ctx, dout, dy, dw, x_blocks, gu, h_blocks, w1, w3, w2):
     plan, (beta, linear_beta) = ctx.plan, ctx.meta
     E, I = w1.shape[0], w1.shape[1]
     tiles, tile_offsets = fp8_grad.token_block_tiles(plan)
-    dy_rows, dy_blocks = fp8_grad.rows_and_token_blocks(dy, tiles)  # the down dgrad's, dW2's
+    dy_rows, dy_blocks = fp8_grad.quantize_rows(dy), fp8_grad.quantize_token_blocks(dy, tiles)  # dgrad's, dW2's
     dh = gg.scaled_mm(dy_rows, fp8_weight_t(w2), plan, gu.dtype)
-    if ctx.one_pass:  # dG | dU's rows and token blocks, no bf16 dG | dU
-        dgu_rows, dgu_blocks = fp8_grad.situ_backward_rows_and_token_blocks(dh, gu, tiles, beta, linear_beta)
-    else:
-        dgu, dgu_rows = fp8_grad.situ_backward_rows(dh, gu, beta, linear_beta)  # dG | dU and its rows, one pass
-        dgu_blocks = fp8_grad.quantize_token_blocks(dgu, tiles)
+    dgu, dgu_rows = fp8_grad.situ_backward_rows(dh, gu, beta, linear_beta)  # dG | dU and its rows, one pass
+    dgu_blocks = fp8_grad.quantize_token_blocks(dgu, tiles)
     dw1 = dw3 = dw2 = dz = None
     if ctx.needs_input_grad[4]:
         dw2 = fp8_grad.wgrad_fp8(dy_blocks, h_blocks, tile_offsets, E, w2.dtype)

@@ -192,19 +192,6 @@ def test_layer_fp8_full_gradients():
     assert torch.equal(y8b, y8) and all(torch.equal(a, b) for a, b in zip(g8, g8b))
 
 
-def test_one_pass_quantiser_route_gives_the_same_layer(monkeypatch):
-    """`fp8_grad.ONE_PASS_QUANT` routes the two quantisations of X, H, dY and dG | dU through fp8_grad's one-pass
-    dispatchers (on sm_90 one Gluon pass each, gluon_quant.py; elsewhere the two passes), X's FP8 rows through the
-    row quantiser instead of the permute and H's through the SiTU pass instead of the gate/up's epilogue: the
-    FP8_FULL layer's output and every gradient must keep their bits. (The Gluon kernels themselves are compared
-    with the two passes in `test_gpu_one_pass_quantiser_gives_the_two_passes_bits`.)"""
-    case = _case(80, 128, 256, 4, 2, seed=12)
-    y0, g0 = _fwd_bwd(case, Precision.FP8_FULL)
-    monkeypatch.setattr(fp8_grad, "ONE_PASS_QUANT", True)
-    y1, g1 = _fwd_bwd(case, Precision.FP8_FULL)
-    assert torch.equal(y0, y1) and all(torch.equal(a, b) for a, b in zip(g0, g1))
-
-
 def test_transposed_weight_caches_follow_the_weights():
     g = torch.Generator().manual_seed(10)
     w1, w3 = ((torch.randn(2, 128, 256, generator=g) / 16).to(DEV, torch.bfloat16) for _ in range(2))
@@ -277,36 +264,3 @@ def test_gpu_fp8_full_same_bits_with_either_gemm(monkeypatch, change):
     _, g16 = _fwd_bwd(case, Precision.BF16)
     print("FP8_FULL vs bf16 at K3 shapes:", {n: rel_rms(a, b) for n, a, b in
                                              zip(("dz", "dw", "dw1", "dw3", "dw2"), g_g, g16)})
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _sm90(), reason="Gluon's kernels need an sm_90 GPU (H100/H200)")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_one_pass_quantiser_gives_the_two_passes_bits(monkeypatch, dtype):
-    """gluon_quant's one pass (rows and 128-token blocks from one read, the tile held in shared memory) against
-    the Triton passes it replaces, bit for bit: expert-sorted rows, X gathered in place and dY gathered with the
-    gate weights and rounding (K3's latent width), H from G | U and dG | dU from dH and G | U (K3's intermediate
-    width), ragged experts and an empty one."""
-    plan = _plan([1500, 0, 40, 129, 700])
-    tiles, offsets = fp8_grad.token_block_tiles(plan)
-    used = int(offsets[-1])
-    z = _rows(plan.rows, 3584, seed=51, dtype=dtype)
-    w = torch.rand(plan.rows, generator=torch.Generator().manual_seed(52)).to(DEV)
-    I = 3072
-    dh, gu = _rows(plan.rows, I, seed=53, dtype=dtype), _rows(plan.rows, 2 * I, seed=54, dtype=dtype) * 3
-    routes = [lambda src=src: fp8_grad.rows_and_token_blocks(src, tiles)
-              for src in (z, GatheredRows(z, plan.order, 1), GatheredRows(z, plan.order, 1, w))]
-    routes.append(lambda: fp8_grad.situ_rows_and_token_blocks(gu, tiles, 4.0, 25.0))
-    routes.append(lambda: fp8_grad.situ_backward_rows_and_token_blocks(dh, gu, tiles, 4.0, 25.0))
-    for i, route in enumerate(routes):
-        (q_r, s_r), (tq_r, ts_r) = route()  # the Triton passes
-        monkeypatch.setattr(fp8_grad, "ONE_PASS_QUANT", True)
-        assert fp8_grad.one_pass_quant(gu.device)
-        (q, s), (tq, ts) = route()  # gluon_quant's one pass
-        monkeypatch.setattr(fp8_grad, "ONE_PASS_QUANT", False)
-        u8 = torch.uint8
-        for name, a, b in (("rows", q.view(u8), q_r.view(u8)), ("row scales", s, s_r),
-                           ("token blocks", tq[:, :used * 128].view(u8), tq_r[:, :used * 128].view(u8)),
-                           ("token-block scales", ts[:used], ts_r[:used])):
-            bad = (a != b).nonzero()
-            assert not len(bad), f"route {i} {name}: {len(bad)} of {a.numel()} differ, first at {bad[:4].tolist()}"

@@ -91,8 +91,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
-from k3_kernels.moe import gluon_bf16 as B, gluon_gate_up as GU, gluon_gemm as G, gluon_quant as Q
-import triton.language as tl
+from k3_kernels.moe import gluon_bf16 as B, gluon_gate_up as GU, gluon_gemm as G
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 OPS = (r"\b(QGMMA\.64x128x32\.F32\.E4M3\.E4M3|QGMMA\.64x64x32\.F32\.E4M3\.E4M3|HGMMA\.64x256x16\.F32\.BF16|"
        r"USETMAXREG|WARPGROUP\.DEPBAR\.LE gsb0, 0x1)")
@@ -160,18 +159,6 @@ out = {"_scaled_mm_kernel": build(G._scaled_mm_kernel, fp8, fp8_consts),
                                           dict(fp8_consts, BLOCK_M=t.wgrad_block_m, STAGES=t.wgrad_stages,
                                                TMA_STORE=True)),
        "bf16_wgrad": build(B._bf16_wgrad_kernel, dict(ptrs, **ints), bf16_consts)}
-quant_types = dict(x_ptr="*bf16", x_stride="i32", order_ptr="*i64", w_ptr="*fp32", top_k="i32", tiles_ptr="*i32",
-                   q_ptr="*fp8e4nv", s_ptr="*fp32", tq_ptr="*fp8e4nv", ts_ptr="*fp32", C="i32", n_tiles="i32")
-for gather, has_w in ((False, False), (True, True)):
-    out[f"quant_gather_{gather}_w_{has_w}"] = build(
-        Q._rows_and_blocks_kernel, quant_types,
-        dict(GATHER=gather, HAS_W=has_w, ROUND=tl.bfloat16, ROWS_STEP=Q.ROWS, COLS_STEP=Q.COLS, num_warps=Q.WARPS))
-situ_types = dict(gu_ptr="*bf16", dh_ptr="*bf16", tiles_ptr="*i32", q_ptr="*fp8e4nv", s_ptr="*fp32",
-                  tq_ptr="*fp8e4nv", ts_ptr="*fp32", I="i32", n_tiles="i32", beta="fp32", linear_beta="fp32")
-for backward in (False, True):
-    out[f"quant_situ_backward_{backward}"] = build(
-        Q._situ_rows_and_blocks_kernel, situ_types,
-        dict(BACKWARD=backward, ROWS_STEP=Q.SITU_ROWS, COLS_STEP=Q.COLS, num_warps=Q.WARPS))
 for k_major in (True, False):
     box = [bt.block_n, bt.block_k] if k_major else [bt.block_k, bt.block_n]
     tys = dict(ptrs, **ints, a_desc=desc("bf16", [bt.block_m // 2, bt.block_k]), b_desc=desc("bf16", box),
@@ -185,8 +172,7 @@ def test_gluon_gemm_builds_for_the_h200():
     """The kernels' sm_90a builds (no GPU needed): the FP8 forward / dgrad GEMM (128 and 256 columns a tile) and
     wgrad (wgmma chains of 64 x 128 x 32; with and without the scales' prefetch; 256-row tiles of 64 x 64
     chains), the gate/up with SiTU fused,
-    the bf16 GEMM with K- and N-contiguous B and the bf16 wgrad (64 x 256 x 16 chains kept in flight), the one-pass
-    row and token-block quantiser (gluon_quant.py);
+    the bf16 GEMM with K- and N-contiguous B and the bf16 wgrad (64 x 256 x 16 chains kept in flight);
     setmaxnreg (the partitions), no spills (the fused gate/up: none in its MMA loops) and no "wgmma serialized"
     from ptxas."""
     import json
@@ -200,14 +186,9 @@ def test_gluon_gemm_builds_for_the_h200():
     assert set(builds) == {"_scaled_mm_kernel", "_scaled_mm_kernel_wide", "_scaled_gate_up_kernel",
                            "_scaled_wgrad_kernel", "_scaled_mm_kernel_prefetch",
                            "_scaled_wgrad_kernel_prefetch", "_scaled_wgrad_kernel_tma_store",
-                           "_scaled_wgrad_kernel_tall", "bf16_k_major_True", "bf16_k_major_False", "bf16_wgrad",
-                           "quant_gather_False_w_False", "quant_gather_True_w_True", "quant_situ_backward_False",
-                           "quant_situ_backward_True"}
+                           "_scaled_wgrad_kernel_tall", "bf16_k_major_True", "bf16_k_major_False", "bf16_wgrad"}
     assert builds["bf16_wgrad"]["tensormap_acquires"] >= 2  # its per-expert descriptors, made on the device
     for name, out in builds.items():
-        if name.startswith("quant"):  # gluon_quant's one-pass quantiser: no MMAs, no partitions; no spills
-            assert out["spill"] == 0, (name, out["info"])
-            continue
         assert "serialized" not in out["info"], (name, out["info"])
         assert out["mma_spills"] == 0, (name, out["info"])  # nothing spilled in the MMA loops
         if name != "_scaled_gate_up_kernel":  # (its SiTU epilogue spills: 64 values a thread through tanh)
