@@ -290,9 +290,47 @@ OURS = {f"ours_{prec.value}{suffix}": (cls, prec) for prec in Precision
         for suffix, cls in (("", OursMoE), ("_triton", OursMoETriton), ("_gluon", OursMoEGluon))}
 
 
+def idle_gaps(prof, steps, top=12):
+    """The device's idle time in a profiled run of `steps` steps: the kernels' span (first start to last end) less
+    their union, and the largest gaps with the kernels on either side -- what a step's wall time has beyond the
+    kernels' device time (allocator, host syncs, launch latency). Empty without CUDA events."""
+    evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)
+    if not evs:
+        return {}
+    gaps, end = [], evs[0].time_range.end
+    for prev, ev in zip(evs, evs[1:]):
+        if ev.time_range.start > end:
+            gaps.append(((ev.time_range.start - end) / 1e3, prev.name[:60], ev.name[:60]))
+        end = max(end, ev.time_range.end)
+    gaps.sort(reverse=True)
+    span = (end - evs[0].time_range.start) / 1e3
+    return {"span_ms_per_step": span / steps, "idle_ms_per_step": sum(g for g, _, _ in gaps) / steps,
+            "largest_gaps": [{"ms": g, "after": a, "before": b} for g, a, b in gaps[:top]]}
+
+
+def step_walls(step, device, reps=5):
+    """Wall time of `reps` synchronised steps (ms, median) and the host's time to enqueue one (ms)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    walls = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        walls.append((time.perf_counter() - t0) * 1e3)
+    sync()
+    t0 = time.perf_counter()
+    step()
+    host_ms = (time.perf_counter() - t0) * 1e3
+    sync()
+    return {"wall_ms_median": sorted(walls)[len(walls) // 2], "host_enqueue_ms": host_ms}
+
+
 def kernel_profile(E, N, L, I, k, n_shared, device, dtype, steps=3, top=40):
     """Where a forward+backward of our layer spends its device time: every kernel's time per step (torch.profiler,
-    `steps` steps after 3 warm-ups), FP8_FULL and FP8 with the default grouped-GEMM kernels."""
+    `steps` steps after 3 warm-ups), the device's idle gaps between kernels, and the step's wall and host-enqueue
+    times, FP8_FULL and FP8 with the default grouped-GEMM kernels."""
     torch.manual_seed(2)
     p = lambda *shape: nn.Parameter((torch.randn(*shape, device=device) * 0.02).to(dtype))  # noqa: E731
     router_w, w1, w3, w2 = p(E, L), p(E, I, L), p(E, I, L), p(E, L, I)
@@ -323,8 +361,11 @@ def kernel_profile(E, N, L, I, k, n_shared, device, dtype, steps=3, top=40):
                      e.count // steps) for e in prof.key_averages()]
         per_step.sort(key=lambda r: -r[1])
         out[precision.value] = {"total_ms": sum(ms for _, ms, _ in per_step),
-                                "kernels": [{"name": n[:120], "ms": ms, "calls": c} for n, ms, c in per_step[:top]]}
-        print("profile", precision.value, f"{out[precision.value]['total_ms']:.2f} ms", flush=True)
+                                "kernels": [{"name": n[:120], "ms": ms, "calls": c} for n, ms, c in per_step[:top]],
+                                **idle_gaps(prof, steps), **step_walls(step, device)}
+        r = out[precision.value]
+        print("profile", precision.value, f"{r['total_ms']:.2f} ms of kernels, idle {r.get('idle_ms_per_step', 0):.2f}"
+              f" ms, wall {r['wall_ms_median']:.2f} ms (host enqueue {r['host_enqueue_ms']:.2f} ms)", flush=True)
         clear_fp8_cache()
     return out
 
