@@ -49,6 +49,7 @@ from benchmarks.moe_gemms import (BETA, LINEAR_BETA, gluon_gemms, measure, parse
                                    timed_cpu)
 from k3_kernels.moe import naive  # noqa: E402
 from k3_kernels.moe.layer import Precision, clear_fp8_cache, moe_experts  # noqa: E402
+from k3_kernels.moe.overlap import SERIAL, StreamOverlap, start_beside  # noqa: E402
 from k3_kernels.moe.quant import quantize_weight_fp8  # noqa: E402
 from k3_kernels.moe.router import fused_router  # noqa: E402
 from k3_kernels.situ import naive_situ_and_mul  # noqa: E402
@@ -64,7 +65,9 @@ def situ(g, u):
 
 
 class OursMoE(nn.Module):
-    """Our layer at the expert width: fused router + grouped-GEMM experts + shared SiTU MLP."""
+    """Our layer at the expert width: fused router + grouped-GEMM experts + shared SiTU MLP (beside the routed
+    experts, on a side stream, as k3.model.moe runs it)."""
+    OVERLAP = StreamOverlap()
 
     def __init__(self, router_w, w1, w3, w2, shared, top_k, precision):
         super().__init__()
@@ -78,8 +81,12 @@ class OursMoE(nn.Module):
         # the router's own ids are in range: no host-side range check, as k3.model.moe passes them
         return moe_experts(x, ids, w, self.w1, self.w3, self.w2, BETA, LINEAR_BETA, self.precision, ids_checked=True)
 
+    def shared_mlp(self, x):
+        return F.linear(situ(F.linear(x, self.sg), F.linear(x, self.su)), self.sd)
+
     def forward(self, x):
-        return self.routed(x) + F.linear(situ(F.linear(x, self.sg), F.linear(x, self.su)), self.sd)
+        shared = start_beside(self.shared_mlp, x, self.OVERLAP)  # on a side stream (k3_kernels.moe.overlap)
+        return self.routed(x) + shared.join()
 
 
 class _OursOn(OursMoE):
@@ -101,6 +108,16 @@ class OursMoETriton(_OursOn):
 class OursMoEGluon(_OursOn):
     """Every grouped GEMM on the Gluon kernels, the bf16 wgrad too (which the default keeps on Triton)."""
     KERNELS = "gluon"
+
+
+class OursMoESerial(OursMoE):
+    """The shared MLP after the routed experts on one stream (the overlap's A/B; same bits)."""
+    OVERLAP = SERIAL
+
+
+class OursMoESideFirst(OursMoE):
+    """The shared MLP's side stream at a higher priority than the caller's (its blocks scheduled first)."""
+    OVERLAP = StreamOverlap(priority=-1)
 
 
 class NaiveMoE(OursMoE):
@@ -287,7 +304,8 @@ SWEEP = {  # candidate tiles (block_m, block_n, block_k, warps, stages) per kern
 
 
 OURS = {f"ours_{prec.value}{suffix}": (cls, prec) for prec in Precision
-        for suffix, cls in (("", OursMoE), ("_triton", OursMoETriton), ("_gluon", OursMoEGluon))}
+        for suffix, cls in (("", OursMoE), ("_triton", OursMoETriton), ("_gluon", OursMoEGluon),
+                            ("_serial", OursMoESerial), ("_side_first", OursMoESideFirst))}
 
 
 def idle_gaps(prof, steps, top=12):
