@@ -49,7 +49,6 @@ from benchmarks.moe_gemms import (BETA, LINEAR_BETA, gluon_gemms, measure, parse
                                    timed_cpu)
 from k3_kernels.moe import naive  # noqa: E402
 from k3_kernels.moe.layer import Precision, clear_fp8_cache, moe_experts  # noqa: E402
-from k3_kernels.moe.overlap import SERIAL, StreamOverlap, start_beside  # noqa: E402
 from k3_kernels.moe.quant import quantize_weight_fp8  # noqa: E402
 from k3_kernels.moe.router import fused_router  # noqa: E402
 from k3_kernels.situ import naive_situ_and_mul  # noqa: E402
@@ -65,9 +64,7 @@ def situ(g, u):
 
 
 class OursMoE(nn.Module):
-    """Our layer at the expert width: fused router + grouped-GEMM experts + shared SiTU MLP (beside the routed
-    experts, on a side stream, as k3.model.moe runs it)."""
-    OVERLAP = StreamOverlap()
+    """Our layer at the expert width: fused router + grouped-GEMM experts + shared SiTU MLP."""
 
     def __init__(self, router_w, w1, w3, w2, shared, top_k, precision):
         super().__init__()
@@ -81,12 +78,8 @@ class OursMoE(nn.Module):
         # the router's own ids are in range: no host-side range check, as k3.model.moe passes them
         return moe_experts(x, ids, w, self.w1, self.w3, self.w2, BETA, LINEAR_BETA, self.precision, ids_checked=True)
 
-    def shared_mlp(self, x):
-        return F.linear(situ(F.linear(x, self.sg), F.linear(x, self.su)), self.sd)
-
     def forward(self, x):
-        shared = start_beside(self.shared_mlp, x, self.OVERLAP)  # on a side stream (k3_kernels.moe.overlap)
-        return self.routed(x) + shared.join()
+        return self.routed(x) + F.linear(situ(F.linear(x, self.sg), F.linear(x, self.su)), self.sd)
 
 
 class _OursOn(OursMoE):
@@ -110,14 +103,20 @@ class OursMoEGluon(_OursOn):
     KERNELS = "gluon"
 
 
-class OursMoESerial(OursMoE):
-    """The shared MLP after the routed experts on one stream (the overlap's A/B; same bits)."""
-    OVERLAP = SERIAL
+class OursMoESharedAsExpert(OursMoE):
+    """The shared MLP on the routed experts' kernels and precision (FP8 for FP8 and FP8_FULL): one expert of width
+    n_shared x I that every token goes to with weight 1 (the combine multiplies by 1.0 in fp32: exact)."""
 
+    def __init__(self, router_w, w1, w3, w2, shared, top_k, precision):
+        super().__init__(router_w, w1, w3, w2, shared, top_k, precision)
+        # made once, so the FP8 weight cache (keyed by the tensor) holds across calls; gradients reach the weights
+        self.shared_expert = tuple(t.unsqueeze(0) for t in shared)
 
-class OursMoESideFirst(OursMoE):
-    """The shared MLP's side stream at a higher priority than the caller's (its blocks scheduled first)."""
-    OVERLAP = StreamOverlap(priority=-1)
+    def forward(self, x):
+        ids = torch.zeros(x.shape[0], 1, dtype=torch.long, device=x.device)
+        ones = torch.ones(x.shape[0], 1, device=x.device)
+        shared = moe_experts(x, ids, ones, *self.shared_expert, BETA, LINEAR_BETA, self.precision, ids_checked=True)
+        return self.routed(x) + shared
 
 
 class NaiveMoE(OursMoE):
@@ -305,7 +304,7 @@ SWEEP = {  # candidate tiles (block_m, block_n, block_k, warps, stages) per kern
 
 OURS = {f"ours_{prec.value}{suffix}": (cls, prec) for prec in Precision
         for suffix, cls in (("", OursMoE), ("_triton", OursMoETriton), ("_gluon", OursMoEGluon),
-                            ("_serial", OursMoESerial), ("_side_first", OursMoESideFirst))}
+                            ("_shared_as_expert", OursMoESharedAsExpert))}
 
 
 def idle_gaps(prof, steps, top=12):
