@@ -56,7 +56,8 @@ class GluonTile:
     consumer_regs: int = 232
     group_m: int = 8
     persistent: bool = True  # the H200 A/B's choice (the same sweep)
-    # 128-column tiles: measured no faster (NOTES.md, session 35); 256-row wgrad tiles: not yet measured
+    # measured no faster (NOTES.md, session 35); reaches 128-column mm tiles and 128-row wgrad tiles (256-row
+    # ones measured slower with it: session 43)
     prefetch_scales: bool = False
     tma_store_wgrad: bool = True  # the wgrad's tiles out by TMA from shared memory (that sweep's choice)
     block_n: int = QUANT_BLOCK
@@ -271,16 +272,14 @@ def _consume_wide_tile(a_bufs, b_bufs, ready, empty, sa_ptrs, rmask, sb_ptr, sb_
 
 @gluon.jit
 def _consume_tall_tile(a_bufs, b_bufs, ready, empty, sa_ptrs, sb_ptrs, it, n_k, sb_step, sa_step,
-                       STAGES: gl.constexpr, PREFETCH_SCALES: gl.constexpr):
+                       STAGES: gl.constexpr):
     """The wgrad's `_consume_tile` for a consumer owning 128 rows of a 256 x 128 tile (each operand block read
     from L2 for twice the MMAs of a 128 x 128 tile): per K block four 64 x 64 chains -- column half c's scales
     loaded once, then its low and high rows' chains -- each scaled as acc + (P * s_a) * s_b into its own quarter
     accumulator, so every output element gets the 128 x 128 tile's arithmetic and bits. 64-column chains keep
     4 x 32 + 32 accumulator registers and 16 column scales live (64 x 128 chains with 128 columns' scales spill:
     NOTES.md, session 41). sa_ptrs: the low rows' scale pointers (the high rows' are 64 further), sb_ptrs: the low
-    columns' (the high columns' are 64 further); no masks (the wgrad's tiles are whole). PREFETCH_SCALES: block
-    k + 1's row scales loaded during block k, column half 1's during half 0's second chain (their latency off the
-    scaling's path; same bits)."""
+    columns' (the high columns' are 64 further); no masks (the wgrad's tiles are whole)."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, 64, 32])
     acc00 = gl.zeros((64, 64), dtype=gl.float32, layout=mma_layout)
@@ -288,36 +287,17 @@ def _consume_tall_tile(a_bufs, b_bufs, ready, empty, sa_ptrs, sb_ptrs, it, n_k, 
     acc10 = gl.zeros((64, 64), dtype=gl.float32, layout=mma_layout)
     acc11 = gl.zeros((64, 64), dtype=gl.float32, layout=mma_layout)
     part = gl.zeros((64, 64), dtype=gl.float32, layout=mma_layout)
-    if PREFETCH_SCALES:
-        has_k = n_k > 0  # (an expert without tokens: its scale row may lie past the end)
-        sa_lo_next = gl.load(sa_ptrs, mask=has_k, other=0.0)
-        sa_hi_next = gl.load(sa_ptrs + 64, mask=has_k, other=0.0)
     for k in range(n_k):
         i = it + k
         slot = i % STAGES
-        if PREFETCH_SCALES:
-            sa_lo = sa_lo_next
-            sa_hi = sa_hi_next
-            k_next = gl.minimum(k + 1, n_k - 1)  # the last block loads its own scales again (in bounds)
-            sa_lo_next = gl.load(sa_ptrs + k_next * sa_step)
-            sa_hi_next = gl.load(sa_ptrs + k_next * sa_step + 64)
-            sb = gl.load(sb_ptrs + k * sb_step)
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         a_tile = a_bufs.index(slot)
         for c in gl.static_range(2):
             b_half = b_bufs.index(slot).slice(c * 64, 64).permute((1, 0))
-            if not PREFETCH_SCALES:
-                sb = gl.load(sb_ptrs + k * sb_step + c * 64)
-            elif c == 1:
-                sb = sb_next_half
+            sb = gl.load(sb_ptrs + k * sb_step + c * 64)
             for r in gl.static_range(2):
                 part = warpgroup_mma(a_tile.slice(r * 64, 64), b_half, part, use_acc=False, is_async=True)
-                if PREFETCH_SCALES:
-                    sa = sa_lo if r == 0 else sa_hi
-                    if c == 0 and r == 1:
-                        sb_next_half = gl.load(sb_ptrs + k * sb_step + 64)
-                else:
-                    sa = gl.load(sa_ptrs + k * sa_step + r * 64)
+                sa = gl.load(sa_ptrs + k * sa_step + r * 64)
                 part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
                 if c == 1 and r == 1:
                     mbarrier.arrive(empty.index(slot), count=1)
@@ -450,7 +430,7 @@ def _wgrad_consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, out_ptr, out2_
             q_rows = m0 + ROW_OFFSET + gl.arange(0, 64, layout=gl.SliceLayout(1, q_layout))
             q_cols = col0 + gl.arange(0, 64, layout=gl.SliceLayout(0, q_layout))
             quarters = _consume_tall_tile(a_bufs, b_bufs, ready, empty, as_ptr + t64 * M + q_rows,
-                                          bs_ptr + t64 * N + q_cols, it, n_k, N, M, STAGES, PREFETCH_SCALES)
+                                          bs_ptr + t64 * N + q_cols, it, n_k, N, M, STAGES)
             if TMA_STORE:  # the four quarters into c_buf, then one TMA store of the consumer's 128 rows
                 tma.store_wait(0)
                 for q in gl.static_range(4):
