@@ -103,22 +103,6 @@ class OursMoEGluon(_OursOn):
     KERNELS = "gluon"
 
 
-class OursMoESharedAsExpert(OursMoE):
-    """The shared MLP on the routed experts' kernels and precision (FP8 for FP8 and FP8_FULL): one expert of width
-    n_shared x I that every token goes to with weight 1 (the combine multiplies by 1.0 in fp32: exact)."""
-
-    def __init__(self, router_w, w1, w3, w2, shared, top_k, precision):
-        super().__init__(router_w, w1, w3, w2, shared, top_k, precision)
-        # made once, so the FP8 weight cache (keyed by the tensor) holds across calls; gradients reach the weights
-        self.shared_expert = tuple(t.unsqueeze(0) for t in shared)
-
-    def forward(self, x):
-        ids = torch.zeros(x.shape[0], 1, dtype=torch.long, device=x.device)
-        ones = torch.ones(x.shape[0], 1, device=x.device)
-        shared = moe_experts(x, ids, ones, *self.shared_expert, BETA, LINEAR_BETA, self.precision, ids_checked=True)
-        return self.routed(x) + shared
-
-
 class NaiveMoE(OursMoE):
     def forward(self, x):
         return naive.naive_moe_layer(x, self.router_w, self.bias, self.w1, self.w3, self.w2, self.top_k,
@@ -303,8 +287,7 @@ SWEEP = {  # candidate tiles (block_m, block_n, block_k, warps, stages) per kern
 
 
 OURS = {f"ours_{prec.value}{suffix}": (cls, prec) for prec in Precision
-        for suffix, cls in (("", OursMoE), ("_triton", OursMoETriton), ("_gluon", OursMoEGluon),
-                            ("_shared_as_expert", OursMoESharedAsExpert))}
+        for suffix, cls in (("", OursMoE), ("_triton", OursMoETriton), ("_gluon", OursMoEGluon))}
 
 
 def idle_gaps(prof, steps, top=12):
