@@ -72,9 +72,6 @@ class GluonTile:
     # rows as four 64 x 64 chains a K block; `_consume_tall_tile`); same bits either way
     wgrad_block_m: int = 2 * QUANT_BLOCK  # (the H100 sweep's choice; NOTES.md, session 41)
     wgrad_stages: int = 3  # the wgrads' ring (the forward / dgrad GEMMs' is `stages`; same sweep)
-    # 128-row wgrad tiles: block k + 1's chain issued before block k's partial is scaled (two partials live:
-    # `_consume_wgrad_pipelined`), so the tensor cores have a chain in flight while the CUDA cores scale; same bits
-    pipeline_wgrad: bool = False
 
     def validate(self) -> None:
         if self.block_n != QUANT_BLOCK or self.block_k != QUANT_BLOCK:
@@ -84,9 +81,6 @@ class GluonTile:
         if self.wgrad_block_m not in (QUANT_BLOCK, 2 * QUANT_BLOCK):
             raise ValueError(f"tile: wgrad_block_m must be {QUANT_BLOCK} or {2 * QUANT_BLOCK}, got "
                              f"{self.wgrad_block_m}")
-        if self.pipeline_wgrad and self.wgrad_block_m != QUANT_BLOCK:
-            raise ValueError(f"tile: pipeline_wgrad needs wgrad_block_m {QUANT_BLOCK} (two 64 x 128 partials a "
-                             f"consumer), got {self.wgrad_block_m}")
         if self.block_m != 128:
             raise ValueError(f"tile: block_m must be 128 (64 rows a consumer warpgroup), got {self.block_m}")
         if not 2 <= self.stages <= 6 or not 2 <= self.wgrad_stages <= 6:
@@ -237,51 +231,6 @@ def _consume_tile(a_bufs, b_bufs, ready, empty, sa_ptrs, rmask, sb_ptr, sb_mask,
         # a wait with nothing in flight, taking acc: the scaling cannot sink past the next wgmma's issue (which
         # would keep both partials live and make ptxas serialise the MMAs)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    return acc
-
-
-@gluon.jit
-def _scale_block(acc, part, sa_ptrs, sb_ptrs, k, sb_step, sa_step):
-    """acc + (P * s_a) * s_b for token block k's partial P (`_consume_tile`'s wgrad arithmetic)."""
-    sa = gl.load(sa_ptrs + k * sa_step)
-    sb = gl.load(sb_ptrs + k * sb_step)
-    return acc + part * sa[:, None] * sb[None, :]
-
-
-@gluon.jit
-def _consume_wgrad_pipelined(a_bufs, b_bufs, ready, empty, sa_ptrs, sb_ptrs, it, n_k, sb_step, sa_step,
-                             HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """`_consume_tile`'s wgrad arithmetic (per token block: chain from zero, acc + (P * s_a) * s_b, blocks in
-    order: the same bits) two token blocks at a time: both chains issued, then the first waited for and scaled
-    while the second runs on the tensor cores. Nothing is in flight across the loop's back edge (a chain's
-    accumulator copied there while in flight makes ptxas serialise the wgmmas). 64 x 128 tiles only (the wgrad's
-    tiles are whole and its scale rows in bounds for an expert with blocks)."""
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_N, 32])
-    acc = gl.zeros((HALF_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
-    zero = gl.zeros((HALF_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
-    for k in range(0, n_k - 1, 2):
-        i = it + k
-        mbarrier.wait(ready.index(i % STAGES), (i // STAGES) & 1)
-        part_a = warpgroup_mma(a_bufs.index(i % STAGES), b_bufs.index(i % STAGES).permute((1, 0)), zero,
-                               use_acc=False, is_async=True)
-        mbarrier.wait(ready.index((i + 1) % STAGES), ((i + 1) // STAGES) & 1)
-        part_b = warpgroup_mma(a_bufs.index((i + 1) % STAGES), b_bufs.index((i + 1) % STAGES).permute((1, 0)), zero,
-                               use_acc=False, is_async=True)
-        done_a = warpgroup_mma_wait(num_outstanding=1, deps=(part_a,))
-        mbarrier.arrive(empty.index(i % STAGES), count=1)
-        acc = _scale_block(acc, done_a, sa_ptrs, sb_ptrs, k, sb_step, sa_step)
-        done_b = warpgroup_mma_wait(num_outstanding=0, deps=(part_b,))
-        mbarrier.arrive(empty.index((i + 1) % STAGES), count=1)
-        acc = _scale_block(acc, done_b, sa_ptrs, sb_ptrs, k + 1, sb_step, sa_step)
-    if n_k % 2 == 1:  # the last block alone
-        last = it + n_k - 1
-        mbarrier.wait(ready.index(last % STAGES), (last // STAGES) & 1)
-        part = warpgroup_mma(a_bufs.index(last % STAGES), b_bufs.index(last % STAGES).permute((1, 0)), zero,
-                             use_acc=False, is_async=True)
-        done = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-        mbarrier.arrive(empty.index(last % STAGES), count=1)
-        acc = _scale_block(acc, done, sa_ptrs, sb_ptrs, n_k - 1, sb_step, sa_step)
     return acc
 
 
@@ -455,7 +404,7 @@ def _wgrad_producer(a_desc, b_desc, ready, empty, a_lo, a_hi, b_bufs, tile_off_p
 def _wgrad_consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, out_ptr, out2_ptr, out_desc, out2_desc, c_buf,
                     tile_off_ptr, M, N, M_SPLIT, n_tiles, ROW_OFFSET: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PREFETCH_SCALES: gl.constexpr,
-                    TMA_STORE: gl.constexpr, PIPELINED: gl.constexpr):
+                    TMA_STORE: gl.constexpr):
     """One warpgroup of the wgrad: rows [m0 + ROW_OFFSET, + BLOCK_M / 2) of A for every tile the program owns
     (one 64-row chain a K block, or two when BLOCK_M is 256: `_consume_tall_tile`); per token block t the partial
     is scaled by s_a[t, m] and s_b[t, n] (both per row of their operand: 128 tokens x 1 blocks; scales are
@@ -470,13 +419,9 @@ def _wgrad_consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, out_ptr, out2_
         if OWN_M == 64:
             rows = m0 + ROW_OFFSET + gl.arange(0, OWN_M, layout=gl.SliceLayout(1, mma_layout))
             cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
-            if PIPELINED:
-                acc = _consume_wgrad_pipelined(a_bufs, b_bufs, ready, empty, as_ptr + t64 * M + rows,
-                                               bs_ptr + t64 * N + cols, it, n_k, N, M, OWN_M, BLOCK_N, STAGES)
-            else:
-                acc = _consume_tile(a_bufs, b_bufs, ready, empty, as_ptr + t64 * M + rows, rows < M,
-                                    bs_ptr + t64 * N + cols, cols < N, it, n_k, N, M, OWN_M, BLOCK_N, STAGES, True,
-                                    PREFETCH_SCALES)
+            acc = _consume_tile(a_bufs, b_bufs, ready, empty, as_ptr + t64 * M + rows, rows < M,
+                                bs_ptr + t64 * N + cols, cols < N, it, n_k, N, M, OWN_M, BLOCK_N, STAGES, True,
+                                PREFETCH_SCALES)
             _wgrad_store(acc, c_buf, out_ptr, out2_ptr, out_desc, out2_desc, e, m0, col0, rows, cols, M, N,
                          M_SPLIT, ROW_OFFSET, TMA_STORE)
         else:
@@ -536,7 +481,7 @@ def _wgrad_store(acc, c_buf, out_ptr, out2_ptr, out_desc, out2_desc, e, m0, col0
 def _scaled_wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, out2_ptr, out_desc, out2_desc, tile_off_ptr, M, N,
                          M_SPLIT, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                          STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PREFETCH_SCALES: gl.constexpr,
-                         TMA_STORE: gl.constexpr, PIPELINED: gl.constexpr, num_warps: gl.constexpr):
+                         TMA_STORE: gl.constexpr, num_warps: gl.constexpr):
     """out[e] tile (tm, tn) = sum over expert e's token blocks (fp8_grad._wgrad_kernel's product, same order):
     the forward kernel's partitions with K running over the expert's blocks and both scales per row; tiles
     expert-major, a program owning tiles pid, pid + programs, ... as the forward kernel's."""
@@ -551,10 +496,10 @@ def _scaled_wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, out2_ptr, out_
     gl.warp_specialize([
         (_wgrad_consumer, (a_lo, b_bufs, ready, empty, as_ptr, bs_ptr, out_ptr, out2_ptr, out_desc, out2_desc, c_lo,
                            tile_off_ptr, M, N, M_SPLIT, n_tiles, 0, BLOCK_M, BLOCK_N, STAGES, PREFETCH_SCALES,
-                           TMA_STORE, PIPELINED)),
+                           TMA_STORE)),
         (_wgrad_consumer, (a_hi, b_bufs, ready, empty, as_ptr, bs_ptr, out_ptr, out2_ptr, out_desc, out2_desc, c_hi,
                            tile_off_ptr, M, N, M_SPLIT, n_tiles, HALF_M, BLOCK_M, BLOCK_N, STAGES, PREFETCH_SCALES,
-                           TMA_STORE, PIPELINED)),
+                           TMA_STORE)),
         (_wgrad_producer, (a_desc, b_desc, ready, empty, a_lo, a_hi, b_bufs, tile_off_ptr, M, N, n_tiles, BLOCK_M,
                            BLOCK_N, BLOCK_K, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 40])
@@ -646,4 +591,4 @@ def scaled_wgrad(aq: torch.Tensor, a_scale: torch.Tensor, bq: torch.Tensor, b_sc
         a_desc, b_desc, a_scale, b_scale, out, out2, out_desc, out2_desc, tile_offsets, M, N, split, n_tiles,
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.wgrad_stages,
         CONSUMER_REGS=tile.consumer_regs, PREFETCH_SCALES=tile.prefetch_scales, TMA_STORE=tile.tma_store_wgrad,
-        PIPELINED=tile.pipeline_wgrad and block_m == QUANT_BLOCK, num_warps=4, maxnreg=_MAXNREG)
+        num_warps=4, maxnreg=_MAXNREG)

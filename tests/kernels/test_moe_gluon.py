@@ -64,9 +64,6 @@ def test_the_gluon_path_is_chosen_only_where_it_runs():
         gluon_gemm.GluonTile(consumer_regs=240).validate()
     with pytest.raises(ValueError, match="mm_block_n"):
         gluon_gemm.GluonTile(mm_block_n=192).validate()
-    with pytest.raises(ValueError, match="pipeline_wgrad"):
-        gluon_gemm.GluonTile(pipeline_wgrad=True).validate()  # (the default 256-row wgrad tiles)
-    gluon_gemm.GluonTile(pipeline_wgrad=True, wgrad_block_m=128).validate()
 
 
 @pytest.mark.parametrize("precision", [Precision.BF16, Precision.FP8_FULL])
@@ -140,7 +137,7 @@ fp8 = dict(ptrs, **ints, a_desc=desc("fp8e4nv", [t.block_m // 2, 128]), b_desc=d
            b2_desc=desc("fp8e4nv", [128, 128]), out_desc=desc("bf16", [t.block_m // 2, 128]),
            out2_desc=desc("bf16", [t.block_m // 2, 128]))
 fp8_consts = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m, STAGES=t.stages,
-                  CONSUMER_REGS=t.consumer_regs, PREFETCH_SCALES=False, TMA_STORE=False, PIPELINED=False, num_warps=4)
+                  CONSUMER_REGS=t.consumer_regs, PREFETCH_SCALES=False, TMA_STORE=False, num_warps=4)
 bf16_consts = dict(BLOCK_M=bt.block_m, BLOCK_N=bt.block_n, BLOCK_K=bt.block_k, GROUP_M=bt.group_m, STAGES=bt.stages,
                    CONSUMER_REGS=bt.consumer_regs, num_warps=4)
 out = {"_scaled_mm_kernel": build(G._scaled_mm_kernel, fp8, fp8_consts),
@@ -161,9 +158,6 @@ out = {"_scaled_mm_kernel": build(G._scaled_mm_kernel, fp8, fp8_consts),
                                                out_desc=desc("bf16", [128, 128]), out2_desc=desc("bf16", [128, 128])),
                                           dict(fp8_consts, BLOCK_M=t.wgrad_block_m, STAGES=t.wgrad_stages,
                                                TMA_STORE=True)),
-       "_scaled_wgrad_kernel_pipelined": build(G._scaled_wgrad_kernel, fp8,
-                                               dict(fp8_consts, STAGES=t.wgrad_stages, TMA_STORE=True,
-                                                    PIPELINED=True)),
        "bf16_wgrad": build(B._bf16_wgrad_kernel, dict(ptrs, **ints), bf16_consts)}
 for k_major in (True, False):
     box = [bt.block_n, bt.block_k] if k_major else [bt.block_k, bt.block_n]
@@ -192,15 +186,14 @@ def test_gluon_gemm_builds_for_the_h200():
     assert set(builds) == {"_scaled_mm_kernel", "_scaled_mm_kernel_wide", "_scaled_gate_up_kernel",
                            "_scaled_wgrad_kernel", "_scaled_mm_kernel_prefetch",
                            "_scaled_wgrad_kernel_prefetch", "_scaled_wgrad_kernel_tma_store",
-                           "_scaled_wgrad_kernel_tall", "_scaled_wgrad_kernel_pipelined", "bf16_k_major_True",
-                           "bf16_k_major_False", "bf16_wgrad"}
+                           "_scaled_wgrad_kernel_tall", "bf16_k_major_True", "bf16_k_major_False", "bf16_wgrad"}
     assert builds["bf16_wgrad"]["tensormap_acquires"] >= 2  # its per-expert descriptors, made on the device
     for name, out in builds.items():
         assert "serialized" not in out["info"], (name, out["info"])
         assert out["mma_spills"] == 0, (name, out["info"])  # nothing spilled in the MMA loops
         if name != "_scaled_gate_up_kernel":  # (its SiTU epilogue spills: 64 values a thread through tanh)
-            # (the tall and pipelined wgrads: one value stored once and reloaded once a tile, outside the MMA loops)
-            assert out["spill"] <= (4 if name.endswith(("tall", "pipelined")) else 0), (name, out["info"])
+            # (the tall wgrad: the thread's index, stored once and reloaded once a tile in the epilogue)
+            assert out["spill"] <= (4 if name.endswith("tall") else 0), (name, out["info"])
         assert out["ops"].get("USETMAXREG", 0) > 0, (name, out["ops"])
         if name.startswith("bf16"):  # chains of 64 x 256 x 16, the previous one still in flight at each wait
             assert out["ops"].get("HGMMA.64x256x16.F32.BF16", 0) >= 8, (name, out["ops"])
