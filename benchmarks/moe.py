@@ -45,6 +45,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks._results import run_header, write_results  # noqa: E402
+from benchmarks._timeline import busy_and_gaps  # noqa: E402
 from benchmarks.moe_gemms import (BETA, LINEAR_BETA, gluon_gemms, measure, parse_tile_changes, sweep,  # noqa: E402
                                    timed_cpu)
 from k3_kernels.moe import naive  # noqa: E402
@@ -294,19 +295,15 @@ def idle_gaps(prof, steps, top=12):
     """The device's idle time in a profiled run of `steps` steps: the kernels' span (first start to last end) less
     their union, and the largest gaps with the kernels on either side -- what a step's wall time has beyond the
     kernels' device time (allocator, host syncs, launch latency). Empty without CUDA events."""
-    evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                 key=lambda e: e.time_range.start)
+    evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     if not evs:
         return {}
-    gaps, end = [], evs[0].time_range.end
-    for prev, ev in zip(evs, evs[1:]):
-        if ev.time_range.start > end:
-            gaps.append(((ev.time_range.start - end) / 1e3, prev.name[:60], ev.name[:60]))
-        end = max(end, ev.time_range.end)
+    _, gaps = busy_and_gaps([(e.time_range.start, e.time_range.end) for e in evs])
+    span = max(e.time_range.end for e in evs) - min(e.time_range.start for e in evs)
     gaps.sort(reverse=True)
-    span = (end - evs[0].time_range.start) / 1e3
-    return {"span_ms_per_step": span / steps, "idle_ms_per_step": sum(g for g, _, _ in gaps) / steps,
-            "largest_gaps": [{"ms": g, "after": a, "before": b} for g, a, b in gaps[:top]]}
+    return {"span_ms_per_step": span / 1e3 / steps, "idle_ms_per_step": sum(g for g, _, _ in gaps) / 1e3 / steps,
+            "largest_gaps": [{"ms": g / 1e3, "after": evs[i].name[:60], "before": evs[j].name[:60]}
+                             for g, i, j in gaps[:top]]}
 
 
 def step_walls(step, device, reps=5):

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from benchmarks._results import run_header, write_results
+from benchmarks._timeline import busy_and_gaps
 from benchmarks.decode_profile import _prompts
 from benchmarks.k3_width import k3_width_model
 from benchmarks.spec_decode import PHASES, bench_engine, patched_phases
@@ -50,13 +51,7 @@ def phase_ranges():
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
+    return busy_and_gaps(intervals)[0]
 
 
 def _busy_within(kernels: list[tuple[float, float]], lo: float, hi: float) -> float:
