@@ -1,5 +1,5 @@
-"""Spec of the weight-only FP8 linear: y = (x @ q.T) * scale, q = w / scale rounded to e4m3 (scale = the row's
-amax / 448), accumulated in fp32, rounded once to x's dtype."""
+"""Spec of the weight-only FP8 linear: y = (x @ q.T) * scale, q = w * (448 / amax) rounded to e4m3 (scale = the
+row's amax / 448; moe.naive._scales), accumulated in fp32, rounded once to x's dtype."""
 from __future__ import annotations
 
 import torch

@@ -23,7 +23,7 @@ import triton.language as tl
 from k3_kernels.launch import cdiv
 from k3_kernels.moe import gluon_gemm
 from k3_kernels.moe import grouped_gemm as gg
-from k3_kernels.moe.permute import (QUANT_BLOCK, GatheredRows, RoutingPlan, e4m3_scale, e4m3_values, load_rows,
+from k3_kernels.moe.permute import (QUANT_BLOCK, GatheredRows, RoutingPlan, e4m3_scales, e4m3_values, load_rows,
                                     store_row_quant)
 from k3_kernels.situ.fused import situ_grads
 
@@ -147,8 +147,8 @@ def _token_block_kernel(x_ptr, x_stride, order_ptr, w_ptr, top_k, tiles_ptr, tq_
         v = load_rows(x_ptr, x_stride, order_ptr, w_ptr, top_k, rows, rmask, cols, rmask[:, None], GATHER, HAS_W,
                       ROUND).to(tl.float32)
         camax = tl.max(tl.abs(v), axis=0)
-        cscale = e4m3_scale(camax)
-        cq = e4m3_values(v, cscale[None, :])
+        cscale, cinverse = e4m3_scales(camax)
+        cq = e4m3_values(v, cinverse[None, :])
         slots = t * QB + tl.arange(0, QB)
         tl.store(tq_ptr + cols.to(tl.int64)[None, :] * (n_tiles * QB) + slots[:, None],
                  cq.to(tq_ptr.dtype.element_ty))

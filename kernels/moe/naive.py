@@ -113,14 +113,24 @@ def naive_moe_layer(x: torch.Tensor, router_weight: torch.Tensor, router_bias: t
 
 
 # ------------------------------------------------------------------------------------------------------------ FP8
+def _scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, inverse) of blocks whose largest magnitudes are amax (fp32): scale = amax / 448 dequantises,
+    inverse = 448 / amax quantises (q = x * inverse rounded to nearest: one division a block, not one an element),
+    both with amax floored at 448 * 2^-126 so that the inverse stays finite; (1, 1) for an all-zero block."""
+    floored = amax.clamp_min(FP8_MAX * 2.0 ** -126)
+    one = torch.ones_like(amax)
+    # a tensor numerator: `448 / t` is torch's __rtruediv__, reciprocal(t) * 448 (two roundings, not IEEE's one)
+    inverse = torch.full_like(floored, FP8_MAX) / floored
+    return torch.where(amax > 0, floored / FP8_MAX, one), torch.where(amax > 0, inverse, one)
+
+
 def naive_quant_rows(x: torch.Tensor, block: int = QUANT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (K % block == 0) -> (q float8_e4m3fn [M, K], scale fp32 [M, K / block]); x ~ q * scale per block.
-    scale = amax / 448 (1 for an all-zero block); q = x / scale rounded to nearest."""
+    """x [M, K] (K % block == 0) -> (q float8_e4m3fn [M, K], scale fp32 [M, K / block]); x ~ q * scale per block
+    (`_scales`)."""
     M, K = x.shape
     blocks = x.float().view(M, K // block, block)
-    amax = blocks.abs().amax(-1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (blocks / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    scale, inverse = _scales(blocks.abs().amax(-1))
+    q = (blocks * inverse[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(M, K), scale
 
 
@@ -128,9 +138,8 @@ def naive_quant_weight(w: torch.Tensor, block: int = QUANT_BLOCK) -> tuple[torch
     """w [E, N, K] (both % block) -> (q [E, N, K] e4m3, scale fp32 [E, N / block, K / block]), 128 x 128 blocks."""
     E, N, K = w.shape
     blocks = w.float().view(E, N // block, block, K // block, block)
-    amax = blocks.abs().amax(dim=(2, 4))
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (blocks / scale[:, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    scale, inverse = _scales(blocks.abs().amax(dim=(2, 4)))
+    q = (blocks * inverse[:, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(E, N, K), scale
 
 

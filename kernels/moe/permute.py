@@ -25,17 +25,27 @@ QUANT_BLOCK = 128
 _E4M3_MAX = tl.constexpr(FP8_MAX)  # what the kernels read (globals in a kernel must be constexpr)
 
 
-@triton.jit
-def e4m3_scale(amax):
-    """The scale of a block whose largest magnitude is amax: amax / 448, 1 for an all-zero block (every FP8
-    quantiser of the MoE kernels; spec naive.naive_quant_rows)."""
-    return tl.where(amax > 0, tl.math.div_rn(amax, _E4M3_MAX), 1.0)
+# Block maxima are floored here before 448 / amax is taken, so the factor stays finite (2^126 at most); a block
+# this small quantises with scale 2^-126 (spec naive._scales).
+_AMAX_FLOOR = tl.constexpr(FP8_MAX * 2.0 ** -126)
 
 
 @triton.jit
-def e4m3_values(v, scale):
-    """v / scale (IEEE division) clamped to e4m3's range; the cast to float8e4nv rounds to nearest."""
-    return tl.clamp(tl.math.div_rn(v, scale), -_E4M3_MAX, _E4M3_MAX)
+def e4m3_scales(amax):
+    """(scale, inverse) of a block whose largest magnitude is amax: scale = amax / 448 (what dequantisation
+    multiplies by), inverse = 448 / amax (what quantisation multiplies by: one IEEE division a block, not one an
+    element), both with amax floored at 448 * 2^-126; (1, 1) for an all-zero block. Every FP8 quantiser of the
+    MoE kernels; spec naive._scales."""
+    floored = tl.maximum(amax, _AMAX_FLOOR)
+    scale = tl.where(amax > 0, tl.math.div_rn(floored, _E4M3_MAX), 1.0)
+    inverse = tl.where(amax > 0, tl.math.div_rn(_E4M3_MAX, floored), 1.0)
+    return scale, inverse
+
+
+@triton.jit
+def e4m3_values(v, inverse):
+    """v * inverse (round to nearest) clamped to e4m3's range; the cast to float8e4nv rounds to nearest."""
+    return tl.clamp(v * inverse, -_E4M3_MAX, _E4M3_MAX)
 
 
 @triton.jit
@@ -45,8 +55,8 @@ def store_row_quant(v, mask, rmask, r64, cols, block, q_ptr, q_stride, s_ptr, s_
     Every FP8 row quantiser of the layer goes through it (the permute's X, H in the gate/up epilogue and the SiTU
     pass, the backward's dY and dG | dU)."""
     v = tl.where(mask, v.to(tl.float32), 0.0)
-    scale = e4m3_scale(tl.max(tl.abs(v), axis=1))
-    q = e4m3_values(v, scale[:, None])
+    scale, inverse = e4m3_scales(tl.max(tl.abs(v), axis=1))
+    q = e4m3_values(v, inverse[:, None])
     tl.store(q_ptr + r64[:, None] * q_stride + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + r64 * s_stride + block, scale, mask=rmask)
 

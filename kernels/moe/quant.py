@@ -14,7 +14,7 @@ import triton.language as tl
 
 from k3_kernels.launch import cdiv
 from k3_kernels.moe.naive import MXFP4_GROUP
-from k3_kernels.moe.permute import QUANT_BLOCK, e4m3_scale, e4m3_values
+from k3_kernels.moe.permute import QUANT_BLOCK, e4m3_scales, e4m3_values
 
 
 @triton.jit
@@ -26,8 +26,8 @@ def _quant_weight_kernel(w_ptr, q_ptr, s_ptr, N, K, QB: tl.constexpr):
     off = e * N * K + n[:, None].to(tl.int64) * K + k[None, :]
     v = tl.load(w_ptr + off).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(v), axis=1), axis=0)
-    scale = e4m3_scale(amax)
-    tl.store(q_ptr + off, e4m3_values(v, scale).to(q_ptr.dtype.element_ty))
+    scale, inverse = e4m3_scales(amax)
+    tl.store(q_ptr + off, e4m3_values(v, inverse).to(q_ptr.dtype.element_ty))
     tl.store(s_ptr + (e * tl.num_programs(0) + nb) * tl.num_programs(1) + kb, scale)
 
 

@@ -20,6 +20,7 @@ from k3_kernels.moe import fp8_grad, naive  # noqa: E402
 from k3_kernels.moe import grouped_gemm as gg  # noqa: E402
 from k3_kernels.moe.layer import Precision, fp8_weight, fp8_weight_t, fp8_weight_t13, moe_experts  # noqa: E402
 from k3_kernels.moe.permute import GatheredRows, combine_backward, permute_rows, plan_routing  # noqa: E402
+from k3_kernels.moe.quant import quantize_weight_fp8  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -46,6 +47,33 @@ def test_row_quantiser_is_the_spec():
     with pytest.raises(ValueError, match="x"):
         fp8_grad.quantize_rows(x[:, :100])
 
+
+
+def test_tiny_and_zero_blocks_quantise_without_overflow():
+    """The quantisers multiply by 448 / amax: a block whose amax is far below the normal range (1e-38, subnormal
+    in fp32) would make that factor inf and its zeros NaN unless amax is floored first. Tiny, zero, mixed and
+    ordinary blocks, in fp32, through the row quantiser (kernel and spec) and the weight quantiser: finite,
+    spec bits, an all-zero block stored as zeros with scale 1, and a tiny block's values recovered as well as
+    e4m3 and the floored scale allow."""
+    x = _rows(4, 512, seed=3, dtype=torch.float32)
+    x[0, :128] = 0.0
+    x[1, 128:256] = 1e-38 * torch.linspace(-1, 1, 128, device=DEV)
+    x[2, 256:384] = 2e-35
+    x[3, 384:] = torch.tensor([0.0, 1e-39] * 64, device=DEV)
+    q, s = fp8_grad.quantize_rows(x)
+    q_r, s_r = naive.naive_quant_rows(x)
+    assert torch.equal(q.view(torch.uint8), q_r.view(torch.uint8)) and torch.equal(s, s_r)
+    deq = naive.naive_dequant_rows(q, s)
+    assert torch.isfinite(q.float()).all() and torch.isfinite(s).all() and torch.isfinite(deq).all()
+    assert (q[0, :128].float() == 0).all() and s[0, 0] == 1
+    assert s[1, 1] == 2.0 ** -126 and s[2, 2] > 2.0 ** -126  # floored; 2e-35 is above the floor (5.3e-36)
+    assert rel_rms(deq[2, 256:384], x[2, 256:384]) < 0.07
+    w = torch.zeros(1, 128, 256, device=DEV)
+    w[0, :, 128:] = 1e-38
+    wq, ws = quantize_weight_fp8(w)
+    wq_r, ws_r = naive.naive_quant_weight(w)
+    assert torch.equal(wq.view(torch.uint8), wq_r.view(torch.uint8)) and torch.equal(ws, ws_r)
+    assert ws[0, 0, 0] == 1 and ws[0, 0, 1] == 2.0 ** -126 and torch.isfinite(wq.float()).all()
 
 def test_token_blocks_never_cross_an_expert():
     """Each expert's rows in blocks of 128 (the last one zero-padded), transposed: the spec's blocks exactly."""
