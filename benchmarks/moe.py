@@ -46,8 +46,8 @@ from torch import nn  # noqa: E402
 
 from benchmarks._results import run_header, write_results  # noqa: E402
 from benchmarks._timeline import busy_and_gaps  # noqa: E402
-from benchmarks.moe_gemms import (BETA, LINEAR_BETA, gluon_gemms, measure, parse_tile_changes, sweep,  # noqa: E402
-                                   timed_cpu)
+from benchmarks.moe_gemms import (BETA, LINEAR_BETA, PASS_SETTING_NAMES, gluon_gemms, measure,  # noqa: E402
+                                  parse_pass_settings, parse_tile_changes, sweep, timed_cpu)
 from k3_kernels.moe import naive  # noqa: E402
 from k3_kernels.moe.layer import Precision, clear_fp8_cache, moe_experts  # noqa: E402
 from k3_kernels.moe.quant import quantize_weight_fp8  # noqa: E402
@@ -399,6 +399,11 @@ def main() -> None:
                     "instead of moe_gemms.GLUON_FP8_TILES, e.g. 'mm_block_n=256,mm_block_n=256+stages=3' ('' = none)")
     ap.add_argument("--fp8-tile", default=None, help="the layer rows and the profile with this GluonTile change "
                     "(e.g. 'mm_block_n=128+stages=4'; recorded in the JSON)")
+    ap.add_argument("--pass-settings", default=None, help="with --gluon-gemms and 'passes': the quantisation passes' "
+                    "program sizes to sweep instead of moe_gemms.PASS_SETTINGS, e.g. '16/4/64/8,32/8/64/4' (row-pass "
+                    "rows/warps/token-block columns/warps)")
+    ap.add_argument("--pass-setting", default=None, help="the layer rows and the profile with these quantisation "
+                    "pass program sizes (rows/warps/columns/warps; recorded in the JSON)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.smoke:  # fp32: the interpreter's bf16 dots are not the GPU's (tests/kernels/conftest.py)
@@ -419,13 +424,20 @@ def main() -> None:
         E_s, N_s = (int(v) for v in args.gluon_gemms.split(","))
         result["gluon_gemms"] = gluon_gemms(E_s, N_s, L, I, k, device, args.rep_ms,
                                             set(args.gemms.split(",")) if args.gemms else None,
-                                            None if args.fp8_tiles is None else parse_tile_changes(args.fp8_tiles))
+                                            None if args.fp8_tiles is None else parse_tile_changes(args.fp8_tiles),
+                                            parse_pass_settings(args.pass_settings) if args.pass_settings else None)
         write_results(path, result)
     if args.fp8_tile:
         from k3_kernels.moe import gluon_gemm
         gluon_gemm.DEFAULT_TILE = dataclasses.replace(gluon_gemm.DEFAULT_TILE,
                                                       **parse_tile_changes(args.fp8_tile)[-1])
         result["fp8_tile"] = dataclasses.asdict(gluon_gemm.DEFAULT_TILE)
+    if args.pass_setting:
+        from k3_kernels.moe import fp8_grad
+        setting, = parse_pass_settings(args.pass_setting)
+        for name, value in zip(PASS_SETTING_NAMES, setting):
+            setattr(fp8_grad, name, value)
+        result["pass_setting"] = dict(zip(PASS_SETTING_NAMES, setting))
     if args.profile:
         E_s, N_s = (int(v) for v in args.profile.split(","))
         result["profile"] = kernel_profile(E_s, N_s, L, I, k, n_shared, device, dtype)

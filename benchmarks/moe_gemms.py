@@ -86,6 +86,18 @@ GLUON_FP8_TILES = [{}, {"mm_block_n": 128}, {"stages": 3}, {"stages": 4}, {"grou
                    {"fuse_situ": True}, {"prefetch_scales": True, "mm_block_n": 128}]
 # (row-pass rows, warps, token-block columns, warps): the defaults first
 PASS_SETTINGS = [(16, 4, 64, 8), (32, 4, 128, 8), (64, 8, 32, 4), (32, 8, 64, 4), (128, 8, 128, 4)]
+PASS_SETTING_NAMES = ("ROW_PASS_ROWS", "ROW_PASS_WARPS", "TOKEN_BLOCK_COLUMNS", "TOKEN_BLOCK_WARPS")  # fp8_grad's
+
+
+def parse_pass_settings(text: str) -> list[tuple[int, int, int, int]]:
+    """'16/4/64/8,32/8/64/4' -> [(16, 4, 64, 8), (32, 8, 64, 4)]: (row-pass rows, warps, token-block columns, warps)."""
+    settings = []
+    for item in filter(None, text.split(",")):
+        fields = tuple(int(v) for v in item.split("/"))
+        if len(fields) != 4:
+            raise ValueError(f"pass setting {item!r}: expected rows/warps/columns/warps")
+        settings.append(fields)
+    return settings
 GLUON_BF16_TILES: list[tuple[int, int]] = []  # (block_n, stages); session 31 swept 4 (moe_gluon.json)
 
 
@@ -105,7 +117,8 @@ def parse_tile_changes(text: str) -> list[dict[str, int | bool]]:
 
 
 def gluon_gemms(E, N, L, I, k, device, reps_ms, only: set[str] | None = None,
-                fp8_tiles: list[dict[str, int | bool]] | None = None):
+                fp8_tiles: list[dict[str, int | bool]] | None = None,
+                pass_settings: list[tuple[int, int, int, int]] | None = None):
     """Each grouped GEMM of the layer, bf16 and FP8 (and the quantisation passes around the FP8 backward), Triton vs
     Gluon in one process at one point: medians, TFLOP/s, whether the two give the same bits; then the Gluon
     kernels' settings swept, each setting's outputs compared bit for bit with the default tile's. `only`: these
@@ -162,11 +175,10 @@ def gluon_gemms(E, N, L, I, k, device, reps_ms, only: set[str] | None = None,
                   "quantize_token_blocks_dgu": dgu.numel() * 3 + dgu.numel() // 32,
                   "situ_backward_rows": dh.numel() * 2 + gu.numel() * 2 + gu.numel() * 3 + gu.numel() // 32}
     wanted = (lambda name: only is None or name in only)  # noqa: E731
-    for setting in PASS_SETTINGS if wanted("passes") else ():
+    for setting in (pass_settings or PASS_SETTINGS) if wanted("passes") else ():
         key = "rows{}x{}w_cols{}x{}w".format(*setting)
-        names = ("ROW_PASS_ROWS", "ROW_PASS_WARPS", "TOKEN_BLOCK_COLUMNS", "TOKEN_BLOCK_WARPS")
         try:
-            with mock.patch.multiple(fp8_grad, **dict(zip(names, setting))):
+            with mock.patch.multiple(fp8_grad, **dict(zip(PASS_SETTING_NAMES, setting))):
                 times = {n: timing(passes[n]) for n in pass_bytes}
             out["pass_sweep"][key] = {n: {"ms": ms, "gbps": pass_bytes[n] / ms / 1e6} for n, ms in times.items()}
         except Exception as err:
