@@ -85,7 +85,7 @@ def sweep(E, N, L, I, k, device, reps_ms):
 GLUON_FP8_TILES = [{}, {"mm_block_n": 128}, {"stages": 3}, {"stages": 4}, {"group_m": 4}, {"persistent": False},
                    {"fuse_situ": True}, {"prefetch_scales": True, "mm_block_n": 128}]
 # (row-pass rows, warps, token-block columns, warps): the defaults first
-PASS_SETTINGS = [(16, 4, 64, 8), (32, 4, 128, 8), (64, 8, 32, 4), (32, 8, 64, 4), (128, 8, 128, 4)]
+PASS_SETTINGS = [(8, 4, 64, 4), (16, 4, 64, 8), (16, 8, 128, 8), (32, 4, 64, 2), (64, 8, 128, 4)]
 PASS_SETTING_NAMES = ("ROW_PASS_ROWS", "ROW_PASS_WARPS", "TOKEN_BLOCK_COLUMNS", "TOKEN_BLOCK_WARPS")  # fp8_grad's
 
 

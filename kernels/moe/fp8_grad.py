@@ -30,8 +30,9 @@ from k3_kernels.situ.fused import situ_grads
 
 # ------------------------------------------------------------------------------------------------- quantisers
 # rows a program of the row passes (quantize_rows, situ_backward_rows) and its warps: rows are independent, so these
-# set the programs' size only, not the bits (benchmarks/moe.py --gluon-gemms sweeps them)
-ROW_PASS_ROWS, ROW_PASS_WARPS = 16, 4
+# set the programs' size only, not the bits (benchmarks/moe.py --gluon-gemms ... --pass-settings sweeps them; the
+# choice: kernels/moe/NOTES.md, session 44)
+ROW_PASS_ROWS, ROW_PASS_WARPS = 8, 4
 
 
 @triton.jit
@@ -125,8 +126,8 @@ def token_block_tiles(plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor]:
     return tiles, torch.cat([per.new_zeros(1), torch.cumsum(per, 0)])
 
 
-# sm_90a build: 64 registers a thread at 64 columns x 8 warps (103 at 128 columns): 4 programs an SM, not 2
-TOKEN_BLOCK_COLUMNS, TOKEN_BLOCK_WARPS = 64, 8
+# columns a program of the token-block pass and its warps (program size only, not the bits; swept with the above)
+TOKEN_BLOCK_COLUMNS, TOKEN_BLOCK_WARPS = 64, 4
 
 
 @triton.jit
