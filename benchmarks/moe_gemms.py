@@ -87,6 +87,7 @@ GLUON_FP8_TILES = [{}, {"mm_block_n": 128}, {"stages": 3}, {"stages": 4}, {"grou
 # (row-pass rows, warps, token-block columns, warps): the defaults first
 PASS_SETTINGS = [(8, 4, 64, 4), (16, 4, 64, 8), (16, 8, 128, 8), (32, 4, 64, 2), (64, 8, 128, 4)]
 PASS_SETTING_NAMES = ("ROW_PASS_ROWS", "ROW_PASS_WARPS", "TOKEN_BLOCK_COLUMNS", "TOKEN_BLOCK_WARPS")  # fp8_grad's
+GLUON_BF16_TILES: list[tuple[int, int]] = []  # (block_n, stages); session 31 swept 4 (moe_gluon.json)
 
 
 def parse_pass_settings(text: str) -> list[tuple[int, int, int, int]]:
@@ -98,7 +99,6 @@ def parse_pass_settings(text: str) -> list[tuple[int, int, int, int]]:
             raise ValueError(f"pass setting {item!r}: expected rows/warps/columns/warps")
         settings.append(fields)
     return settings
-GLUON_BF16_TILES: list[tuple[int, int]] = []  # (block_n, stages); session 31 swept 4 (moe_gluon.json)
 
 
 def parse_tile_changes(text: str) -> list[dict[str, int | bool]]:
