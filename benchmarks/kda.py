@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 import k3_kernels.kda.chunk as ours_mod
+from benchmarks._numerics import rel_rms as rel
 from benchmarks._results import run_header, write_results
 
 dev = "cuda"
@@ -89,11 +90,6 @@ def packed_cu_seqlens() -> torch.Tensor:
     gen = torch.Generator().manual_seed(1)
     cuts = torch.sort(torch.randperm(32767, generator=gen)[:7] + 1).values
     return torch.cat([torch.tensor([0]), cuts, torch.tensor([32768])]).to(dev)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
 
 
 def floors(T: int, copy_Bps: float, mm_flops: float, heads: int = H) -> dict:

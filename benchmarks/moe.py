@@ -44,6 +44,7 @@ if not torch.cuda.is_available():  # the smoke run: our kernels in Triton's inte
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
+from benchmarks._numerics import rel_rms  # noqa: E402
 from benchmarks._results import run_header, write_results  # noqa: E402
 from benchmarks._timeline import busy_and_gaps  # noqa: E402
 from benchmarks.moe_gemms import (BETA, LINEAR_BETA, PASS_SETTING_NAMES, gluon_gemms, measure,  # noqa: E402
@@ -479,8 +480,7 @@ def main() -> None:
             for name, entry in res.items():
                 y = entry.pop("_y", None)
                 if ref is not None and y is not None and name != "ours_bf16" and (name in OURS or name == "naive"):
-                    entry["rel_rms_vs_ours_bf16"] = ((y.float() - ref.float()).pow(2).mean().sqrt()
-                                                     / ref.float().pow(2).mean().sqrt()).item()
+                    entry["rel_rms_vs_ours_bf16"] = rel_rms(y, ref)
                 point[name] = entry
             tt_fb = point.get("torchtitan", {}).get("fwd_bwd_ms")
             for name in OURS:

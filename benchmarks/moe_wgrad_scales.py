@@ -17,21 +17,15 @@ import argparse
 
 import torch
 
+from benchmarks._numerics import rel_rms
 from benchmarks._results import run_header, write_results
-from k3_kernels.moe.naive import QUANT_BLOCK, naive_dequant_rows, naive_quant_rows
+from k3_kernels.moe.naive import QUANT_BLOCK, naive_dequant_rows, naive_quant_token_blocks
 
 
 def dequantised(x: torch.Tensor, block: int) -> torch.Tensor:
     """x [n, C] quantised per channel over `block` tokens (the last block zero-padded), back in fp64."""
-    n, C = x.shape
-    padded = torch.zeros(-(-n // block) * block, C, dtype=torch.float64)
-    padded[:n] = x
-    q, s = naive_quant_rows(padded.t().contiguous().float(), block)
-    return naive_dequant_rows(q, s, block).t()[:n].double()
-
-
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
+    (q, s), = naive_quant_token_blocks(x, torch.tensor([0, x.shape[0]]), block)
+    return naive_dequant_rows(q, s, block).t()[:x.shape[0]].double()
 
 
 def errors(tokens: int, channels: int, experts: int, sigma: float, outliers: bool, seed: int = 0) -> dict:

@@ -21,6 +21,7 @@ from k3_kernels.situ.naive import naive_situ_and_mul
 
 FP8_MAX = 448.0          # largest finite float8_e4m3fn
 QUANT_BLOCK = 128        # 1 x 128 activation blocks, 128 x 128 weight blocks
+AMAX_FLOOR = FP8_MAX * 2.0 ** -126  # block maxima floored here, so 448 / amax stays finite (2^126 at most)
 MXFP4_GROUP = 32
 # E2M1 magnitudes by code (bit 3 is the sign)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -117,7 +118,7 @@ def _scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, inverse) of blocks whose largest magnitudes are amax (fp32): scale = amax / 448 dequantises,
     inverse = 448 / amax quantises (q = x * inverse rounded to nearest: one division a block, not one an element),
     both with amax floored at 448 * 2^-126 so that the inverse stays finite; (1, 1) for an all-zero block."""
-    floored = amax.clamp_min(FP8_MAX * 2.0 ** -126)
+    floored = amax.clamp_min(AMAX_FLOOR)
     one = torch.ones_like(amax)
     # a tensor numerator: `448 / t` is torch's __rtruediv__, reciprocal(t) * 448 (two roundings, not IEEE's one)
     inverse = torch.full_like(floored, FP8_MAX) / floored

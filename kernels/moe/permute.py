@@ -19,15 +19,11 @@ import triton
 import triton.language as tl
 
 from k3_kernels.launch import cdiv, next_pow2
+from k3_kernels.moe.naive import AMAX_FLOOR, FP8_MAX, QUANT_BLOCK
 
-FP8_MAX = 448.0
-QUANT_BLOCK = 128
-_E4M3_MAX = tl.constexpr(FP8_MAX)  # what the kernels read (globals in a kernel must be constexpr)
-
-
-# Block maxima are floored here before 448 / amax is taken, so the factor stays finite (2^126 at most); a block
-# this small quantises with scale 2^-126 (spec naive._scales).
-_AMAX_FLOOR = tl.constexpr(FP8_MAX * 2.0 ** -126)
+# what the kernels read (globals in a kernel must be constexpr); the values are the spec's
+_E4M3_MAX = tl.constexpr(FP8_MAX)
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 
 
 @triton.jit
