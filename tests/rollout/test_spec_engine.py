@@ -2,6 +2,8 @@
 lists, routing -- bitwise those of plain decoding, with the prefix cache on and off, under tiny pools, across turns;
 the committed KDA and conv states equal plain decoding's after every step; sampled log-probs are the target's for
 the emitted tokens; bad settings are refused before any request runs; a failed verify harms no later call."""
+import contextlib
+
 import pytest
 import torch
 
@@ -16,18 +18,18 @@ from _engine_helpers import SMALL, TINY_POOLS, rand_tokens, same, workload
 
 
 class OracleDrafter:
-    """Drafts the reference continuation (plain decoding's own greedy output), corrupting one token of every third
-    draft, so verifies accept full drafts, partial drafts and nothing."""
+    """Drafts the reference continuation (plain decoding's own greedy output), corrupting one token of every
+    `corrupt_every`-th draft, so verifies accept full drafts, partial drafts and nothing."""
 
-    def __init__(self, references: list[list[int]], vocab: int):
-        self.refs, self.vocab, self.calls = references, vocab, 0
+    def __init__(self, references: list[list[int]], vocab: int, corrupt_every: int = 3):
+        self.refs, self.vocab, self.calls, self.corrupt_every = references, vocab, 0, corrupt_every
 
     def propose(self, context: list[int], k: int) -> list[int]:
         self.calls += 1
         for ref in self.refs:
             if len(ref) > len(context) and ref[:len(context)] == context:
                 cont = list(ref[len(context):len(context) + k])
-                if self.calls % 3 == 0 and cont:
+                if self.calls % self.corrupt_every == 0 and cont:
                     j = self.calls % len(cont)
                     cont[j] = (cont[j] + 1) % self.vocab
                 return cont
@@ -348,26 +350,46 @@ def test_commit_with_the_layers_folded_together_is_the_per_layer_commit(model, m
     assert same(outs[0], outs[1])
 
 
+@contextlib.contextmanager
+def _cuda_composition():
+    """The CUDA engine's KDA path on CPU: the fused step-inputs kernel in the Triton interpreter, commits with the
+    layers folded together (the CPU fold)."""
+    import k3.rollout.spec.decode as decode
+    from k3.model import ops
+    per_commit = decode.commit
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ops, "KDA_STEP_KERNEL_ON_CPU", True)
+        patch.setattr(decode, "commit", lambda *a: per_commit(*a, fold_layers=True))
+        yield
+
+
+COMPOSITION_GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def plain_under_composition(model):
+    """Plain decoding of two prompts under `_cuda_composition` (once per module: the interpreter is slow)."""
+    prompts = [rand_tokens(9 + 3 * i, 900 + i) for i in range(2)]
+    with _cuda_composition():
+        eng = Engine(model, prefix_cache=False, **SMALL)
+        states = _record_states(eng)
+        return prompts, eng.generate(prompts, COMPOSITION_GREEDY), states
+
+
 @pytest.mark.parametrize("spec", ["ngram:3:batched", "ngram:2x3:batched"])
-def test_cuda_composition_in_the_interpreter_is_bitwise_plain_decoding(model, monkeypatch, spec):
+def test_cuda_composition_in_the_interpreter_is_bitwise_plain_decoding(model, plain_under_composition, spec):
     """The CPU counterpart of the CUDA engine's KDA path: the fused step-inputs kernel (Triton interpreter) for
     prefill, decode, the batched verify and the commit, which rebuilds every accepted position in one call and
     rolls the windows in it (`roll`), the layers folded together (the CPU fold: the Triton fold's bits are not the
     CPU decode's, only the GPU decode's). Spec decoding must give plain decoding's tokens, log-probs and committed
-    states under that composition too, for a chain and a tree."""
-    import k3.rollout.spec.decode as decode
-    from k3.model import ops
-    monkeypatch.setattr(ops, "KDA_STEP_KERNEL_ON_CPU", True)
-    per_commit = decode.commit
-    monkeypatch.setattr(decode, "commit", lambda *a: per_commit(*a, fold_layers=True))
-    prompts = [rand_tokens(9 + 3 * i, 900 + i) for i in range(2)]
-    sp = SamplingParams(temperature=0.0, max_tokens=8)
-    plain_eng = Engine(model, prefix_cache=False, **SMALL)
-    plain_states = _record_states(plain_eng)
-    ref = plain_eng.generate(prompts, sp)
-    eng = _spec_engine(model, [p + c.token_ids for p, c in zip(prompts, ref)], prefix_cache=False, spec=spec)
-    states = _record_states(eng)
-    assert same(eng.generate(prompts, sp), ref)
+    states under that composition too, for a chain and a tree (every second draft corrupted, so that six tokens
+    see accepted and rejected drafts)."""
+    prompts, ref, plain_states = plain_under_composition
+    with _cuda_composition():
+        eng = _spec_engine(model, [p + c.token_ids for p, c in zip(prompts, ref)], prefix_cache=False, spec=spec)
+        eng.spec.drafter.corrupt_every = 2
+        states = _record_states(eng)
+        assert same(eng.generate(prompts, COMPOSITION_GREEDY), ref)
     assert 0 < eng.stats["spec_accepted_tokens"] < eng.stats["spec_draft_tokens"]
     common = set(states) & set(plain_states)
     assert len(common) >= 4
