@@ -47,7 +47,7 @@ from torch import nn  # noqa: E402
 from benchmarks._numerics import rel_rms  # noqa: E402
 from benchmarks._results import run_header, write_results  # noqa: E402
 from benchmarks._timeline import busy_and_gaps  # noqa: E402
-from benchmarks.moe_gemms import (BETA, LINEAR_BETA, PASS_SETTING_NAMES, gluon_gemms, measure,  # noqa: E402
+from benchmarks.moe_gemms import (BETA, LINEAR_BETA, apply_pass_setting, gluon_gemms, measure,  # noqa: E402
                                   parse_pass_settings, parse_tile_changes, sweep, timed_cpu)
 from k3_kernels.moe import naive  # noqa: E402
 from k3_kernels.moe.layer import Precision, clear_fp8_cache, moe_experts  # noqa: E402
@@ -434,11 +434,8 @@ def main() -> None:
                                                       **parse_tile_changes(args.fp8_tile)[-1])
         result["fp8_tile"] = dataclasses.asdict(gluon_gemm.DEFAULT_TILE)
     if args.pass_setting:
-        from k3_kernels.moe import fp8_grad
         setting, = parse_pass_settings(args.pass_setting)
-        for name, value in zip(PASS_SETTING_NAMES, setting):
-            setattr(fp8_grad, name, value)
-        result["pass_setting"] = dict(zip(PASS_SETTING_NAMES, setting))
+        result["pass_setting"] = apply_pass_setting(setting)
     if args.profile:
         E_s, N_s = (int(v) for v in args.profile.split(","))
         result["profile"] = kernel_profile(E_s, N_s, L, I, k, n_shared, device, dtype)

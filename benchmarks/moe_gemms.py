@@ -3,6 +3,7 @@ kernel's tiles swept, and the Triton against the warp-specialised Gluon kernels 
 kernels' settings swept, at one point (E experts, N tokens) of K3's expert widths."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from unittest import mock
@@ -84,21 +85,56 @@ def sweep(E, N, L, I, k, device, reps_ms):
 # GluonTile fields changed from the default (the default first)
 GLUON_FP8_TILES = [{}, {"mm_block_n": 128}, {"stages": 3}, {"stages": 4}, {"group_m": 4}, {"persistent": False},
                    {"fuse_situ": True}, {"prefetch_scales": True, "mm_block_n": 128}]
-# (row-pass rows, warps, token-block columns, warps): the defaults first
+# (row-pass rows, warps, token-block columns, warps[, forward SiTU-quantiser rows, warps]): the defaults first
 PASS_SETTINGS = [(8, 4, 64, 4), (16, 4, 64, 8), (16, 8, 128, 8), (32, 4, 64, 2), (64, 8, 128, 4)]
-PASS_SETTING_NAMES = ("ROW_PASS_ROWS", "ROW_PASS_WARPS", "TOKEN_BLOCK_COLUMNS", "TOKEN_BLOCK_WARPS")  # fp8_grad's
+# the module attribute each field of a pass setting sets (a 4-field setting leaves the forward SiTU quantiser's own)
+PASS_SETTING_FIELDS = (("fp8_grad", "ROW_PASS_ROWS"), ("fp8_grad", "ROW_PASS_WARPS"),
+                       ("fp8_grad", "TOKEN_BLOCK_COLUMNS"), ("fp8_grad", "TOKEN_BLOCK_WARPS"),
+                       ("grouped_gemm", "SITU_QUANT_ROWS"), ("grouped_gemm", "SITU_QUANT_WARPS"))
+PASS_SETTING_NAMES = tuple(name for _, name in PASS_SETTING_FIELDS)
 GLUON_BF16_TILES: list[tuple[int, int]] = []  # (block_n, stages); session 31 swept 4 (moe_gluon.json)
 
 
-def parse_pass_settings(text: str) -> list[tuple[int, int, int, int]]:
-    """'16/4/64/8,32/8/64/4' -> [(16, 4, 64, 8), (32, 8, 64, 4)]: (row-pass rows, warps, token-block columns, warps)."""
+def parse_pass_settings(text: str) -> list[tuple[int, ...]]:
+    """'16/4/64/8,32/8/64/4/8/4' -> [(16, 4, 64, 8), (32, 8, 64, 4, 8, 4)]: (row-pass rows, warps, token-block
+    columns, warps[, forward SiTU-quantiser rows, warps])."""
     settings = []
     for item in filter(None, text.split(",")):
         fields = tuple(int(v) for v in item.split("/"))
-        if len(fields) != 4:
-            raise ValueError(f"pass setting {item!r}: expected rows/warps/columns/warps")
+        if len(fields) not in (4, 6):
+            raise ValueError(f"pass setting {item!r}: expected rows/warps/columns/warps[/situ rows/situ warps]")
         settings.append(fields)
     return settings
+
+
+def pass_setting_key(setting: tuple[int, ...]) -> str:
+    """(8, 4, 64, 4) -> 'rows8x4w_cols64x4w'; a 6-field setting adds '_situ16x4w'."""
+    key = "rows{}x{}w_cols{}x{}w".format(*setting[:4])
+    return key + ("_situ{}x{}w".format(*setting[4:]) if len(setting) == 6 else "")
+
+
+def _pass_setting_targets(setting: tuple[int, ...]) -> list[tuple[object, str, int]]:
+    from k3_kernels.moe import fp8_grad
+    from k3_kernels.moe import grouped_gemm
+    modules = {"fp8_grad": fp8_grad, "grouped_gemm": grouped_gemm}
+    return [(modules[module], name, value) for (module, name), value in zip(PASS_SETTING_FIELDS, setting)]
+
+
+def apply_pass_setting(setting: tuple[int, ...]) -> dict[str, int]:
+    """The quantisation passes' program sizes set to `setting` (PASS_SETTING_FIELDS, as many as it has fields) for
+    the rest of the process; returns them by name (for the results)."""
+    for module, name, value in _pass_setting_targets(setting):
+        setattr(module, name, value)
+    return dict(zip(PASS_SETTING_NAMES, setting))
+
+
+@contextlib.contextmanager
+def pass_setting(setting: tuple[int, ...]):
+    """`apply_pass_setting` for the block only."""
+    with contextlib.ExitStack() as stack:
+        for module, name, value in _pass_setting_targets(setting):
+            stack.enter_context(mock.patch.object(module, name, value))
+        yield
 
 
 def parse_tile_changes(text: str) -> list[dict[str, int | bool]]:
@@ -167,18 +203,21 @@ def gluon_gemms(E, N, L, I, k, device, reps_ms, only: set[str] | None = None,
     passes = {"quantize_rows_dgu": lambda: fp8_grad.quantize_rows(dgu),
               "quantize_token_blocks_dgu": lambda: fp8_grad.quantize_token_blocks(dgu, tiles),
               "situ_backward": lambda: gg.situ_backward(dh, gu, BETA, LINEAR_BETA),
-              "situ_backward_rows": lambda: fp8_grad.situ_backward_rows(dh, gu, BETA, LINEAR_BETA)}
+              "situ_backward_rows": lambda: fp8_grad.situ_backward_rows(dh, gu, BETA, LINEAR_BETA),
+              "situ_quant": lambda: gg.situ_quant(gu, BETA, LINEAR_BETA, h, hq, hs)}
     out = {"experts": E, "tokens": N, "rows": P, "gemms": {}, "passes_ms": {}, "pass_sweep": {}, "gluon_sweep": {}}
     # the quantisation passes' program sizes (same bits whatever the size): rows x warps of the row passes,
-    # columns x warps of the token-block pass; the bytes each moves, for GB/s
+    # columns x warps of the token-block pass, rows x warps of the forward's SiTU quantiser; the bytes each moves,
+    # for GB/s
     pass_bytes = {"quantize_rows_dgu": dgu.numel() * 3 + dgu.numel() // 32,
                   "quantize_token_blocks_dgu": dgu.numel() * 3 + dgu.numel() // 32,
-                  "situ_backward_rows": dh.numel() * 2 + gu.numel() * 2 + gu.numel() * 3 + gu.numel() // 32}
+                  "situ_backward_rows": dh.numel() * 2 + gu.numel() * 2 + gu.numel() * 3 + gu.numel() // 32,
+                  "situ_quant": gu.numel() * 2 + h.numel() * 3 + h.numel() // 32}
     wanted = (lambda name: only is None or name in only)  # noqa: E731
     for setting in (pass_settings or PASS_SETTINGS) if wanted("passes") else ():
-        key = "rows{}x{}w_cols{}x{}w".format(*setting)
+        key = pass_setting_key(setting)
         try:
-            with mock.patch.multiple(fp8_grad, **dict(zip(PASS_SETTING_NAMES, setting))):
+            with pass_setting(setting):
                 times = {n: timing(passes[n]) for n in pass_bytes}
             out["pass_sweep"][key] = {n: {"ms": ms, "gbps": pass_bytes[n] / ms / 1e6} for n, ms in times.items()}
         except Exception as err:

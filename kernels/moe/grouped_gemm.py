@@ -299,6 +299,11 @@ def gate_up(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan: RoutingPl
     return gu, h, hq, hs
 
 
+# the forward SiTU quantiser's program size (rows x warps; any gives the same bits: benchmarks/moe.py
+# --pass-settings R/RW/C/CW/S/SW sweeps it)
+SITU_QUANT_ROWS, SITU_QUANT_WARPS = 16, 4
+
+
 @triton.jit
 def _situ_quant_kernel(gu_ptr, h_ptr, hq_ptr, hs_ptr, P, I, beta, linear_beta, WRITE_H: tl.constexpr,
                        QUANT_H: tl.constexpr, BLOCK_M: tl.constexpr, QB: tl.constexpr):
@@ -328,12 +333,12 @@ def situ_quant(gu: torch.Tensor, beta: float, linear_beta: float, h: torch.Tenso
         return
     if hq is not None and I % QUANT_BLOCK:
         raise ValueError(f"gu: FP8 H needs an intermediate size divisible by {QUANT_BLOCK}, got {I}")
-    BM = 16
+    BM = SITU_QUANT_ROWS
     any_out = h if h is not None else hq
     _situ_quant_kernel[(cdiv(P, BM), cdiv(I, QUANT_BLOCK))](
         gu, any_out if h is None else h, any_out if hq is None else hq, any_out if hs is None else hs, P, I,
         float(beta), float(linear_beta), WRITE_H=h is not None, QUANT_H=hq is not None, BLOCK_M=BM,
-        QB=QUANT_BLOCK, num_warps=4)
+        QB=QUANT_BLOCK, num_warps=SITU_QUANT_WARPS)
 
 
 def _gate_up_gluon(x, w1, w3, plan: RoutingPlan, beta: float, linear_beta: float, gu, h, hq, hs, dt, fp8=None):

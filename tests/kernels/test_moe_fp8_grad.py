@@ -88,11 +88,11 @@ def test_token_blocks_never_cross_an_expert():
         assert torch.equal(s[t0:t1].t(), s_r), e
 
 
-@pytest.mark.parametrize("setting", [(32, 8, 128, 4), (64, 4, 32, 8)])
+@pytest.mark.parametrize("setting", [(32, 8, 128, 4, 8, 2), (64, 4, 32, 8, 64, 8)])
 def test_pass_program_sizes_do_not_change_the_bits(monkeypatch, setting):
-    """The quantisation passes' program sizes (rows a row-pass program, columns a token-block program, warps) are
-    benchmark knobs (benchmarks/moe.py sweeps them on the GPU): rows and columns are independent, so every
-    setting gives the default's bits, ragged rows and experts included."""
+    """The quantisation passes' program sizes (rows a row-pass program, columns a token-block program, rows of the
+    forward's SiTU quantiser, warps) are benchmark knobs (benchmarks/moe.py sweeps them on the GPU): rows and
+    columns are independent, so every setting gives the default's bits, ragged rows and experts included."""
     plan = _plan([150, 0, 40, 129])
     x = _rows(plan.rows, 256, seed=3)
     dh, gu = _rows(plan.rows, 128, seed=4), _rows(plan.rows, 256, seed=5)
@@ -101,11 +101,17 @@ def test_pass_program_sizes_do_not_change_the_bits(monkeypatch, setting):
 
     def run():
         tq, ts = fp8_grad.quantize_token_blocks(x, tiles)
+        h = torch.empty(plan.rows, 128, device=DEV, dtype=x.dtype)
+        hq = torch.empty(plan.rows, 128, device=DEV, dtype=torch.float8_e4m3fn)
+        hs = torch.empty(plan.rows, 1, device=DEV)
+        gg.situ_quant(gu, 4.0, 25.0, h, hq, hs)
         return [*fp8_grad.quantize_rows(x), tq[:, :used * 128], ts[:used],
-                *fp8_grad.situ_backward_rows(dh, gu, 4.0, 25.0)[1]]
+                *fp8_grad.situ_backward_rows(dh, gu, 4.0, 25.0)[1], h, hq, hs]
     default = run()
     for name, value in zip(("ROW_PASS_ROWS", "ROW_PASS_WARPS", "TOKEN_BLOCK_COLUMNS", "TOKEN_BLOCK_WARPS"), setting):
         monkeypatch.setattr(fp8_grad, name, value)
+    monkeypatch.setattr(gg, "SITU_QUANT_ROWS", setting[4])
+    monkeypatch.setattr(gg, "SITU_QUANT_WARPS", setting[5])
     for i, (a, b) in enumerate(zip(default, run())):
         assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
                            b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), i
