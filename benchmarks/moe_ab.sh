@@ -7,6 +7,7 @@
 # .ab and .whl). Optional environment:
 #   AB_PASSES=1         first the FP8 quantisation passes at 112 experts x 32K tokens, base then new
 #   AB_PASS_SETTINGS    their program sizes (benchmarks/moe.py --pass-settings; default: the kernels' own)
+#   AB_PASS_SETTING     the layer processes' pass program sizes, both trees (--pass-setting; default: their own)
 #   AB_TOKENS           the layer points (default 16384,4096,32768)
 #   AB_UNTIL=430        start no layer process after this many seconds of the call (they alternate new, base, ...)
 #   AB_LAYERS=6         at most this many layer processes
@@ -38,8 +39,9 @@ while [ $i -lt "${AB_LAYERS:-6}" ] && [ $SECONDS -lt "${AB_UNTIL:-430}" ]; do
   i=$((i + 1)); v=new; P=$NEW
   [ $((i % 2)) = 0 ] && v=base && P=$BASE
   echo "== layer $i $v"
+  S=(); [ -n "${AB_PASS_SETTING:-}" ] && S=(--pass-setting "$AB_PASS_SETTING")
   PYTHONPATH=$P timeout 120 python3 -m benchmarks.moe --experts 112 --tokens "${AB_TOKENS:-16384,4096,32768}" \
-    --impls torchtitan,ours_fp8_full --rep-ms 1000 --out "$R/layer_${i}_$v.json" > "$R/layer_${i}_$v.log" 2>&1
+    --impls torchtitan,ours_fp8_full --rep-ms 1000 "${S[@]}" --out "$R/layer_${i}_$v.json" > "$R/layer_${i}_$v.log" 2>&1
   grep "E=112" "$R/layer_${i}_$v.log"
   pack
 done
