@@ -24,7 +24,7 @@ from k3_kernels.launch import cdiv
 from k3_kernels.moe import gluon_gemm
 from k3_kernels.moe import grouped_gemm as gg
 from k3_kernels.moe.permute import (QUANT_BLOCK, GatheredRows, RoutingPlan, e4m3_scales, e4m3_values, load_rows,
-                                    store_row_quant)
+                                    row_pass_program, store_row_quant)
 from k3_kernels.situ.fused import situ_grads
 
 
@@ -38,12 +38,13 @@ ROW_PASS_ROWS, ROW_PASS_WARPS = 8, 4
 @triton.jit
 def _quant_rows_kernel(x_ptr, x_stride, order_ptr, w_ptr, top_k, q_ptr, s_ptr, P, C, GATHER: tl.constexpr,
                        HAS_W: tl.constexpr, ROUND: tl.constexpr, BLOCK_P: tl.constexpr, QB: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-    cols = tl.program_id(1) * QB + tl.arange(0, QB)
+    row_block, cb = row_pass_program(tl.program_id(0), C // QB)
+    rows = row_block * BLOCK_P + tl.arange(0, BLOCK_P)
+    cols = cb * QB + tl.arange(0, QB)
     rmask = rows < P
     r64 = rows.to(tl.int64)
     v = load_rows(x_ptr, x_stride, order_ptr, w_ptr, top_k, rows, rmask, cols, rmask[:, None], GATHER, HAS_W, ROUND)
-    store_row_quant(v, rmask[:, None], rmask, r64, cols, tl.program_id(1), q_ptr, C, s_ptr, C // QB)
+    store_row_quant(v, rmask[:, None], rmask, r64, cols, cb, q_ptr, C, s_ptr, C // QB)
 
 
 def _source(x: torch.Tensor | GatheredRows, name: str) -> tuple[int, int, tuple, dict]:
@@ -70,7 +71,7 @@ def quantize_rows(x: torch.Tensor | GatheredRows) -> tuple[torch.Tensor, torch.T
     s = torch.empty(P, C // QUANT_BLOCK, device=dev, dtype=torch.float32)
     if P:
         BP = ROW_PASS_ROWS
-        _quant_rows_kernel[(cdiv(P, BP), C // QUANT_BLOCK)](*args, q, s, P, C, **consts, BLOCK_P=BP, QB=QUANT_BLOCK,
+        _quant_rows_kernel[(cdiv(P, BP) * (C // QUANT_BLOCK),)](*args, q, s, P, C, **consts, BLOCK_P=BP, QB=QUANT_BLOCK,
                                                             num_warps=ROW_PASS_WARPS)
     return q, s
 
@@ -80,8 +81,8 @@ def _situ_bwd_rows_kernel(dh_ptr, gu_ptr, dgu_ptr, q_ptr, s_ptr, P, I, beta, lin
                           QB: tl.constexpr):
     """SiTU's backward (grouped_gemm._situ_bwd_kernel's arithmetic) and dG | dU's 1 x QB row quantisation of the
     rounded result on the way out: one read of dH and G | U for both."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cb = tl.program_id(1)
+    row_block, cb = row_pass_program(tl.program_id(0), I // QB)
+    rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = cb * QB + tl.arange(0, QB)
     rmask = rows < P
     r64 = rows.to(tl.int64)
@@ -112,7 +113,7 @@ def situ_backward_rows(dh: torch.Tensor, gu: torch.Tensor, beta: float, linear_b
     s = torch.empty(P, 2 * I // QUANT_BLOCK, device=dh.device, dtype=torch.float32)
     if P:
         BM = ROW_PASS_ROWS
-        _situ_bwd_rows_kernel[(cdiv(P, BM), I // QUANT_BLOCK)](dh, gu, dgu, q, s, P, I, float(beta),
+        _situ_bwd_rows_kernel[(cdiv(P, BM) * (I // QUANT_BLOCK),)](dh, gu, dgu, q, s, P, I, float(beta),
                                                                float(linear_beta), BLOCK_M=BM, QB=QUANT_BLOCK,
                                                                num_warps=ROW_PASS_WARPS)
     return dgu, (q, s)

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from k3_kernels.launch import cdiv
 from k3_kernels.moe import gluon_bf16, gluon_gate_up, gluon_gemm
-from k3_kernels.moe.permute import QUANT_BLOCK, RoutingPlan, program_tile, store_row_quant
+from k3_kernels.moe.permute import QUANT_BLOCK, RoutingPlan, program_tile, row_pass_program, store_row_quant
 from k3_kernels.situ.fused import situ_grads, situ_h
 
 
@@ -309,8 +309,9 @@ def _situ_quant_kernel(gu_ptr, h_ptr, hq_ptr, hs_ptr, P, I, beta, linear_beta, W
                        QUANT_H: tl.constexpr, BLOCK_M: tl.constexpr, QB: tl.constexpr):
     """H = SiTU(G) * cap(U) from the stored G | U [P, 2I], and H's FP8 rows (1 x QB blocks): the gate/up kernel's
     epilogue as a pass of its own (the Gluon GEMM writes G | U), the same arithmetic, so the same bits."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * QB + tl.arange(0, QB)
+    row_block, cb = row_pass_program(tl.program_id(0), tl.cdiv(I, QB))
+    rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = cb * QB + tl.arange(0, QB)
     rmask = rows < P
     m = rmask[:, None] & (cols < I)[None, :]
     r64 = rows.to(tl.int64)
@@ -321,7 +322,7 @@ def _situ_quant_kernel(gu_ptr, h_ptr, hq_ptr, hs_ptr, P, I, beta, linear_beta, W
     if WRITE_H:
         tl.store(h_ptr + r64[:, None] * I + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=m)
     if QUANT_H:
-        store_row_quant(h, m, rmask, r64, cols, tl.program_id(1), hq_ptr, I, hs_ptr, tl.cdiv(I, QB))
+        store_row_quant(h, m, rmask, r64, cols, cb, hq_ptr, I, hs_ptr, tl.cdiv(I, QB))
 
 
 def situ_quant(gu: torch.Tensor, beta: float, linear_beta: float, h: torch.Tensor | None, hq: torch.Tensor | None,
@@ -335,7 +336,7 @@ def situ_quant(gu: torch.Tensor, beta: float, linear_beta: float, h: torch.Tenso
         raise ValueError(f"gu: FP8 H needs an intermediate size divisible by {QUANT_BLOCK}, got {I}")
     BM = SITU_QUANT_ROWS
     any_out = h if h is not None else hq
-    _situ_quant_kernel[(cdiv(P, BM), cdiv(I, QUANT_BLOCK))](
+    _situ_quant_kernel[(cdiv(P, BM) * cdiv(I, QUANT_BLOCK),)](
         gu, any_out if h is None else h, any_out if hq is None else hq, any_out if hs is None else hs, P, I,
         float(beta), float(linear_beta), WRITE_H=h is not None, QUANT_H=hq is not None, BLOCK_M=BM,
         QB=QUANT_BLOCK, num_warps=SITU_QUANT_WARPS)

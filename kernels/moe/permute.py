@@ -45,6 +45,14 @@ def e4m3_values(v, inverse):
 
 
 @triton.jit
+def row_pass_program(pid, n_col_blocks):
+    """(row block, column block) of program pid of a row pass over a one-dimensional grid, the column blocks of a
+    row block consecutive: programs launched together read neighbouring bytes of the same rows and write their
+    scales into the same sectors (row blocks fastest left both strided by a whole row)."""
+    return pid // n_col_blocks, pid % n_col_blocks
+
+
+@triton.jit
 def store_row_quant(v, mask, rmask, r64, cols, block, q_ptr, q_stride, s_ptr, s_stride):
     """v [rows, 128] quantised 1 x 128 a row (entries outside `mask` count as zeros): e4m3 values into q[r, cols]
     (rows q_stride apart) where `mask`, each row's scale into s[r, block] (rows s_stride apart) where `rmask`.
