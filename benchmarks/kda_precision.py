@@ -25,6 +25,7 @@ if SMOKE:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks._numerics import rel_rms  # noqa: E402
 import k3_kernels.kda.chunk as ours_mod  # noqa: E402
 from k3_kernels.kda import naive_kda_lowerbound_gate, naive_recurrent_kda  # noqa: E402
 
@@ -76,11 +77,6 @@ def reference(q, k, v, g, beta, initial_state, output_final_state, A_log=None, d
                                output_final_state=output_final_state)
 
 
-def rel(ref: torch.Tensor, x: torch.Tensor) -> float:
-    d = ref.double() - x.double()
-    return d.pow(2).mean().sqrt().item() / max(ref.double().pow(2).mean().sqrt().item(), 1e-30)
-
-
 # precision settings of ours compared (CONFIG patches): the default (TF32 for fp32 operands of 16-bit inputs),
 # 3xTF32 everywhere, and 3xTF32 in one backward kernel only
 CONFIGS = {"default": {}, "tf32x3": {"dot_precision": "tf32x3"}, "intra_x3": {"bwd_intra_precision": "tf32x3"},
@@ -123,8 +119,9 @@ def main() -> None:
             for name, fn, kw, patch in impls:
                 with patched(patch):
                     outs, grads = run(fn, x, do, dht, **kw)
-                row = dict(case=case, seed=seed, impl=name, o=rel(ref["o"], outs["o"]), ht=rel(ref["ht"], outs["ht"]),
-                           **{n: rel(dref[n], grads[n]) for n in dref if grads.get(n) is not None})
+                row = dict(case=case, seed=seed, impl=name, o=rel_rms(outs["o"], ref["o"]),
+                           ht=rel_rms(outs["ht"], ref["ht"]),
+                           **{n: rel_rms(grads[n], dref[n]) for n in dref if grads.get(n) is not None})
                 res["rows"].append(row)
                 print(json.dumps({k: (f"{v:.2e}" if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
             with open(os.path.join(out_dir, "kda_precision.json"), "w") as f:
