@@ -50,8 +50,9 @@ $(VENV_SGLANG)/.installed: | $(VENV_VERL)/.installed
 endif
 
 # Each framework's plugin tests run in that framework's own environment (tests/plugins/<stack>/).
+# (--durations: the slowest core tests in every CI log, where to cut when the run nears its 45 minutes)
 test-core: $(VENV)/.installed
-	$(VENV)/bin/python -m pytest -q tests --ignore=tests/plugins
+	$(VENV)/bin/python -m pytest -q --durations=25 tests --ignore=tests/plugins
 
 test-verl: $(VENV_VERL)/.installed
 	@if [ -d tests/plugins/verl_k3 ]; then $(VENV_VERL)/bin/python -m pytest -q tests/plugins/verl_k3; fi
