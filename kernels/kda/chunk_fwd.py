@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from .chunk_intra import _fwd_intra
-from .gate import gate_cumsum_slice
+from .gate import GATE_NONE, gate_cumsum_slice
 from .plan import (BT, CONFIG, _forked, _join, _prec, _state_split, forward_segments, state_grid, state_stages,
                    tile_dims)
 from .utils import _chunk_rows, _state_program
@@ -85,18 +85,20 @@ def _fwd_chunks(q, k, v, g, beta, A_log, dt_bias, lower_bound, gate, scale, Gc, 
     gate_args = (g, A_log if A_log is not None else Gc, dt_bias if dt_bias is not None else Gc)
     bound = float(lower_bound) if lower_bound is not None else 0.
     gate_flags = dict(GATE=gate, HAS_A=A_log is not None, HAS_DT=dt_bias is not None)
-    unused_gate = dict(GATE=0, HAS_A=False, HAS_DT=False)  # (one build of a launch without the prologue)
     if not fused:
         _fwd_cumsum[(chunks, HV, BK // KA)](*gate_args, Gc, cu, cidx, c_first, bound, HV, K, BK=BK, KA=KA,
                                             **gate_flags, num_warps=4)
     for whole in (True, False):  # each chunk's program works in one of the two launches
         launch = "intra_whole" if whole else "intra"
         cap = CONFIG[f"{launch}_maxnreg"] if dev.type == "cuda" else None  # register cap (None: none)
+        prologue = fused and whole
+        # (a launch without the prologue: one build whatever the gate)
+        flags = gate_flags if prologue else dict(GATE=GATE_NONE.value, HAS_A=False, HAS_DT=False)
         _fwd_intra[(chunks, HV)](
             q, k, v, beta, Gc, Aqk, gated_kk if save else Gc, Mc if save else Gc, Wc, Uc, QGc, KDc, cu, cidx, c_first,
             scale, H, HV, K, V, *gate_args, bound, BK=BK, BKS=min(CONFIG["intra_bk"], BK),
             BVS=min(CONFIG["intra_bk"], BVF), BVF=BVF, SAVE=save, WHOLE=whole, PREC=prec, FAST=dev.type == "cuda",
-            CUMSUM=fused and whole, KA=KA, **(gate_flags if fused and whole else unused_gate), num_warps=CONFIG[f"{launch}_warps"],
+            CUMSUM=prologue, KA=KA, **flags, num_warps=CONFIG[f"{launch}_warps"],
             num_stages=CONFIG[f"{launch}_stages"], **({"maxnreg": cap} if cap else {}))
 
 
