@@ -32,10 +32,8 @@ from benchmarks.kda_ab import run_in_version
 ARG_TYPES = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*bf16", "Gc": "*fp32", "Aqk": "*bf16",
              "gated_kk": "*fp32", "Kkk": "*fp32", "Mc": "*fp32", "Wc": "*bf16", "Uc": "*bf16", "QGc": "*bf16",
              "KDc": "*bf16", "cu": "*i64", "cidx": "*i32", "c_first": "i32", "scale": "fp32", "H": "i32", "HV": "i32",
-             "K": "i32", "V": "i32", "g": "*fp32", "A_log": "*fp32", "dt_bias": "*fp32", "lower_bound": "fp32"}
-# (CUMSUM .. HAS_DT: the fused-cumsum prologue's, off but in the fused-cumsum builds; K3's safe gate)
-CONSTEXPRS = dict(BK=128, BKS=32, BVF=128, BVS=32, SAVE=False, PREC="tf32", FAST=True, CUMSUM=False, KA=32, GATE=2,
-                  HAS_A=True, HAS_DT=True)
+             "K": "i32", "V": "i32"}
+CONSTEXPRS = dict(BK=128, BKS=32, BVF=128, BVS=32, SAVE=False, PREC="tf32", FAST=True)
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
@@ -55,10 +53,7 @@ def _worker() -> dict:
     whole = dict(num_warps=cfg.get("intra_whole_warps", options["num_warps"]),
                  num_stages=cfg.get("intra_whole_stages", options["num_stages"]),
                  **({"maxnreg": cfg["intra_whole_maxnreg"]} if cfg.get("intra_whole_maxnreg") else {}))
-    builds = {f"WHOLE={w}": _build(fn, dict(CONSTEXPRS, WHOLE=w), whole if w else options) for w in (True, False)}
-    if "CUMSUM" in fn.arg_names:
-        builds["WHOLE=True, fused cumsum"] = _build(fn, dict(CONSTEXPRS, WHOLE=True, CUMSUM=True), whole)
-    return builds
+    return {f"WHOLE={w}": _build(fn, dict(CONSTEXPRS, WHOLE=w), whole if w else options) for w in (True, False)}
 
 
 # ("Kkk": gated_kk's name before session 35, for builds of older versions)
@@ -91,8 +86,6 @@ ALL_CASES = {  # name: (kernel, constexprs (those the version's kernel takes), o
     "intra_whole": ("_fwd_intra", dict(CONSTEXPRS, SAVE=True, WHOLE=True), dict(num_warps=4, num_stages=3,
                                                                               maxnreg=168)),
     "intra_blocks": ("_fwd_intra", dict(CONSTEXPRS, SAVE=True, WHOLE=False), dict(num_warps=4, num_stages=3)),
-    "intra_whole_fused_cumsum": ("_fwd_intra", dict(CONSTEXPRS, SAVE=True, WHOLE=True, CUMSUM=True),
-                                 dict(num_warps=4, num_stages=3, maxnreg=168)),
     "recurrent": ("_recurrent_fwd", _RECURRENT, dict(num_warps=4)),
     # the token loop not pipelined (the decode's launch before DECODE_STAGES)
     "recurrent_stages1": ("_recurrent_fwd", dict(_RECURRENT, STAGES=1), dict(num_warps=4)),
@@ -164,7 +157,7 @@ def _build(fn, constexprs: dict, options: dict) -> dict:
             sig[name], consts[(i,)] = "constexpr", constexprs[name]
         else:
             sig[name] = ARG_TYPES[name]
-            if sig[name] != "fp32":
+            if name != "scale":
                 attrs[(i,)] = [["tt.divisibility", 16]]
     kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                             options=options)

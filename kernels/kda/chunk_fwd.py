@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from .chunk_intra import _fwd_intra
-from .gate import GATE_NONE, gate_cumsum_slice
+from .gate import GATE_NONE, gate_activation
 from .plan import (BT, CONFIG, _forked, _join, _prec, _state_split, forward_segments, state_grid, state_stages,
                    tile_dims)
 from .utils import _chunk_rows, _state_program
@@ -16,13 +16,24 @@ from .utils import _chunk_rows, _state_program
 @triton.jit
 def _fwd_cumsum(g, A_log, dt_bias, Gc, cu, cidx, c_first, lower_bound, HV, K, BK: tl.constexpr, KA: tl.constexpr,
                 GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr):
-    """`gate.gate_cumsum_slice` of one K slice; the launch covers the chunks from c_first on."""
+    """Gate activation (optional) and in-chunk cumulative sum of one K slice, fp32, chunk layout; the launch covers
+    the chunks from c_first on."""
     c = tl.program_id(0).to(tl.int64) + c_first
     hv = tl.program_id(1).to(tl.int64)
     oc = tl.program_id(2) * KA + tl.arange(0, KA)
     _, t0, nv = _chunk_rows(cu, cidx, c)
-    gate_cumsum_slice(g, A_log, dt_bias, Gc + (c * HV + hv) * 64 * BK, t0, nv, hv, oc, lower_bound, HV, K, BK,
-                       GATE, HAS_A, HAS_DT)
+    r = tl.arange(0, 64)
+    m = (r < nv)[:, None] & (oc < K)[None, :]
+    gx = tl.load(g + ((t0 + r) * HV + hv)[:, None] * K + oc[None, :], mask=m, other=0.).to(tl.float32)
+    if GATE != GATE_NONE:
+        if HAS_DT:
+            gx = gx + tl.load(dt_bias + hv * K + oc, mask=oc < K, other=0.).to(tl.float32)[None, :]
+        a_exp = 1.
+        if HAS_A:
+            a_exp = tl.exp(tl.load(A_log + hv).to(tl.float32))
+        gx = gate_activation(gx, a_exp, lower_bound, GATE, HAS_A)
+    gx = tl.where(m, gx, 0.)
+    tl.store(Gc + (c * HV + hv) * 64 * BK + r[:, None] * BK + oc[None, :], tl.cumsum(gx, 0))
 
 
 @triton.jit
@@ -77,28 +88,20 @@ def _fwd_state(Wc, Uc, QGc, KDc, Aqk, Gc, o, h0, ht, Hc, VNc, cu, coff, seqs, t_
 
 def _fwd_chunks(q, k, v, g, beta, A_log, dt_bias, lower_bound, gate, scale, Gc, Aqk, gated_kk, Mc, Wc, Uc, QGc, KDc,
                 cu, cidx, c_first, chunks, save, BK, BVF, KA, prec):
-    """The chunk work of chunks c_first .. c_first + chunks - 1: gate + cumsum (a launch of its own, or the first
-    intra launch's prologue: CONFIG `fwd_fused_cumsum`), then the two intra launches."""
+    """The chunk work of chunks c_first .. c_first + chunks - 1: gate + cumsum, then the two intra launches."""
     H, K, HV, V = q.shape[2], q.shape[3], v.shape[2], v.shape[3]
     dev = q.device
-    fused = CONFIG["fwd_fused_cumsum"]
-    gate_args = (g, A_log if A_log is not None else Gc, dt_bias if dt_bias is not None else Gc)
-    bound = float(lower_bound) if lower_bound is not None else 0.
-    gate_flags = dict(GATE=gate, HAS_A=A_log is not None, HAS_DT=dt_bias is not None)
-    if not fused:
-        _fwd_cumsum[(chunks, HV, BK // KA)](*gate_args, Gc, cu, cidx, c_first, bound, HV, K, BK=BK, KA=KA,
-                                            **gate_flags, num_warps=4)
+    _fwd_cumsum[(chunks, HV, BK // KA)](
+        g, A_log if A_log is not None else Gc, dt_bias if dt_bias is not None else Gc, Gc, cu, cidx, c_first,
+        float(lower_bound) if lower_bound is not None else 0., HV, K, BK=BK, KA=KA, GATE=gate,
+        HAS_A=A_log is not None, HAS_DT=dt_bias is not None, num_warps=4)
     for whole in (True, False):  # each chunk's program works in one of the two launches
         launch = "intra_whole" if whole else "intra"
         cap = CONFIG[f"{launch}_maxnreg"] if dev.type == "cuda" else None  # register cap (None: none)
-        prologue = fused and whole
-        # (a launch without the prologue: one build whatever the gate)
-        flags = gate_flags if prologue else dict(GATE=GATE_NONE.value, HAS_A=False, HAS_DT=False)
         _fwd_intra[(chunks, HV)](
             q, k, v, beta, Gc, Aqk, gated_kk if save else Gc, Mc if save else Gc, Wc, Uc, QGc, KDc, cu, cidx, c_first,
-            scale, H, HV, K, V, *gate_args, bound, BK=BK, BKS=min(CONFIG["intra_bk"], BK),
-            BVS=min(CONFIG["intra_bk"], BVF), BVF=BVF, SAVE=save, WHOLE=whole, PREC=prec, FAST=dev.type == "cuda",
-            CUMSUM=prologue, KA=KA, **flags, num_warps=CONFIG[f"{launch}_warps"],
+            scale, H, HV, K, V, BK=BK, BKS=min(CONFIG["intra_bk"], BK), BVS=min(CONFIG["intra_bk"], BVF), BVF=BVF,
+            SAVE=save, WHOLE=whole, PREC=prec, FAST=dev.type == "cuda", num_warps=CONFIG[f"{launch}_warps"],
             num_stages=CONFIG[f"{launch}_stages"], **({"maxnreg": cap} if cap else {}))
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gate import gate_cumsum_slice
 from .utils import LOG2E, _chunk_tile, _exp2, _intra_program, _whole_chunk
 
 
@@ -161,26 +160,16 @@ def _intra_chunk(v, beta, pG, Aqk, gated_kk, Mc, Wc, Uc, QGc, KDc, scale, hv, t0
 
 
 @triton.jit
-def _fwd_intra(q, k, v, beta, Gc, Aqk, gated_kk, Mc, Wc, Uc, QGc, KDc, cu, cidx, c_first, scale, H, HV, K, V, g,
-               A_log, dt_bias, lower_bound, BK: tl.constexpr, BKS: tl.constexpr, BVF: tl.constexpr, BVS: tl.constexpr,
-               SAVE: tl.constexpr, WHOLE: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr,
-               CUMSUM: tl.constexpr, KA: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr,
-               HAS_DT: tl.constexpr):
+def _fwd_intra(q, k, v, beta, Gc, Aqk, gated_kk, Mc, Wc, Uc, QGc, KDc, cu, cidx, c_first, scale, H, HV, K, V,
+               BK: tl.constexpr, BKS: tl.constexpr, BVF: tl.constexpr, BVS: tl.constexpr, SAVE: tl.constexpr,
+               WHOLE: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr):
     """Everything inside one chunk of one head with 64-row tensor-core dots: A and Aqk, M = (I + A)^-1, then
     W = M (beta k e^G), U = M (beta v), q e^G (scaled), k e^{G_C - G}. A launch does the chunks whose channels
     each span at most 80 of log-decay (`_whole_products`) when WHOLE, the others (`_block_products`) when not:
     the host launches both, each compiled for its path alone, and a program of the other kind returns at once
     (one kernel with both paths spills and ran slower; the whole-chunk launch's register cap is
-    `intra_whole_maxnreg`: kernels/kda/NOTES.md). With CUMSUM (the first launch, CONFIG `fwd_fused_cumsum`)
-    every program first writes its chunk's G tile from the raw gate input g (`gate_cumsum_slice`, as
-    `_fwd_cumsum` would, K slices of KA) and reads it back from there after a barrier (the block's own writes:
-    visible to its threads, in L1 / L2), in place of the cumsum launch and G's round trip through HBM."""
+    `intra_whole_maxnreg`: kernels/kda/NOTES.md)."""
     hv, t0, nv, base, pG, qh, kh = _intra_program(q, k, Gc, cu, cidx, c_first, H, HV, K, BK)
-    if CUMSUM:
-        for kc in range(0, BK, KA):
-            gate_cumsum_slice(g, A_log, dt_bias, pG, t0, nv, hv, kc + tl.arange(0, KA), lower_bound, HV, K, BK,
-                              GATE, HAS_A, HAS_DT)
-        tl.debug_barrier()
     if _whole_chunk(pG, BK) == WHOLE:
         _intra_chunk(v, beta, pG, Aqk, gated_kk, Mc, Wc, Uc, QGc, KDc, scale, hv, t0, nv, base, qh, kh, H, HV, K, V, BK,
                      BKS, BVF, BVS, SAVE, WHOLE, PREC, FAST)

@@ -2,8 +2,7 @@
 pass: from the raw gate input g and dG (the gradient of the log-decay, from the backward intra kernel) it writes dg
 and per-block partial sums of ddt_bias and dA_log, which a fixed-order sum over blocks finishes (no atomics:
 bitwise reproducible). It also holds the gate's forward (`gate_activation`), which every kernel that applies the
-gate inlines (`gate_cumsum_slice`: `_fwd_cumsum` and the fused-cumsum forward intra launch;
-`_recurrent_fwd`, the step-inputs kernel). Gates (`naive.py` is the spec):
+gate inlines (`_fwd_cumsum`, `_recurrent_fwd`, the step-inputs kernel). Gates (`naive.py` is the spec):
   GATE_DEFAULT, KDA's:    y = -exp(A_log) softplus(x),            x = g + dt_bias
   GATE_SAFE, K3's:        y = lower_bound sigmoid(exp(A_log) x)   (without A_log: lower_bound sigmoid(x))
 dg = dy * dy/dx, ddt_bias = sum over tokens of dg, dA_log = sum of dy * y (default) or of dg * x (safe)."""
@@ -42,25 +41,6 @@ def gate_activation(x, a_exp, lower_bound, GATE: tl.constexpr, HAS_A: tl.constex
             y = x * a_exp
         y = lower_bound * tl.sigmoid(y)
     return y
-
-@triton.jit
-def gate_cumsum_slice(g, A_log, dt_bias, pG, t0, nv, hv, oc, lower_bound, HV, K, BK: tl.constexpr,
-                      GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr):
-    """Gate activation (optional) and in-chunk cumulative sum of the K columns `oc` of one (chunk, head), fp32,
-    stored into its G tile at pG (chunk layout)."""
-    r = tl.arange(0, 64)
-    m = (r < nv)[:, None] & (oc < K)[None, :]
-    gx = tl.load(g + ((t0 + r) * HV + hv)[:, None] * K + oc[None, :], mask=m, other=0.).to(tl.float32)
-    if GATE != GATE_NONE:
-        if HAS_DT:
-            gx = gx + tl.load(dt_bias + hv * K + oc, mask=oc < K, other=0.).to(tl.float32)[None, :]
-        a_exp = 1.
-        if HAS_A:
-            a_exp = tl.exp(tl.load(A_log + hv).to(tl.float32))
-        gx = gate_activation(gx, a_exp, lower_bound, GATE, HAS_A)
-    gx = tl.where(m, gx, 0.)
-    tl.store(pG + r[:, None] * BK + oc[None, :], tl.cumsum(gx, 0))
-
 
 ROWS = 64  # tokens per step of a program
 STEPS = 4  # steps per program (so a program covers 256 tokens)

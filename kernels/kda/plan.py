@@ -34,9 +34,6 @@ CONFIG = {"fwd_state_bv": None, "fwd_state_warps": 4, "fwd_state_stages": 3,  # 
           "bwd_state_bv": None, "bwd_state_warps": 4, "bwd_state_stages": 3,  # (`_state_split`)
           "intra_bk": 32, "intra_warps": 4, "intra_stages": 3, "intra_maxnreg": None,  # the 16-row-block launch
           "intra_whole_warps": 4, "intra_whole_stages": 3, "intra_whole_maxnreg": 168,  # its whole-chunk launch
-          # the gate + cumsum as the whole-chunk launch's prologue instead of a launch of its own (`_fwd_chunks`;
-          # same bits; off until measured: kernels/kda/NOTES.md, session 45)
-          "fwd_fused_cumsum": False,
           "bwd_intra_bk": 32, "bwd_intra_warps": 4, "bwd_intra_stages": 2,
           "bwd_prep_bv": 64, "bwd_prep_warps": 4, "bwd_prep_stages": 1, "ka": 32,
           "dot_precision": None,  # None: by input dtype and kernel (`_prec`); or force one of triton's everywhere
