@@ -24,7 +24,7 @@ from k3_kernels.launch import cdiv
 from k3_kernels.moe import gluon_gemm
 from k3_kernels.moe import grouped_gemm as gg
 from k3_kernels.moe.permute import (QUANT_BLOCK, GatheredRows, RoutingPlan, e4m3_scales, e4m3_values, load_rows,
-                                    row_pass_program, store_row_quant)
+                                    row_pass_grid, row_pass_program, store_row_quant)
 from k3_kernels.situ.fused import situ_grads
 
 
@@ -71,8 +71,8 @@ def quantize_rows(x: torch.Tensor | GatheredRows) -> tuple[torch.Tensor, torch.T
     s = torch.empty(P, C // QUANT_BLOCK, device=dev, dtype=torch.float32)
     if P:
         BP = ROW_PASS_ROWS
-        _quant_rows_kernel[(cdiv(P, BP) * (C // QUANT_BLOCK),)](*args, q, s, P, C, **consts, BLOCK_P=BP, QB=QUANT_BLOCK,
-                                                            num_warps=ROW_PASS_WARPS)
+        _quant_rows_kernel[row_pass_grid(P, BP, C // QUANT_BLOCK)](*args, q, s, P, C, **consts, BLOCK_P=BP,
+                                                                   QB=QUANT_BLOCK, num_warps=ROW_PASS_WARPS)
     return q, s
 
 
@@ -113,9 +113,9 @@ def situ_backward_rows(dh: torch.Tensor, gu: torch.Tensor, beta: float, linear_b
     s = torch.empty(P, 2 * I // QUANT_BLOCK, device=dh.device, dtype=torch.float32)
     if P:
         BM = ROW_PASS_ROWS
-        _situ_bwd_rows_kernel[(cdiv(P, BM) * (I // QUANT_BLOCK),)](dh, gu, dgu, q, s, P, I, float(beta),
-                                                               float(linear_beta), BLOCK_M=BM, QB=QUANT_BLOCK,
-                                                               num_warps=ROW_PASS_WARPS)
+        _situ_bwd_rows_kernel[row_pass_grid(P, BM, I // QUANT_BLOCK)](dh, gu, dgu, q, s, P, I, float(beta),
+                                                                      float(linear_beta), BLOCK_M=BM,
+                                                                      QB=QUANT_BLOCK, num_warps=ROW_PASS_WARPS)
     return dgu, (q, s)
 
 

@@ -22,7 +22,8 @@ import triton.language as tl
 
 from k3_kernels.launch import cdiv
 from k3_kernels.moe import gluon_bf16, gluon_gate_up, gluon_gemm
-from k3_kernels.moe.permute import QUANT_BLOCK, RoutingPlan, program_tile, row_pass_program, store_row_quant
+from k3_kernels.moe.permute import (QUANT_BLOCK, RoutingPlan, program_tile, row_pass_grid, row_pass_program,
+                                    store_row_quant)
 from k3_kernels.situ.fused import situ_grads, situ_h
 
 
@@ -336,7 +337,7 @@ def situ_quant(gu: torch.Tensor, beta: float, linear_beta: float, h: torch.Tenso
         raise ValueError(f"gu: FP8 H needs an intermediate size divisible by {QUANT_BLOCK}, got {I}")
     BM = SITU_QUANT_ROWS
     any_out = h if h is not None else hq
-    _situ_quant_kernel[(cdiv(P, BM) * cdiv(I, QUANT_BLOCK),)](
+    _situ_quant_kernel[row_pass_grid(P, BM, cdiv(I, QUANT_BLOCK))](
         gu, any_out if h is None else h, any_out if hq is None else hq, any_out if hs is None else hs, P, I,
         float(beta), float(linear_beta), WRITE_H=h is not None, QUANT_H=hq is not None, BLOCK_M=BM,
         QB=QUANT_BLOCK, num_warps=SITU_QUANT_WARPS)

@@ -44,6 +44,11 @@ def e4m3_values(v, inverse):
     return tl.clamp(v * inverse, -_E4M3_MAX, _E4M3_MAX)
 
 
+def row_pass_grid(rows: int, block_rows: int, col_blocks: int) -> tuple[int]:
+    """The one-dimensional grid of a row pass (`row_pass_program` maps its program ids)."""
+    return (cdiv(rows, block_rows) * col_blocks,)
+
+
 @triton.jit
 def row_pass_program(pid, n_col_blocks):
     """(row block, column block) of program pid of a row pass over a one-dimensional grid, the column blocks of a

@@ -65,10 +65,10 @@ def _turns(eng: Engine) -> list:
     return out + eng.generate(nxt, GREEDY)
 
 
-def _spec_engine(model, references, prefix_cache=True, spec="ngram:3", **kw):
+def _spec_engine(model, references, prefix_cache=True, spec="ngram:3", corrupt_every=3, **kw):
     eng = Engine(model, prefix_cache=prefix_cache, speculative=spec, **{**SMALL, **kw})
     oracle = OracleDrafter if eng.cfg.speculative.branching == 1 else OracleTreeDrafter
-    eng.spec.drafter = oracle(references, model.config.vocab_size)
+    eng.spec.drafter = oracle(references, model.config.vocab_size, corrupt_every)
     eng.check_each_step = True
     return eng
 
@@ -386,8 +386,8 @@ def test_cuda_composition_in_the_interpreter_is_bitwise_plain_decoding(model, pl
     see accepted and rejected drafts)."""
     prompts, ref, plain_states = plain_under_composition
     with _cuda_composition():
-        eng = _spec_engine(model, [p + c.token_ids for p, c in zip(prompts, ref)], prefix_cache=False, spec=spec)
-        eng.spec.drafter.corrupt_every = 2
+        eng = _spec_engine(model, [p + c.token_ids for p, c in zip(prompts, ref)], prefix_cache=False, spec=spec,
+                           corrupt_every=2)
         states = _record_states(eng)
         assert same(eng.generate(prompts, COMPOSITION_GREEDY), ref)
     assert 0 < eng.stats["spec_accepted_tokens"] < eng.stats["spec_draft_tokens"]
