@@ -72,6 +72,10 @@ class GluonTile:
     # rows as four 64 x 64 chains a K block; `_consume_tall_tile`); same bits either way
     wgrad_block_m: int = 2 * QUANT_BLOCK  # (the H100 sweep's choice; NOTES.md, session 41)
     wgrad_stages: int = 3  # the wgrads' ring (the forward / dgrad GEMMs' is `stages`; same sweep)
+    # 256-row wgrad tiles: each row half's A block loaded into registers once a K block and used by both column
+    # halves' chains (wgmma with A from registers: 16 KB of shared-memory operand reads a consumer and K block
+    # fewer); same bits
+    wgrad_a_in_registers: bool = False
 
     def validate(self) -> None:
         if self.block_n != QUANT_BLOCK or self.block_k != QUANT_BLOCK:
@@ -272,7 +276,7 @@ def _consume_wide_tile(a_bufs, b_bufs, ready, empty, sa_ptrs, rmask, sb_ptr, sb_
 
 @gluon.jit
 def _consume_tall_tile(a_bufs, b_bufs, ready, empty, sa_ptrs, sb_ptrs, it, n_k, sb_step, sa_step,
-                       STAGES: gl.constexpr):
+                       STAGES: gl.constexpr, A_IN_REGS: gl.constexpr):
     """The wgrad's `_consume_tile` for a consumer owning 128 rows of a 256 x 128 tile (each operand block read
     from L2 for twice the MMAs of a 128 x 128 tile): per K block four 64 x 64 chains -- column half c's scales
     loaded once, then its low and high rows' chains -- each scaled as acc + (P * s_a) * s_b into its own quarter
@@ -287,30 +291,52 @@ def _consume_tall_tile(a_bufs, b_bufs, ready, empty, sa_ptrs, sb_ptrs, it, n_k, 
     acc10 = gl.zeros((64, 64), dtype=gl.float32, layout=mma_layout)
     acc11 = gl.zeros((64, 64), dtype=gl.float32, layout=mma_layout)
     part = gl.zeros((64, 64), dtype=gl.float32, layout=mma_layout)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=4)
     for k in range(n_k):
         i = it + k
         slot = i % STAGES
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         a_tile = a_bufs.index(slot)
-        for c in gl.static_range(2):
-            b_half = b_bufs.index(slot).slice(c * 64, 64).permute((1, 0))
-            sb = gl.load(sb_ptrs + k * sb_step + c * 64)
+        if A_IN_REGS:  # each row half's operand read from shared memory once, for both column halves' chains
             for r in gl.static_range(2):
-                part = warpgroup_mma(a_tile.slice(r * 64, 64), b_half, part, use_acc=False, is_async=True)
+                a_regs = a_tile.slice(r * 64, 64).load(a_layout)
                 sa = gl.load(sa_ptrs + k * sa_step + r * 64)
-                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                if c == 1 and r == 1:
-                    mbarrier.arrive(empty.index(slot), count=1)
-                scaled = part * sa[:, None] * sb[None, :]
-                # (the trailing wait, as in `_consume_tile`: the scaling stays before the next chain's issue)
-                if r == 0 and c == 0:
-                    acc00 = warpgroup_mma_wait(num_outstanding=0, deps=(acc00 + scaled,))
-                elif r == 0:
-                    acc01 = warpgroup_mma_wait(num_outstanding=0, deps=(acc01 + scaled,))
-                elif c == 0:
-                    acc10 = warpgroup_mma_wait(num_outstanding=0, deps=(acc10 + scaled,))
-                else:
-                    acc11 = warpgroup_mma_wait(num_outstanding=0, deps=(acc11 + scaled,))
+                for c in gl.static_range(2):
+                    b_half = b_bufs.index(slot).slice(c * 64, 64).permute((1, 0))
+                    sb = gl.load(sb_ptrs + k * sb_step + c * 64)
+                    part = warpgroup_mma(a_regs, b_half, part, use_acc=False, is_async=True)
+                    part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                    if c == 1 and r == 1:
+                        mbarrier.arrive(empty.index(slot), count=1)
+                    scaled = part * sa[:, None] * sb[None, :]
+                    if r == 0 and c == 0:
+                        acc00 = warpgroup_mma_wait(num_outstanding=0, deps=(acc00 + scaled,))
+                    elif r == 0:
+                        acc01 = warpgroup_mma_wait(num_outstanding=0, deps=(acc01 + scaled,))
+                    elif c == 0:
+                        acc10 = warpgroup_mma_wait(num_outstanding=0, deps=(acc10 + scaled,))
+                    else:
+                        acc11 = warpgroup_mma_wait(num_outstanding=0, deps=(acc11 + scaled,))
+        else:
+            for c in gl.static_range(2):
+                b_half = b_bufs.index(slot).slice(c * 64, 64).permute((1, 0))
+                sb = gl.load(sb_ptrs + k * sb_step + c * 64)
+                for r in gl.static_range(2):
+                    part = warpgroup_mma(a_tile.slice(r * 64, 64), b_half, part, use_acc=False, is_async=True)
+                    sa = gl.load(sa_ptrs + k * sa_step + r * 64)
+                    part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                    if c == 1 and r == 1:
+                        mbarrier.arrive(empty.index(slot), count=1)
+                    scaled = part * sa[:, None] * sb[None, :]
+                    # (the trailing wait, as in `_consume_tile`: the scaling stays before the next chain's issue)
+                    if r == 0 and c == 0:
+                        acc00 = warpgroup_mma_wait(num_outstanding=0, deps=(acc00 + scaled,))
+                    elif r == 0:
+                        acc01 = warpgroup_mma_wait(num_outstanding=0, deps=(acc01 + scaled,))
+                    elif c == 0:
+                        acc10 = warpgroup_mma_wait(num_outstanding=0, deps=(acc10 + scaled,))
+                    else:
+                        acc11 = warpgroup_mma_wait(num_outstanding=0, deps=(acc11 + scaled,))
     return acc00, acc01, acc10, acc11
 
 
@@ -404,7 +430,7 @@ def _wgrad_producer(a_desc, b_desc, ready, empty, a_lo, a_hi, b_bufs, tile_off_p
 def _wgrad_consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, out_ptr, out2_ptr, out_desc, out2_desc, c_buf,
                     tile_off_ptr, M, N, M_SPLIT, n_tiles, ROW_OFFSET: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PREFETCH_SCALES: gl.constexpr,
-                    TMA_STORE: gl.constexpr):
+                    TMA_STORE: gl.constexpr, A_IN_REGS: gl.constexpr):
     """One warpgroup of the wgrad: rows [m0 + ROW_OFFSET, + BLOCK_M / 2) of A for every tile the program owns
     (one 64-row chain a K block, or two when BLOCK_M is 256: `_consume_tall_tile`); per token block t the partial
     is scaled by s_a[t, m] and s_b[t, n] (both per row of their operand: 128 tokens x 1 blocks; scales are
@@ -430,7 +456,7 @@ def _wgrad_consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, out_ptr, out2_
             q_rows = m0 + ROW_OFFSET + gl.arange(0, 64, layout=gl.SliceLayout(1, q_layout))
             q_cols = col0 + gl.arange(0, 64, layout=gl.SliceLayout(0, q_layout))
             quarters = _consume_tall_tile(a_bufs, b_bufs, ready, empty, as_ptr + t64 * M + q_rows,
-                                          bs_ptr + t64 * N + q_cols, it, n_k, N, M, STAGES)
+                                          bs_ptr + t64 * N + q_cols, it, n_k, N, M, STAGES, A_IN_REGS)
             if TMA_STORE:  # the four quarters into c_buf, then one TMA store of the consumer's 128 rows
                 tma.store_wait(0)
                 for q in gl.static_range(4):
@@ -481,7 +507,7 @@ def _wgrad_store(acc, c_buf, out_ptr, out2_ptr, out_desc, out2_desc, e, m0, col0
 def _scaled_wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, out2_ptr, out_desc, out2_desc, tile_off_ptr, M, N,
                          M_SPLIT, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                          STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PREFETCH_SCALES: gl.constexpr,
-                         TMA_STORE: gl.constexpr, num_warps: gl.constexpr):
+                         TMA_STORE: gl.constexpr, A_IN_REGS: gl.constexpr, num_warps: gl.constexpr):
     """out[e] tile (tm, tn) = sum over expert e's token blocks (fp8_grad._wgrad_kernel's product, same order):
     the forward kernel's partitions with K running over the expert's blocks and both scales per row; tiles
     expert-major, a program owning tiles pid, pid + programs, ... as the forward kernel's."""
@@ -496,10 +522,10 @@ def _scaled_wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, out2_ptr, out_
     gl.warp_specialize([
         (_wgrad_consumer, (a_lo, b_bufs, ready, empty, as_ptr, bs_ptr, out_ptr, out2_ptr, out_desc, out2_desc, c_lo,
                            tile_off_ptr, M, N, M_SPLIT, n_tiles, 0, BLOCK_M, BLOCK_N, STAGES, PREFETCH_SCALES,
-                           TMA_STORE)),
+                           TMA_STORE, A_IN_REGS)),
         (_wgrad_consumer, (a_hi, b_bufs, ready, empty, as_ptr, bs_ptr, out_ptr, out2_ptr, out_desc, out2_desc, c_hi,
                            tile_off_ptr, M, N, M_SPLIT, n_tiles, HALF_M, BLOCK_M, BLOCK_N, STAGES, PREFETCH_SCALES,
-                           TMA_STORE)),
+                           TMA_STORE, A_IN_REGS)),
         (_wgrad_producer, (a_desc, b_desc, ready, empty, a_lo, a_hi, b_bufs, tile_off_ptr, M, N, n_tiles, BLOCK_M,
                            BLOCK_N, BLOCK_K, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 40])
@@ -591,4 +617,4 @@ def scaled_wgrad(aq: torch.Tensor, a_scale: torch.Tensor, bq: torch.Tensor, b_sc
         a_desc, b_desc, a_scale, b_scale, out, out2, out_desc, out2_desc, tile_offsets, M, N, split, n_tiles,
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.wgrad_stages,
         CONSUMER_REGS=tile.consumer_regs, PREFETCH_SCALES=tile.prefetch_scales, TMA_STORE=tile.tma_store_wgrad,
-        num_warps=4, maxnreg=_MAXNREG)
+        A_IN_REGS=tile.wgrad_a_in_registers, num_warps=4, maxnreg=_MAXNREG)

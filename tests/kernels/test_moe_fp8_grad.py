@@ -269,12 +269,13 @@ def _sm90() -> bool:
 @pytest.mark.parametrize("change", [{"persistent": False}, {}, {"tma_store_wgrad": False},
                                     {"prefetch_scales": True, "mm_block_n": 128},
                                     {"mm_block_n": 128}, {"fuse_situ": True},
-                                    {"wgrad_block_m": 128, "wgrad_stages": 2}])
+                                    {"wgrad_block_m": 128, "wgrad_stages": 2},
+                                    {"wgrad_a_in_registers": True}])
 def test_gpu_fp8_full_same_bits_with_either_gemm(monkeypatch, change):
     """K3 widths, 112 experts, 1024 tokens: the FP8_FULL layer's output and every gradient are the same bits with
     the Gluon GEMMs (forward, dgrads, wgrads; one program a tile, the default persistent grid with the wgrad's TMA
     store, register stores instead, the scales prefetched (128-column tiles), SiTU in the gate/up's epilogue,
-    128-row wgrad tiles) as with the Triton ones, and on a rerun."""
+    128-row wgrad tiles, the tall wgrad's A from registers) as with the Triton ones, and on a rerun."""
     from k3_kernels.moe import gluon_gemm
     monkeypatch.setattr(gluon_gemm, "DEFAULT_TILE", dataclasses.replace(gluon_gemm.DEFAULT_TILE, **change))
     # ~69 GB were still allocated when the next parameter made its inputs on an 80 GB card after one had passed

@@ -123,6 +123,8 @@ def build(fn, types, consts):
     gaps = [lines[a:b] for a, b in zip(mma, mma[1:])
             if not any("MUFU.EX2" in line or "F2FP" in line for line in lines[a:b])]
     return {"info": info, "ops": collections.Counter(re.findall(OPS, sass)),
+            # wgmma with A from registers (`QGMMA ... Rd, Ra, gdesc[...]`) rather than a shared-memory descriptor
+            "register_a_mmas": len(re.findall(r"[QH]GMMA\.\S+ R\d+, R\d+, gdesc", sass)),
             "mma_spills": sum(bool(re.search(r"\b(STL|LDL)\b", line)) for gap in gaps for line in gap),
             "spill": int(re.search(r"(\d+) bytes spill stores", info).group(1)),
             "tensormap_acquires": k.asm["ptx"].count("fence.proxy.tensormap::generic.acquire")}
@@ -137,7 +139,8 @@ fp8 = dict(ptrs, **ints, a_desc=desc("fp8e4nv", [t.block_m // 2, 128]), b_desc=d
            b2_desc=desc("fp8e4nv", [128, 128]), out_desc=desc("bf16", [t.block_m // 2, 128]),
            out2_desc=desc("bf16", [t.block_m // 2, 128]))
 fp8_consts = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m, STAGES=t.stages,
-                  CONSUMER_REGS=t.consumer_regs, PREFETCH_SCALES=False, TMA_STORE=False, num_warps=4)
+                  CONSUMER_REGS=t.consumer_regs, PREFETCH_SCALES=False, TMA_STORE=False, A_IN_REGS=False,
+                  num_warps=4)
 bf16_consts = dict(BLOCK_M=bt.block_m, BLOCK_N=bt.block_n, BLOCK_K=bt.block_k, GROUP_M=bt.group_m, STAGES=bt.stages,
                    CONSUMER_REGS=bt.consumer_regs, num_warps=4)
 out = {"_scaled_mm_kernel": build(G._scaled_mm_kernel, fp8, fp8_consts),
@@ -158,6 +161,12 @@ out = {"_scaled_mm_kernel": build(G._scaled_mm_kernel, fp8, fp8_consts),
                                                out_desc=desc("bf16", [128, 128]), out2_desc=desc("bf16", [128, 128])),
                                           dict(fp8_consts, BLOCK_M=t.wgrad_block_m, STAGES=t.wgrad_stages,
                                                TMA_STORE=True)),
+       "_scaled_wgrad_kernel_tall_rs": build(G._scaled_wgrad_kernel,
+                                             dict(fp8, a_desc=desc("fp8e4nv", [128, 128]),
+                                                  out_desc=desc("bf16", [128, 128]),
+                                                  out2_desc=desc("bf16", [128, 128])),
+                                             dict(fp8_consts, BLOCK_M=t.wgrad_block_m, STAGES=t.wgrad_stages,
+                                                  TMA_STORE=True, A_IN_REGS=True)),
        "bf16_wgrad": build(B._bf16_wgrad_kernel, dict(ptrs, **ints), bf16_consts)}
 for k_major in (True, False):
     box = [bt.block_n, bt.block_k] if k_major else [bt.block_k, bt.block_n]
@@ -171,7 +180,7 @@ print(json.dumps(out))
 def test_gluon_gemm_builds_for_the_h200():
     """The kernels' sm_90a builds (no GPU needed): the FP8 forward / dgrad GEMM (128 and 256 columns a tile) and
     wgrad (wgmma chains of 64 x 128 x 32; with and without the scales' prefetch; 256-row tiles of 64 x 64
-    chains), the gate/up with SiTU fused,
+    chains, with A from shared memory or from registers), the gate/up with SiTU fused,
     the bf16 GEMM with K- and N-contiguous B and the bf16 wgrad (64 x 256 x 16 chains kept in flight);
     setmaxnreg (the partitions), no spills (the fused gate/up: none in its MMA loops) and no "wgmma serialized"
     from ptxas."""
@@ -186,14 +195,15 @@ def test_gluon_gemm_builds_for_the_h200():
     assert set(builds) == {"_scaled_mm_kernel", "_scaled_mm_kernel_wide", "_scaled_gate_up_kernel",
                            "_scaled_wgrad_kernel", "_scaled_mm_kernel_prefetch",
                            "_scaled_wgrad_kernel_prefetch", "_scaled_wgrad_kernel_tma_store",
-                           "_scaled_wgrad_kernel_tall", "bf16_k_major_True", "bf16_k_major_False", "bf16_wgrad"}
+                           "_scaled_wgrad_kernel_tall", "_scaled_wgrad_kernel_tall_rs", "bf16_k_major_True",
+                           "bf16_k_major_False", "bf16_wgrad"}
     assert builds["bf16_wgrad"]["tensormap_acquires"] >= 2  # its per-expert descriptors, made on the device
     for name, out in builds.items():
         assert "serialized" not in out["info"], (name, out["info"])
         assert out["mma_spills"] == 0, (name, out["info"])  # nothing spilled in the MMA loops
         if name != "_scaled_gate_up_kernel":  # (its SiTU epilogue spills: 64 values a thread through tanh)
             # (the tall wgrad: the thread's index, stored once and reloaded once a tile in the epilogue)
-            assert out["spill"] <= (4 if name.endswith("tall") else 0), (name, out["info"])
+            assert out["spill"] <= (4 if "tall" in name else 0), (name, out["info"])
         assert out["ops"].get("USETMAXREG", 0) > 0, (name, out["ops"])
         if name.startswith("bf16"):  # chains of 64 x 256 x 16, the previous one still in flight at each wait
             assert out["ops"].get("HGMMA.64x256x16.F32.BF16", 0) >= 8, (name, out["ops"])
@@ -202,8 +212,11 @@ def test_gluon_gemm_builds_for_the_h200():
             # 2 consumers x 4 (x 2 column halves in a wide tile: G and U in the fused gate/up; x 4 quarters of 64
             # x 64 in a tall wgrad tile)
             chains = 16 if name.endswith("wide") or "gate_up" in name else 8
-            shape, chains = ("64x64x32", 32) if name.endswith("tall") else ("64x128x32", chains)
+            shape, chains = ("64x64x32", 32) if "tall" in name else ("64x128x32", chains)
             assert out["ops"].get(f"QGMMA.{shape}.F32.E4M3.E4M3", 0) >= chains, (name, out["ops"])
+            # the A-from-registers tall wgrad: every chain's A from registers, none elsewhere
+            assert out["register_a_mmas"] == (out["ops"][f"QGMMA.{shape}.F32.E4M3.E4M3"] if name.endswith("_rs")
+                                              else 0), (name, out["register_a_mmas"])
 
 
 # ------------------------------------------------------------------------------------------------- GPU (sm_90)
