@@ -275,6 +275,21 @@ def _consume_wide_tile(a_bufs, b_bufs, ready, empty, sa_ptrs, rmask, sb_ptr, sb_
 
 
 @gluon.jit
+def _add_to_quarter(acc00, acc01, acc10, acc11, scaled, r: gl.constexpr, c: gl.constexpr):
+    """Quarter (r, c) of `_consume_tall_tile`'s accumulators plus a scaled partial. The trailing wait, as in
+    `_consume_tile`: the scaling stays before the next chain's issue."""
+    if r == 0 and c == 0:
+        acc00 = warpgroup_mma_wait(num_outstanding=0, deps=(acc00 + scaled,))
+    elif r == 0:
+        acc01 = warpgroup_mma_wait(num_outstanding=0, deps=(acc01 + scaled,))
+    elif c == 0:
+        acc10 = warpgroup_mma_wait(num_outstanding=0, deps=(acc10 + scaled,))
+    else:
+        acc11 = warpgroup_mma_wait(num_outstanding=0, deps=(acc11 + scaled,))
+    return acc00, acc01, acc10, acc11
+
+
+@gluon.jit
 def _consume_tall_tile(a_bufs, b_bufs, ready, empty, sa_ptrs, sb_ptrs, it, n_k, sb_step, sa_step,
                        STAGES: gl.constexpr, A_IN_REGS: gl.constexpr):
     """The wgrad's `_consume_tile` for a consumer owning 128 rows of a 256 x 128 tile (each operand block read
@@ -308,15 +323,8 @@ def _consume_tall_tile(a_bufs, b_bufs, ready, empty, sa_ptrs, sb_ptrs, it, n_k, 
                     part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
                     if c == 1 and r == 1:
                         mbarrier.arrive(empty.index(slot), count=1)
-                    scaled = part * sa[:, None] * sb[None, :]
-                    if r == 0 and c == 0:
-                        acc00 = warpgroup_mma_wait(num_outstanding=0, deps=(acc00 + scaled,))
-                    elif r == 0:
-                        acc01 = warpgroup_mma_wait(num_outstanding=0, deps=(acc01 + scaled,))
-                    elif c == 0:
-                        acc10 = warpgroup_mma_wait(num_outstanding=0, deps=(acc10 + scaled,))
-                    else:
-                        acc11 = warpgroup_mma_wait(num_outstanding=0, deps=(acc11 + scaled,))
+                    acc00, acc01, acc10, acc11 = _add_to_quarter(acc00, acc01, acc10, acc11,
+                                                                 part * sa[:, None] * sb[None, :], r, c)
         else:
             for c in gl.static_range(2):
                 b_half = b_bufs.index(slot).slice(c * 64, 64).permute((1, 0))
@@ -327,16 +335,8 @@ def _consume_tall_tile(a_bufs, b_bufs, ready, empty, sa_ptrs, sb_ptrs, it, n_k, 
                     part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
                     if c == 1 and r == 1:
                         mbarrier.arrive(empty.index(slot), count=1)
-                    scaled = part * sa[:, None] * sb[None, :]
-                    # (the trailing wait, as in `_consume_tile`: the scaling stays before the next chain's issue)
-                    if r == 0 and c == 0:
-                        acc00 = warpgroup_mma_wait(num_outstanding=0, deps=(acc00 + scaled,))
-                    elif r == 0:
-                        acc01 = warpgroup_mma_wait(num_outstanding=0, deps=(acc01 + scaled,))
-                    elif c == 0:
-                        acc10 = warpgroup_mma_wait(num_outstanding=0, deps=(acc10 + scaled,))
-                    else:
-                        acc11 = warpgroup_mma_wait(num_outstanding=0, deps=(acc11 + scaled,))
+                    acc00, acc01, acc10, acc11 = _add_to_quarter(acc00, acc01, acc10, acc11,
+                                                                 part * sa[:, None] * sb[None, :], r, c)
     return acc00, acc01, acc10, acc11
 
 
