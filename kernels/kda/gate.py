@@ -42,6 +42,7 @@ def gate_activation(x, a_exp, lower_bound, GATE: tl.constexpr, HAS_A: tl.constex
         y = lower_bound * tl.sigmoid(y)
     return y
 
+
 ROWS = 64  # tokens per step of a program
 STEPS = 4  # steps per program (so a program covers 256 tokens)
 
